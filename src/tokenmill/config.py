@@ -1,0 +1,69 @@
+"""Engine configuration: one dataclass shared by the offline LLM, the CLI and the server."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tokenmill.errors import InvalidRequestError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
+}
+
+
+def parse_memory_size(value: str | int | float) -> int:
+    """'4GiB' -> 4294967296, '512MB' -> 512000000, 1000 -> 1000."""
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise InvalidRequestError(f"memory size must be positive, got {value}")
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise InvalidRequestError(f"cannot read memory size {value!r} (examples: 4GiB, 512MB, 1073741824)")
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise InvalidRequestError(f"memory size must be positive, got {value!r}")
+    return size
+
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+
+@dataclass
+class EngineConfig:
+    model: Optional[str] = None  # None: the embedded SmolLM2-135M-Instruct
+    served_model_name: Optional[str] = None
+    tokenizer: Optional[str] = None
+    dtype: str = "float32"
+    device: Optional[str] = None  # None: cuda when available, else cpu
+    max_model_len: Optional[int] = None  # None: from the model config
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    kv_cache_memory_bytes: Optional[int] = None
+    gpu_memory_utilization: float = 0.9
+    num_kv_blocks: Optional[int] = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    max_logprobs: int = 20
+    num_threads: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.kv_cache_memory_bytes is not None:
+            self.kv_cache_memory_bytes = parse_memory_size(self.kv_cache_memory_bytes)
+        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
+            raise InvalidRequestError(f"dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}", "dtype")
+        if self.dtype == "auto":
+            self.dtype = "float32"
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}", name)
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise InvalidRequestError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}", "num_kv_blocks")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]", "gpu_memory_utilization")
