@@ -1,0 +1,99 @@
+"""Turns user prompts into validated token ids: tokenization, chat templates, length checks.
+
+Everything here runs before a request reaches the engine core, so bad input is refused before any
+compute and never disturbs other requests.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class ProcessedPrompt:
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+
+
+class InputProcessor:
+    def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
+                 max_prompt_tokens: Optional[int] = None) -> None:
+        self.tokenizer = tokenizer
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.max_prompt_tokens = max_prompt_tokens
+
+    # ---- prompts -------------------------------------------------------------------------
+    def process_prompt(self, prompt: Any, param: str = "prompt") -> ProcessedPrompt:
+        """A string, a list of token ids, or a dict {"prompt": ...} / {"prompt_token_ids": [...]}."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                ids = self.check_token_ids(prompt["prompt_token_ids"], param)
+                return ProcessedPrompt(prompt.get("prompt"), ids)
+            if "prompt" in prompt:
+                return self.process_prompt(prompt["prompt"], param)
+            raise InvalidRequestError("a prompt dict needs 'prompt' or 'prompt_token_ids'", param)
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("the prompt must not be empty", param)
+            return ProcessedPrompt(prompt, self.encode(prompt))
+        if isinstance(prompt, (list, tuple)):
+            return ProcessedPrompt(None, self.check_token_ids(prompt, param))
+        raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}", param)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def check_token_ids(self, ids: Sequence[Any], param: str = "prompt") -> list[int]:
+        if len(ids) == 0:
+            raise InvalidRequestError("the prompt must not be empty", param)
+        out: list[int] = []
+        for token in ids:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise InvalidRequestError("token ids must be integers", param)
+            if not 0 <= token < self.vocab_size:
+                raise InvalidRequestError(
+                    f"token id {token} is outside the vocabulary (0..{self.vocab_size - 1})", param)
+            out.append(token)
+        return out
+
+    # ---- chat ----------------------------------------------------------------------------
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            chat_template: Optional[str] = None, tools: Optional[list] = None,
+                            **template_kwargs: Any) -> ProcessedPrompt:
+        if not messages:
+            raise InvalidRequestError("messages must not be empty", "messages")
+        if not getattr(self.tokenizer, "chat_template", None) and chat_template is None:
+            raise InvalidRequestError("this model has no chat template; use the completions API", "messages")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template, tools=tools, **template_kwargs)
+        except Exception as exc:  # jinja errors from malformed messages are user errors
+            raise InvalidRequestError(f"cannot apply the chat template: {exc}", "messages") from None
+        # The template already holds the BOS text where the model wants it.
+        return ProcessedPrompt(text, self.encode(text, add_special_tokens=False))
+
+    # ---- lengths -------------------------------------------------------------------------
+    def validate_lengths(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
+        """Refuse prompts that cannot fit; fill in max_tokens=None as 'up to max_model_len'."""
+        num_prompt = len(prompt_token_ids)
+        if self.max_prompt_tokens is not None and num_prompt > self.max_prompt_tokens:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens, more than the limit of {self.max_prompt_tokens}",
+                "prompt", "prompt_too_long")
+        if num_prompt >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {num_prompt} tokens; this model's maximum context length is "
+                f"{self.max_model_len} tokens, which leaves no room to generate", "prompt", "context_length_exceeded")
+        if params.max_tokens is None:
+            return params.clone(max_tokens=self.max_model_len - num_prompt)
+        if num_prompt + params.max_tokens > self.max_model_len:
+            raise InvalidRequestError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{num_prompt} tokens and max_tokens asks for {params.max_tokens} more",
+                "max_tokens", "context_length_exceeded")
+        return params

@@ -1,0 +1,68 @@
+"""Engine flags shared by every CLI command (vLLM's flag names)."""
+from __future__ import annotations
+
+import argparse
+
+from tokenmill.config import EngineConfig, parse_memory_size
+
+
+def _memory(value: str) -> int:
+    try:
+        return parse_memory_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("engine")
+    group.add_argument("--model", default=None,
+                       help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
+    group.add_argument("--served-model-name", default=None, help="name the model is served under")
+    group.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
+    group.add_argument("--max-model-len", type=_positive_int, default=None)
+    group.add_argument("--block-size", type=_positive_int, default=16)
+    group.add_argument("--max-num-seqs", type=_positive_int, default=64)
+    group.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    group.add_argument("--kv-cache-memory-bytes", type=_memory, default=None,
+                       help="KV cache size, e.g. 4GiB (default on CPU: 2GiB)")
+    group.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    group.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="override the KV block count")
+    group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--num-threads", type=_positive_int, default=None, help="torch CPU threads")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=args.model,
+        tokenizer=args.tokenizer,
+        served_model_name=args.served_model_name,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        num_kv_blocks=args.num_kv_blocks,
+        enable_chunked_prefill=args.enable_chunked_prefill,
+        enable_prefix_caching=args.enable_prefix_caching,
+        scheduling_policy=args.scheduling_policy,
+        seed=args.seed,
+        num_threads=args.num_threads,
+    )
