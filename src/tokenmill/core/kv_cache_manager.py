@@ -1,0 +1,127 @@
+"""Per-request block tables on top of the BlockPool: prefix-cache lookup, allocation, fork, free.
+
+Prefix-cache keys are chained SHA-256 digests: H(parent digest, token ids, extra keys). A 256-bit
+digest makes an accidental collision (two different prefixes sharing a key) astronomically unlikely
+(~2^-128 for 2^64 cached blocks), so a hit is trusted without comparing tokens.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from tokenmill.core.block_pool import BlockPool, KVBlock
+from tokenmill.core.request import Request
+
+_ROOT_HASH = b"tokenmill-root"
+
+
+def hash_block_tokens(parent_hash: Optional[bytes], token_ids: Sequence[int], extra_keys: bytes = b"") -> bytes:
+    digest = hashlib.sha256(parent_hash or _ROOT_HASH)
+    digest.update(array("q", token_ids).tobytes())
+    digest.update(extra_keys)
+    return digest.digest()
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up
+    hits: int = 0  # of those, tokens found cached
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        # How many leading blocks of each request are already in the prefix cache.
+        self.num_cached_blocks: dict[str, int] = {}
+        self.prefix_stats = PrefixCacheStats()
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    # ---- hashing -------------------------------------------------------------------------
+    def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extend request.block_hashes to cover the full blocks among its first num_tokens tokens."""
+        hashes = request.block_hashes
+        bs = self.block_size
+        while (len(hashes) + 1) * bs <= num_tokens:
+            start = len(hashes) * bs
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[start:start + bs]))
+
+    # ---- lookup --------------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of the request, leaving at least its last token to compute."""
+        if not self.enable_caching:
+            return [], 0
+        # The last token must be computed to get logits, so look up at most num_tokens - 1.
+        max_tokens = request.num_tokens - 1
+        self._update_block_hashes(request, max_tokens)
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[: max_tokens // self.block_size]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_stats.queries += request.num_tokens
+        self.prefix_stats.hits += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    # ---- allocation ----------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: Sequence[KVBlock] = ()) -> Optional[list[KVBlock]]:
+        """Give the request room for num_new_tokens more tokens (after its computed ones and any
+        cache hits). Returns the newly allocated blocks, or None when the pool cannot fit them
+        (nothing is changed then, and the scheduler may preempt)."""
+        blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        total_tokens = num_computed + num_new_tokens
+        num_needed = -(-total_tokens // self.block_size) - len(blocks) - len(new_computed_blocks)
+        # Cache hits sitting in the free queue stop being free once we take them.
+        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if max(num_needed, 0) + num_revived > self.pool.num_free_blocks:
+            if not blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        self.pool.touch(new_computed_blocks)
+        blocks.extend(new_computed_blocks)
+        new_blocks = self.pool.get_new_blocks(num_needed) if num_needed > 0 else []
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, total_tokens)
+        return new_blocks
+
+    def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
+        """Register the request's full blocks in the prefix cache. Their KV is written during the
+        coming forward pass, before any later step can read it through a cache hit."""
+        # Only tokens whose ids are known can be hashed (speculative or future ones cannot).
+        num_tokens = min(num_tokens, request.num_tokens)
+        self._update_block_hashes(request, num_tokens)
+        blocks = self.req_to_blocks[request.request_id]
+        start = self.num_cached_blocks.get(request.request_id, 0)
+        end = num_tokens // self.block_size
+        for i in range(start, end):
+            self.pool.cache_full_block(blocks[i], request.block_hashes[i])
+        self.num_cached_blocks[request.request_id] = max(start, end)
+
+    def free(self, request: Request) -> None:
+        blocks = self.req_to_blocks.pop(request.request_id, None)
+        self.num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            # Tail blocks first: they are the least likely to be shared, so they are evicted first.
+            self.pool.free_blocks(reversed(blocks))
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

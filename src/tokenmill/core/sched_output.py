@@ -1,0 +1,44 @@
+"""What the scheduler hands the model runner for one step."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenmill.core.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    # Position of the first new token: the request's computed count before this step.
+    start_position: int
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start_position:self.start_position + self.num_new_tokens]
+
+    @property
+    def samples(self) -> bool:
+        """True when this step reaches the request's last known token, so a new token is sampled."""
+        return self.start_position + self.num_new_tokens >= self.request.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Decodes (one new token) come first, then prefill chunks: the attention backend relies on it.
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -1,0 +1,125 @@
+"""The step loop: schedule -> execute -> update, owning the scheduler, KV cache and model runner."""
+from __future__ import annotations
+
+import logging
+from typing import Iterable
+
+import torch
+
+from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from tokenmill.engine.messages import EngineCoreOutput
+from tokenmill.errors import ModelLoadError
+from tokenmill.runner.model_runner import ModelRunner, resolve_device
+
+logger = logging.getLogger("tokenmill")
+
+
+def derive_max_model_len(config: EngineConfig, hf_config) -> int:
+    model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+    window = getattr(hf_config, "sliding_window", None)
+    if window:
+        # Without a sliding-window kernel, attention is exact only while contexts fit the window.
+        model_max = min(model_max, window)
+    if config.max_model_len is None:
+        return model_max
+    if config.max_model_len > model_max:
+        raise ModelLoadError(f"max_model_len {config.max_model_len} exceeds the model's limit of {model_max} tokens")
+    return config.max_model_len
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, source) -> None:
+        self.config = config
+        hf_config = source.hf_config
+        device = resolve_device(config.device)
+        max_model_len = derive_max_model_len(config, hf_config)
+        self.runner = ModelRunner(hf_config, source.architecture, config.dtype, device, max_model_len,
+                                  config.block_size, config.seed, config.num_threads)
+        self.runner.load_weights(source.iter_weights(self.runner.dtype))
+        num_blocks = self._num_kv_blocks(device)
+        self.runner.initialize_kv_cache(num_blocks)
+        # A request must fit in the cache on its own, or preemption could never make room for it.
+        self.max_model_len = min(max_model_len, num_blocks * config.block_size)
+        self.runner.max_model_len = self.max_model_len
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_num_seqs=config.max_num_seqs,
+                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_model_len=self.max_model_len,
+                enable_chunked_prefill=config.enable_chunked_prefill,
+            ),
+            self.kv_cache,
+        )
+        tokens = num_blocks * config.block_size
+        logger.info(
+            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), max concurrency %.2fx at max_model_len=%d",
+            num_blocks, config.block_size, tokens, num_blocks * self.runner.kv_spec.bytes_per_block / 2**20,
+            tokens / self.max_model_len, self.max_model_len)
+
+    def _num_kv_blocks(self, device: torch.device) -> int:
+        spec = self.runner.kv_spec
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        if self.config.kv_cache_memory_bytes is not None:
+            budget = self.config.kv_cache_memory_bytes
+        elif device.type == "cuda":
+            budget = self.runner.profile_free_memory(self.config.max_num_batched_tokens,
+                                                     self.config.gpu_memory_utilization)
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = spec.num_blocks_for(budget)
+        if num_blocks < 1:
+            raise ModelLoadError(f"the KV cache budget of {budget} bytes holds no block "
+                                 f"({spec.bytes_per_block} bytes each)")
+        return num_blocks
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> None:
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str]) -> None:
+        """Stop requests that the detokenizer saw hit a stop string."""
+        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_stats(self) -> SchedulerStats:
+        return self.scheduler.get_stats()
+
+    # ---- the step ------------------------------------------------------------------------
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return []
+        result = self.runner.execute(sched)
+        finished = {r.request_id for r in self.scheduler.update_from_output(sched, result.sampled)}
+        outputs = []
+        for item in sched.scheduled:
+            request = item.request
+            rid = request.request_id
+            token = result.sampled.get(rid)
+            prompt_lps = result.prompt_logprobs.get(rid)
+            if token is None and prompt_lps is None:
+                continue
+            out = EngineCoreOutput(
+                request_id=rid,
+                new_token_ids=[token] if token is not None else [],
+                new_logprobs=[result.logprobs[rid]] if rid in result.logprobs else None,
+                prompt_logprobs=prompt_lps,
+                num_cached_tokens=request.num_cached_tokens or 0,
+                num_preemptions=request.num_preemptions,
+                first_scheduled_time=request.first_scheduled_time,
+            )
+            if rid in finished:
+                out.finish_reason = request.status.finish_reason
+                out.stop_reason = request.stop_reason
+            outputs.append(out)
+        return outputs

@@ -1,0 +1,207 @@
+"""The synchronous engine: input processing, the engine core, detokenization and output assembly.
+
+A request with n > 1 becomes n sequences in the core ("{id}#{i}"); they share the prompt's KV
+blocks through the prefix cache. Outputs are cumulative per request.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.request import Request
+from tokenmill.engine.detokenizer import IncrementalDetokenizer
+from tokenmill.engine.engine_core import EngineCore
+from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt
+from tokenmill.engine.messages import EngineCoreOutput
+from tokenmill.errors import InvalidRequestError
+from tokenmill.model.default_model import DEFAULT_MODEL_NAME
+from tokenmill.model.loader import load_model_source
+from tokenmill.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+
+@dataclass
+class SequenceState:
+    index: int
+    core_id: str
+    detokenizer: Optional[IncrementalDetokenizer]
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: Optional[list] = None
+    cumulative_logprob: Optional[float] = None
+    finish_reason: Optional[str] = None
+    stop_reason: int | str | None = None
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sequences: list[SequenceState]
+    metrics: RequestMetrics
+    prompt_logprobs: Optional[PromptLogprobs] = None
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finish_reason is not None for s in self.sequences)
+
+
+def eos_token_ids(tokenizer, hf_config) -> list[int]:
+    ids: list[int] = []
+    for source in (getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None)):
+        for token in source if isinstance(source, (list, tuple)) else [source]:
+            if token is not None and token not in ids:
+                ids.append(int(token))
+    return ids
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        source = load_model_source(config.model, config.tokenizer)
+        self.tokenizer = source.tokenizer
+        self.hf_config = source.hf_config
+        self.served_model_name = config.served_model_name or (
+            DEFAULT_MODEL_NAME if config.model is None else source.served_model_name)
+        self.core = EngineCore(config, source)
+        self.max_model_len = self.core.max_model_len
+        vocab_size = self.hf_config.vocab_size
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, vocab_size)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.hf_config)
+        self.requests: dict[str, RequestState] = {}
+        self.core_to_request: dict[str, tuple[RequestState, SequenceState]] = {}
+
+    # ---- requests ------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, *,
+                    priority: int = 0, user: Optional[str] = None, arrival_time: Optional[float] = None) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        params = self.input_processor.validate_lengths(prompt.prompt_token_ids, params)
+        # Extra EOS ids of the model (e.g. Llama 3's <|eot_id|>) stop generation like EOS does.
+        primary_eos = self.eos_token_ids[0] if self.eos_token_ids else None
+        if len(self.eos_token_ids) > 1 and not params.ignore_eos:
+            extra = [t for t in self.eos_token_ids[1:] if t not in (params.stop_token_ids or [])]
+            params = params.clone(stop_token_ids=list(params.stop_token_ids or []) + extra)
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        state = RequestState(request_id, prompt.prompt, prompt.prompt_token_ids, params, [],
+                             RequestMetrics(arrival_time=arrival))
+        if params.prompt_logprobs is not None:
+            state.prompt_logprobs = [None] * len(prompt.prompt_token_ids)
+        for index in range(params.n):
+            core_id = request_id if params.n == 1 else f"{request_id}#{index}"
+            # Samples of one request get distinct seeds so they differ, yet stay reproducible.
+            seq_params = params if params.seed is None or index == 0 else params.clone(seed=params.seed + index)
+            detok = IncrementalDetokenizer(self.tokenizer, prompt.prompt_token_ids, seq_params) \
+                if params.detokenize else None
+            seq = SequenceState(index, core_id, detok,
+                                logprobs=[] if params.logprobs is not None else None,
+                                cumulative_logprob=0.0 if params.logprobs is not None else None)
+            state.sequences.append(seq)
+            self.core_to_request[core_id] = (state, seq)
+            self.core.add_request(Request(core_id, list(prompt.prompt_token_ids), seq_params, primary_eos,
+                                          arrival_time=arrival, priority=priority, user=user))
+        self.requests[request_id] = state
+
+    def abort_request(self, request_ids: list[str] | str) -> None:
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        core_ids = []
+        for request_id in request_ids:
+            state = self.requests.pop(request_id, None)
+            if state is None:
+                continue
+            for seq in state.sequences:
+                core_ids.append(seq.core_id)
+                self.core_to_request.pop(seq.core_id, None)
+        self.core.abort_requests(core_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ---- stepping ------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        changed: dict[str, RequestState] = {}
+        stopped: list[str] = []
+        for out in self.core.step():
+            entry = self.core_to_request.get(out.request_id)
+            if entry is None:
+                continue
+            state, seq = entry
+            if self._apply(state, seq, out):
+                stopped.append(seq.core_id)
+            changed[state.request_id] = state
+        if stopped:
+            self.core.finish_requests(stopped)
+        results = []
+        for state in changed.values():
+            results.append(self._make_output(state))
+            if state.finished:
+                self.requests.pop(state.request_id, None)
+                for seq in state.sequences:
+                    self.core_to_request.pop(seq.core_id, None)
+        return results
+
+    def _apply(self, state: RequestState, seq: SequenceState, out: EngineCoreOutput) -> bool:
+        """Fold one core output into the sequence; True when a stop string ended it."""
+        now = time.monotonic()
+        metrics = state.metrics
+        if metrics.first_scheduled_time is None:
+            metrics.first_scheduled_time = out.first_scheduled_time
+        metrics.num_cached_tokens = max(metrics.num_cached_tokens, out.num_cached_tokens)
+        metrics.num_preemptions = max(metrics.num_preemptions, out.num_preemptions)
+        if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
+            start, entries = out.prompt_logprobs
+            state.prompt_logprobs[start:start + len(entries)] = entries
+        if not out.new_token_ids or seq.finish_reason is not None:
+            return False
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        metrics.last_token_time = now
+        seq.token_ids.extend(out.new_token_ids)
+        if out.new_logprobs is not None and seq.logprobs is not None:
+            for token, entry in zip(out.new_token_ids, out.new_logprobs):
+                seq.logprobs.append(entry)
+                seq.cumulative_logprob += entry[token].logprob
+        stop_string = None
+        if seq.detokenizer is not None:
+            stop_string = seq.detokenizer.update(out.new_token_ids, out.finish_reason is not None)
+        if stop_string is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop_string
+        elif out.finish_reason is not None:
+            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+        if seq.finish_reason is not None and state.finished:
+            metrics.finished_time = now
+        return stop_string is not None and out.finish_reason is None
+
+    def _make_output(self, state: RequestState) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                text=seq.detokenizer.output_text if seq.detokenizer is not None else "",
+                token_ids=list(seq.token_ids),
+                cumulative_logprob=seq.cumulative_logprob,
+                logprobs=list(seq.logprobs) if seq.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in state.sequences
+        ]
+        return RequestOutput(
+            request_id=state.request_id,
+            prompt=state.prompt,
+            prompt_token_ids=state.prompt_token_ids,
+            outputs=outputs,
+            finished=state.finished,
+            prompt_logprobs=list(state.prompt_logprobs) if state.prompt_logprobs is not None else None,
+            metrics=state.metrics,
+            num_cached_tokens=state.metrics.num_cached_tokens,
+        )

@@ -1,0 +1,95 @@
+"""The offline API, shaped like vLLM's: LLM(...).generate(prompts, sampling_params)."""
+from __future__ import annotations
+
+import itertools
+from typing import Any, Optional, Sequence, Union
+
+from tqdm.auto import tqdm
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.errors import InvalidRequestError
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+PromptType = Union[str, dict[str, Any], list[int]]
+
+
+class LLM:
+    def __init__(self, model: Optional[str] = None, *, tokenizer: Optional[str] = None, dtype: str = "float32",
+                 max_model_len: Optional[int] = None, block_size: int = 16, max_num_seqs: int = 64,
+                 max_num_batched_tokens: int = 2048, kv_cache_memory_bytes: Optional[int | str] = None,
+                 num_kv_blocks: Optional[int] = None, enable_chunked_prefill: bool = True,
+                 enable_prefix_caching: bool = True, seed: int = 0, device: Optional[str] = None,
+                 gpu_memory_utilization: float = 0.9, **kwargs: Any) -> None:
+        config = EngineConfig(
+            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_memory_bytes=kv_cache_memory_bytes, num_kv_blocks=num_kv_blocks,
+            enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
+            seed=seed, device=device, gpu_memory_utilization=gpu_memory_utilization, **kwargs)
+        self.llm_engine = LLMEngine(config)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self):
+        return self.llm_engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Optional[list[int]] = None) -> list[RequestOutput]:
+        prompt_list = self._as_list(prompts)
+        params_list = self._params_for(sampling_params, len(prompt_list))
+        processor = self.llm_engine.input_processor
+        processed = [processor.process_prompt(p) for p in prompt_list]  # all validated before any runs
+        return self._run([(p, sp) for p, sp in zip(processed, params_list)], use_tqdm, priority)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
+             chat_template: Optional[str] = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        processor = self.llm_engine.input_processor
+        processed = [processor.apply_chat_template(conv, add_generation_prompt, chat_template)
+                     for conv in conversations]
+        params_list = self._params_for(sampling_params, len(processed))
+        return self._run(list(zip(processed, params_list)), use_tqdm, None)
+
+    # ---- internals -----------------------------------------------------------------------
+    @staticmethod
+    def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and isinstance(prompts[0], int):
+            return [list(prompts)]  # one prompt given as token ids
+        return list(prompts)
+
+    @staticmethod
+    def _params_for(sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        if len(sampling_params) != count:
+            raise InvalidRequestError("sampling_params must be one SamplingParams or one per prompt")
+        return list(sampling_params)
+
+    def _run(self, items, use_tqdm: bool, priority: Optional[list[int]]) -> list[RequestOutput]:
+        engine = self.llm_engine
+        ids = []
+        for i, (prompt, params) in enumerate(items):
+            request_id = f"offline-{next(self._counter)}"
+            engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0)
+            ids.append(request_id)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2, leave=False)
+        try:
+            while engine.has_unfinished_requests():
+                for output in engine.step():
+                    if output.finished:
+                        results[output.request_id] = output
+                        bar.update(1)
+        except BaseException:
+            engine.abort_request(ids)
+            raise
+        finally:
+            bar.close()
+        return [results[i] for i in ids]

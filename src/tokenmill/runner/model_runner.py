@@ -1,0 +1,131 @@
+"""Runs one engine step on the device: SchedulerOutput -> tensors -> model -> sampled tokens."""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from tokenmill.core.sched_output import SchedulerOutput
+from tokenmill.model.layers.attention import get_attention_backend
+from tokenmill.model.registry import get_model_class
+from tokenmill.outputs import Logprob
+from tokenmill.runner.input_batch import build_model_inputs
+from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_caches
+from tokenmill.sample.sampler import Sampler, SamplingRequestState, compute_prompt_logprobs
+
+logger = logging.getLogger("tokenmill")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
+    # request id -> (position of the first scored prompt token, one entry per scored token)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
+
+
+def resolve_device(name: Optional[str]) -> torch.device:
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, hf_config, architecture: str, dtype: str, device: torch.device, max_model_len: int,
+                 block_size: int, seed: int = 0, num_threads: Optional[int] = None) -> None:
+        if device.type == "cpu":
+            torch.set_num_threads(num_threads or os.cpu_count() or 1)
+        self.device = device
+        self.dtype = DTYPES[dtype]
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.hf_config = hf_config
+        model_class = get_model_class(architecture)
+        with torch.device(device):
+            self.model = model_class(hf_config, get_attention_backend(device), max_model_len, device)
+        self.model.to(dtype=self.dtype)
+        self.model.rotary.cos = self.model.rotary.cos.float()
+        self.model.rotary.sin = self.model.rotary.sin.float()
+        self.model.eval().requires_grad_(False)
+        attn = self.model.layers[0].self_attn
+        self.kv_spec = KVCacheSpec(hf_config.num_hidden_layers, block_size, attn.num_kv_heads, attn.head_dim,
+                                   self.dtype)
+        self.kv_caches: list[torch.Tensor] = []
+        self.sampler = Sampler(seed)
+
+    def load_weights(self, weights) -> None:
+        self.model.load_weights(weights)
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
+
+    def profile_free_memory(self, max_num_batched_tokens: int, utilization: float) -> int:
+        """CUDA: bytes left for the KV cache after weights and a peak-size forward pass."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.initialize_kv_cache(1)
+        from tokenmill.core.request import Request
+        from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput
+        from tokenmill.sampling_params import SamplingParams
+
+        # One dummy request of max_num_batched_tokens tokens, pointing every slot at block 0.
+        num_tokens = min(max_num_batched_tokens, self.max_model_len)
+        dummy = Request("profile", [0] * num_tokens, SamplingParams(max_tokens=1))
+        blocks = [0] * (-(-num_tokens // self.block_size))
+        self.execute(SchedulerOutput(scheduled=[ScheduledRequest(dummy, 0, num_tokens, blocks)]))
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        self.kv_caches = []
+        torch.cuda.empty_cache()
+        return max(0, int(total * utilization) - peak)
+
+    @torch.inference_mode()
+    def execute(self, output: SchedulerOutput) -> RunnerOutput:
+        result = RunnerOutput()
+        if output.is_empty:
+            return result
+        inputs = build_model_inputs(output, self.block_size, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+
+        sampling_rows, states = [], []
+        for item, last in zip(output.scheduled, inputs.last_token_index):
+            request = item.request
+            if request.sampling_params.prompt_logprobs is not None:
+                self._prompt_logprobs(item, hidden, last, result)
+            if item.samples:
+                sampling_rows.append(last)
+                states.append(SamplingRequestState(
+                    params=request.sampling_params,
+                    prompt_token_ids=request.prompt_token_ids,
+                    output_token_ids=request.output_token_ids,
+                    eos_token_id=request.eos_token_id,
+                ))
+        if not states:
+            return result
+        logits = self.model.compute_logits(hidden[sampling_rows])
+        sampler_out = self.sampler(logits, states)
+        sampled_items = [item for item in output.scheduled if item.samples]
+        for item, token, logprobs in zip(sampled_items, sampler_out.sampled_token_ids, sampler_out.logprobs):
+            result.sampled[item.request_id] = token
+            if logprobs is not None:
+                result.logprobs[item.request_id] = logprobs
+        return result
+
+    def _prompt_logprobs(self, item, hidden: torch.Tensor, last: int, result: RunnerOutput) -> None:
+        """Score the prompt tokens this chunk predicts: position p's logits score token p + 1."""
+        request = item.request
+        start = item.start_position
+        end = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
+        if end <= start:
+            return
+        first_flat = last - item.num_new_tokens + 1
+        logits = self.model.compute_logits(hidden[first_flat:first_flat + (end - start)])
+        targets = request.all_token_ids[start + 1:end + 1]
+        entries = compute_prompt_logprobs(logits, targets, request.sampling_params.prompt_logprobs)
+        result.prompt_logprobs[item.request_id] = (start + 1, entries)
