@@ -36,13 +36,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.sampling_seed)
-    config = engine_config_from_args(args)
-    llm = LLM.__new__(LLM)
-    from tokenmill.engine.llm_engine import LLMEngine
-    import itertools
-
-    llm.llm_engine = LLMEngine(config)
-    llm._counter = itertools.count()
+    llm = LLM.from_config(engine_config_from_args(args))
     if args.chat:
         output = llm.chat([{"role": "user", "content": args.prompt}], params, use_tqdm=False)[0]
     else:

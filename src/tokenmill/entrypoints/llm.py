@@ -31,6 +31,13 @@ class LLM:
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
 
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm.llm_engine = LLMEngine(config)
+        llm._counter = itertools.count()
+        return llm
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 
