@@ -1,0 +1,247 @@
+"""The sampler: one logits row per request that samples this step -> token ids (+ logprobs).
+
+Pipeline per step (each stage only touches the rows that asked for it):
+
+    raw logits ─► logprobs: log_softmax of the *raw* logits (vLLM's default)
+        └─ copy ─► logit_bias ─► min_tokens mask ─► repetition penalty ─► presence/frequency ─┐
+    greedy rows:  argmax (first max, as HF generate)  ◄──────────────────────────────────────┤
+    other rows:   / temperature ─► top_k ─► top_p ─► min_p ─► exponential race  ◄────────────┘
+
+Seeded requests sample with a generator derived from (seed, number of tokens generated so far),
+so a seeded request draws the same tokens whatever its batch neighbours, its row, or whether it
+was preempted and recomputed.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.outputs import Logprob
+from tokenmill.sample import logits_processors as lp
+from tokenmill.sampling_params import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_MASK63 = (1 << 63) - 1
+# Rows of prompt logprobs handled at once: a [chunk, vocab] float32 buffer instead of [T, vocab].
+_PROMPT_LOGPROBS_CHUNK = 256
+
+
+@dataclass(slots=True)
+class SamplingRequestState:
+    """What the sampler needs to know about one row; built by the model runner each step."""
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]  # generated so far, before this step
+    eos_token_id: int | None  # the model's EOS; ignored when params.ignore_eos
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    sampled_token_ids: list[int]  # one per row
+    # Per row: None unless params.logprobs is set; else {sampled: Logprob} plus the top-N tokens.
+    logprobs: list[dict[int, Logprob] | None]
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def mix_seed(seed: int, step: int) -> int:
+    """A 63-bit generator seed from a request seed and its decode step.
+
+    Two splitmix64 rounds so nearby (seed, step) pairs give unrelated streams; masking to 63 bits
+    keeps the value inside what every torch.Generator.manual_seed accepts.
+    """
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64)) & _MASK63
+
+
+def build_logprob_dicts(
+    logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: Sequence[int]
+) -> list[dict[int, Logprob]]:
+    """Per row: {token_ids[row]: Logprob(lp, rank)} followed by the top num_logprobs[row] tokens.
+
+    rank = 1 + number of tokens with a strictly greater logprob; top-N entries get ranks 1..N.
+    The chosen token comes first and keeps its own rank if it is also in the top N.
+    """
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
+    chosen_values = chosen.squeeze(1).tolist()
+    ids = token_ids.tolist()
+    max_n = max(num_logprobs, default=0)
+    top_values: list[list[float]] = [[] for _ in ids]
+    top_ids: list[list[int]] = [[] for _ in ids]
+    if max_n > 0:
+        top = logprobs.topk(min(max_n, logprobs.shape[1]), dim=1)
+        top_values, top_ids = top.values.tolist(), top.indices.tolist()
+    result: list[dict[int, Logprob]] = []
+    for row, token in enumerate(ids):
+        entry = {token: Logprob(chosen_values[row], ranks[row])}
+        n = num_logprobs[row]
+        for rank, (tok, value) in enumerate(zip(top_ids[row][:n], top_values[row][:n]), start=1):
+            entry.setdefault(tok, Logprob(value, rank))
+        result.append(entry)
+    return result
+
+
+def compute_prompt_logprobs(
+    logits: torch.Tensor, next_token_ids: Sequence[int], num_logprobs: int
+) -> list[dict[int, Logprob]]:
+    """logits [T, V] at prompt positions; entry t scores next_token_ids[t] (+ top-num_logprobs)."""
+    if logits.shape[0] != len(next_token_ids):
+        raise ValueError(f"{logits.shape[0]} logits rows for {len(next_token_ids)} next tokens")
+    targets = torch.as_tensor(list(next_token_ids), dtype=torch.int64, device=logits.device)
+    result: list[dict[int, Logprob]] = []
+    for start in range(0, logits.shape[0], _PROMPT_LOGPROBS_CHUNK):
+        end = start + _PROMPT_LOGPROBS_CHUNK
+        chunk = torch.log_softmax(logits[start:end].float(), dim=1)
+        result.extend(build_logprob_dicts(chunk, targets[start:end], [num_logprobs] * chunk.shape[0]))
+    return result
+
+
+def _apply_to_rows(
+    logits: torch.Tensor, rows: list[int], fn: Callable[[torch.Tensor, torch.Tensor], None],
+    values: torch.Tensor,
+) -> None:
+    """Run an in-place row transform on a subset of rows (or on all of them without a copy)."""
+    if not rows:
+        return
+    if len(rows) == logits.shape[0]:
+        fn(logits, values)
+        return
+    index = torch.tensor(rows, device=logits.device)
+    sub = logits.index_select(0, index)
+    fn(sub, values)
+    logits.index_copy_(0, index, sub)
+
+
+class Sampler:
+    """Samples one token per row; stateless apart from the generator used by unseeded requests."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+        # Reseeded for every seeded row; kept apart so seeded rows never disturb the shared stream.
+        self._seeded_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> SamplerOutput:
+        if logits.dim() != 2 or logits.shape[0] != len(states):
+            raise ValueError(f"expected [{len(states)}, vocab] logits, got {tuple(logits.shape)}")
+        work = logits.to(torch.float32, copy=True)
+        self._apply_processors(work, states)
+        random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+        if len(random_rows) == len(states):
+            sampled = self._sample(work, states)
+        else:
+            sampled = work.argmax(dim=1)  # greedy answer for every row; random rows overwritten
+        if 0 < len(random_rows) < len(states):
+            index = torch.tensor(random_rows, device=work.device)
+            picked = self._sample(work.index_select(0, index), [states[i] for i in random_rows])
+            sampled.index_copy_(0, index, picked)
+        return SamplerOutput(sampled.tolist(), self._logprobs(logits, sampled, states))
+
+    # -- stages ------------------------------------------------------------------------------
+
+    def _apply_processors(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> None:
+        lp.apply_logit_bias(logits, [s.params.logit_bias for s in states])
+        lp.mask_tokens(logits, [_min_tokens_blocked(s) for s in states])
+        rep_rows = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
+        lp.apply_repetition_penalty(
+            logits, rep_rows,
+            [[*states[i].prompt_token_ids, *states[i].output_token_ids] for i in rep_rows],
+            [states[i].params.repetition_penalty for i in rep_rows],
+        )
+        pf_rows = [i for i, s in enumerate(states)
+                   if s.params.presence_penalty != 0.0 or s.params.frequency_penalty != 0.0]
+        lp.apply_presence_frequency_penalties(
+            logits, pf_rows,
+            [states[i].output_token_ids for i in pf_rows],
+            [states[i].params.presence_penalty for i in pf_rows],
+            [states[i].params.frequency_penalty for i in pf_rows],
+        )
+
+    def _sample(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> torch.Tensor:
+        """Temperature, truncation masks, then one exponential-race draw per row (overwrites logits)."""
+        device, vocab = logits.device, logits.shape[1]
+        params = [s.params for s in states]
+        logits.div_(torch.tensor([p.temperature for p in params], device=device).unsqueeze(1))
+        k_rows = [i for i, p in enumerate(params) if p.top_k is not None and p.top_k < vocab]
+        _apply_to_rows(logits, k_rows, lp.apply_top_k,
+                       torch.tensor([params[i].top_k for i in k_rows], dtype=torch.int64, device=device))
+        p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
+        _apply_to_rows(logits, p_rows, lp.apply_top_p,
+                       torch.tensor([params[i].top_p for i in p_rows], device=device))
+        m_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
+        _apply_to_rows(logits, m_rows, lp.apply_min_p,
+                       torch.tensor([params[i].min_p for i in m_rows], device=device))
+        # Unnormalized probabilities are enough: the argmax below ignores a per-row scale.
+        probs = logits.sub_(logits.max(dim=1, keepdim=True).values).exp_()
+        # argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i, and lets each row use
+        # its own noise stream without a per-row multinomial call.
+        return probs.div_(self._exponential_noise(states, vocab, device)).argmax(dim=1)
+
+    def _exponential_noise(
+        self, states: list[SamplingRequestState], vocab: int, device: torch.device
+    ) -> torch.Tensor:
+        """Exp(1) draws as -log(U): several times faster than Tensor.exponential_ on CPU."""
+        noise = torch.empty((len(states), vocab), dtype=torch.float32, device=device)
+        unseeded = [i for i, s in enumerate(states) if s.params.seed is None]
+        if len(unseeded) == len(states):
+            noise.uniform_(generator=self._generator(device))
+        elif unseeded:
+            shared = torch.empty((len(unseeded), vocab), dtype=torch.float32, device=device)
+            shared.uniform_(generator=self._generator(device))
+            noise.index_copy_(0, torch.tensor(unseeded, device=device), shared)
+        for i, state in enumerate(states):
+            if state.params.seed is not None:
+                gen = self._seeded_generator(device)
+                gen.manual_seed(mix_seed(state.params.seed, len(state.output_token_ids)))
+                noise[i].uniform_(generator=gen)
+        # U = 0 gives +inf (that token just loses); a zero draw would turn 0/0 into NaN for masked
+        # tokens, so the smallest normal float stands in for it.
+        return noise.log_().neg_().clamp_min_(torch.finfo(torch.float32).tiny)
+
+    def _logprobs(
+        self, raw_logits: torch.Tensor, sampled: torch.Tensor, states: list[SamplingRequestState]
+    ) -> list[dict[int, Logprob] | None]:
+        rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        result: list[dict[int, Logprob] | None] = [None] * len(states)
+        if not rows:
+            return result
+        index = torch.tensor(rows, device=raw_logits.device)
+        logprobs = torch.log_softmax(raw_logits.index_select(0, index).float(), dim=1)
+        dicts = build_logprob_dicts(logprobs, sampled.index_select(0, index),
+                                    [states[i].params.logprobs for i in rows])
+        for row, entry in zip(rows, dicts):
+            result[row] = entry
+        return result
+
+    def _generator(self, device: torch.device) -> torch.Generator:
+        gen = self._generators.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            gen.manual_seed(mix_seed(self.seed, 0))
+            self._generators[device] = gen
+        return gen
+
+    def _seeded_generator(self, device: torch.device) -> torch.Generator:
+        gen = self._seeded_generators.get(device)
+        if gen is None:
+            gen = self._seeded_generators[device] = torch.Generator(device=device)
+        return gen
+
+
+def _min_tokens_blocked(state: SamplingRequestState) -> list[int] | None:
+    """Tokens that may not be sampled yet because the request has not reached min_tokens."""
+    params = state.params
+    if len(state.output_token_ids) >= params.min_tokens:
+        return None
+    blocked = list(params.stop_token_ids or ())
+    if state.eos_token_id is not None and not params.ignore_eos:
+        blocked.append(state.eos_token_id)
+    return blocked
