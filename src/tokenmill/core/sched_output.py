@@ -13,6 +13,11 @@ class ScheduledRequest:
     start_position: int
     num_new_tokens: int
     block_ids: list[int]
+    # True when this step reaches the request's last known token, so a new token is sampled.
+    samples: bool = False
+
+    def __post_init__(self) -> None:
+        self.samples = self.start_position + self.num_new_tokens >= self.request.num_tokens
 
     @property
     def request_id(self) -> str:
@@ -21,11 +26,6 @@ class ScheduledRequest:
     @property
     def token_ids(self) -> list[int]:
         return self.request.all_token_ids[self.start_position:self.start_position + self.num_new_tokens]
-
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last known token, so a new token is sampled."""
-        return self.start_position + self.num_new_tokens >= self.request.num_tokens
 
 
 @dataclass(slots=True)

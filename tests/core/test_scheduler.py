@@ -1,0 +1,153 @@
+from __future__ import annotations
+
+from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.request import Request, RequestStatus
+from tokenmill.core.scheduler import Scheduler, SchedulerConfig
+from tokenmill.sampling_params import SamplingParams
+
+
+def make_scheduler(num_blocks=100, block_size=4, budget=16, max_seqs=8, chunked=True, caching=True):
+    kv = KVCacheManager(num_blocks, block_size, caching)
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=1000,
+                             enable_chunked_prefill=chunked)
+    return Scheduler(config, kv)
+
+
+def req(rid, n_prompt, max_tokens=4, base=0, **params):
+    return Request(rid, [base + i for i in range(n_prompt)], SamplingParams(max_tokens=max_tokens, **params),
+                   eos_token_id=None)
+
+
+def run_step(sched, token=7):
+    out = sched.schedule()
+    sampled = {s.request_id: token for s in out.scheduled if s.samples}
+    finished = sched.update_from_output(out, sampled)
+    return out, finished
+
+
+def test_chunked_prefill_splits_long_prompts_and_mixes_with_decodes():
+    sched = make_scheduler(budget=8)
+    sched.add_request(req("a", 3, base=100))
+    sched.add_request(req("b", 20, base=200))
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.start_position, s.num_new_tokens) for s in out.scheduled] == [("a", 0, 3), ("b", 0, 5)]
+    assert [s.samples for s in out.scheduled] == [True, False]
+    out, _ = run_step(sched)
+    # a decodes (1 token), b takes the remaining 7 of the budget; decodes come first.
+    assert [(s.request_id, s.start_position, s.num_new_tokens) for s in out.scheduled] == [("a", 3, 1), ("b", 5, 7)]
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 7)]
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.num_new_tokens, s.samples) for s in out.scheduled] == [("a", 1, True), ("b", 1, True)]
+
+
+def test_without_chunking_a_prompt_over_budget_waits():
+    sched = make_scheduler(budget=8, chunked=False)
+    sched.add_request(req("a", 3))
+    sched.add_request(req("b", 6, base=50))
+    out, _ = run_step(sched)
+    assert [s.request_id for s in out.scheduled] == ["a"]
+
+
+def test_finished_requests_free_blocks_in_the_same_step():
+    sched = make_scheduler()
+    sched.add_request(req("a", 4, max_tokens=2))
+    run_step(sched)
+    assert sched.kv_cache.usage > 0
+    out, finished = run_step(sched)
+    assert [r.request_id for r in finished] == ["a"]
+    assert finished[0].status == RequestStatus.FINISHED_LENGTH
+    assert finished[0].output_token_ids == [7, 7]
+    assert sched.kv_cache.usage == 0 and not sched.has_unfinished_requests()
+    assert sched.schedule().finished_ids == ["a"]
+
+
+def test_stop_token_and_min_tokens():
+    sched = make_scheduler()
+    r = req("a", 4, max_tokens=10, stop_token_ids=[7], min_tokens=2)
+    sched.add_request(r)
+    run_step(sched)  # first output token 7 is below min_tokens: continues
+    assert not r.is_finished
+    _, finished = run_step(sched)
+    assert finished == [r] and r.stop_reason == 7 and r.status == RequestStatus.FINISHED_STOPPED
+
+
+def test_eos_ends_unless_ignored():
+    sched = make_scheduler()
+    a = Request("a", [1, 2, 3], SamplingParams(max_tokens=5), eos_token_id=7)
+    b = Request("b", [4, 5, 6], SamplingParams(max_tokens=5, ignore_eos=True), eos_token_id=7)
+    sched.add_request(a)
+    sched.add_request(b)
+    _, finished = run_step(sched)
+    assert finished == [a]
+
+
+def test_preemption_frees_the_newest_and_recomputes_it_later():
+    # 6 blocks of 4 tokens; each request needs 2 blocks for its prompt and grows.
+    sched = make_scheduler(num_blocks=6, block_size=4, budget=64, caching=False)
+    reqs = [req(f"r{i}", 8, max_tokens=6, base=10 * i) for i in range(3)]
+    for r in reqs:
+        sched.add_request(r)
+    out, _ = run_step(sched)
+    assert [s.request_id for s in out.scheduled] == ["r0", "r1", "r2"]
+    assert sched.kv_cache.num_free_blocks == 0
+    # Each needs a third block to decode: r2 (newest) is preempted to make room for r0.
+    out, _ = run_step(sched)
+    assert out.preempted_ids == ["r2", "r1"] or out.preempted_ids == ["r2"]
+    assert reqs[2].status == RequestStatus.PREEMPTED and reqs[2].num_computed_tokens == 0
+    assert sched.waiting[0] is reqs[2] or sched.waiting[0] is reqs[1]
+    assert sched.num_preemptions >= 1
+    # Everything eventually finishes with exactly max_tokens tokens and all blocks free.
+    for _ in range(100):
+        if not sched.has_unfinished_requests():
+            break
+        run_step(sched)
+    assert all(r.status == RequestStatus.FINISHED_LENGTH and r.num_output_tokens == 6 for r in reqs)
+    assert sched.kv_cache.num_free_blocks == 6
+
+
+def test_preempted_request_recomputes_prompt_and_outputs():
+    sched = make_scheduler(num_blocks=3, block_size=4, budget=64, caching=False)
+    a = req("a", 4, max_tokens=8)
+    b = req("b", 4, max_tokens=8, base=50)
+    sched.add_request(a)
+    sched.add_request(b)
+    run_step(sched)  # both prefilled: 2 blocks used, both have 1 output token (5 tokens each)
+    out, _ = run_step(sched)  # both need a second block: only one free -> b preempted
+    assert out.preempted_ids == ["b"]
+    assert [s.request_id for s in out.scheduled] == ["a"]
+    # Once a finishes, b comes back computing all 5 of its known tokens in one go.
+    while a.status != RequestStatus.FINISHED_LENGTH:
+        out, _ = run_step(sched)
+    out, _ = run_step(sched)
+    item = next(s for s in out.scheduled if s.request_id == "b")
+    assert (item.start_position, item.num_new_tokens, item.samples) == (0, 5, True)
+
+
+def test_max_num_seqs_caps_running():
+    sched = make_scheduler(max_seqs=2)
+    for i in range(3):
+        sched.add_request(req(f"r{i}", 2, base=10 * i))
+    out, _ = run_step(sched)
+    assert [s.request_id for s in out.scheduled] == ["r0", "r1"]
+    assert len(sched.waiting) == 1
+
+
+def test_abort_frees_blocks_of_running_and_waiting():
+    sched = make_scheduler(max_seqs=1)
+    sched.add_request(req("a", 6))
+    sched.add_request(req("b", 6, base=30))
+    run_step(sched)
+    sched.finish_requests(["a", "b"], RequestStatus.FINISHED_ABORTED)
+    assert sched.kv_cache.usage == 0 and not sched.has_unfinished_requests()
+
+
+def test_prefix_cache_hit_starts_the_count_ahead():
+    sched = make_scheduler(block_size=4, budget=64)
+    sched.add_request(req("a", 10, max_tokens=1))
+    run_step(sched)
+    sched.add_request(req("b", 10, max_tokens=1))
+    out, _ = run_step(sched)
+    item = out.scheduled[0]
+    assert (item.start_position, item.num_new_tokens) == (8, 2)
+    assert item.request.num_cached_tokens == 8

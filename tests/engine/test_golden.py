@@ -1,0 +1,61 @@
+"""Greedy token ids equal HF transformers `generate` on the same weights (fp32), with prompts of
+mixed lengths submitted together and a small token budget so prefills are chunked and share steps
+with decodes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+
+PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a king who had three daughters. The eldest was",
+    "1, 2, 3, 4, 5,",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "List three primary colors:",
+    "In machine learning, a transformer is a deep learning architecture that relies on the attention mechanism, "
+    "first described in the 2017 paper. Unlike recurrent networks, transformers process all tokens of a sequence "
+    "in parallel, which makes them efficient to train on modern hardware. Explain why:",
+    "Hi",
+]
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def check_against_hf(llm: LLM, hf_model, tokenizer, max_tokens: list[int]) -> None:
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    for ids, m, out in zip(prompt_ids, max_tokens, outputs):
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == hf_greedy(hf_model, ids, m), f"mismatch for prompt {tokenizer.decode(ids)!r}"
+        assert out.outputs[0].finish_reason == "length"
+
+
+def test_tiny_llama_matches_hf(tiny_llama_dir, smollm2_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+    llm = LLM(str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64, max_model_len=512)
+    check_against_hf(llm, hf, smollm2_tokenizer, [12, 20, 5, 16, 24, 9, 30, 14, 22])
+    assert llm.llm_engine.core.kv_cache.usage == 0.0
+
+
+@pytest.mark.slow
+def test_smollm2_gguf_matches_hf(smollm2_path, smollm2_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                              torch_dtype=torch.float32).eval()
+    llm = LLM(max_num_batched_tokens=32, kv_cache_memory_bytes="256MiB", max_model_len=1024)
+    check_against_hf(llm, hf, smollm2_tokenizer, [10, 16, 12, 20, 8, 12, 10, 16, 14])
+    assert llm.llm_engine.core.kv_cache.usage == 0.0
