@@ -44,7 +44,7 @@ def check_against_hf(llm: LLM, hf_model, tokenizer, max_tokens: list[int]) -> No
 def test_tiny_llama_matches_hf(tiny_llama_dir, smollm2_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     llm = LLM(str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64, max_model_len=512)
     check_against_hf(llm, hf, smollm2_tokenizer, [12, 20, 5, 16, 24, 9, 30, 14, 22])
     assert llm.llm_engine.core.kv_cache.usage == 0.0
@@ -55,7 +55,7 @@ def test_smollm2_gguf_matches_hf(smollm2_path, smollm2_tokenizer):
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                              torch_dtype=torch.float32).eval()
+                                              dtype=torch.float32).eval()
     llm = LLM(max_num_batched_tokens=32, kv_cache_memory_bytes="256MiB", max_model_len=1024)
     check_against_hf(llm, hf, smollm2_tokenizer, [10, 16, 12, 20, 8, 12, 10, 16, 14])
     assert llm.llm_engine.core.kv_cache.usage == 0.0

@@ -1,0 +1,326 @@
+"""`make bench`: offline throughput of tokenmill against two plain-transformers baselines.
+
+The fixed workload (../shared/bench/workload-64.jsonl) runs through tokenmill's `LLM.generate`, a
+naive one-at-a-time `generate` loop and static left-padded batches of 16, all on the same weights,
+dtype and threads, in one process, one after another. Prints a table, refreshes the
+`bench:engine-core` section of docs/benchmarks.md and writes the raw numbers to
+bench-results/engine-core.json.
+
+    .venv/bin/python -m tokenmill.benchmarks.make_bench [--dtype bfloat16] [--naive-limit 16] ...
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+SECTION = "engine-core"
+START_MARK = f"<!-- bench:{SECTION}:start -->"
+END_MARK = f"<!-- bench:{SECTION}:end -->"
+ENGINE_LABELS = {
+    "tokenmill": "tokenmill `LLM.generate` (continuous batching)",
+    "hf-static": "transformers static batches",
+    "hf-naive": "transformers naive sequential `generate`",
+}
+
+
+def positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return number
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="make bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", default=None, help="JSON-lines workload (default: ../shared/bench/workload-64.jsonl)")
+    p.add_argument("--model", default=None, help="model dir or .gguf (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for all three engines")
+    p.add_argument("--limit", type=positive, default=None, help="first N requests only (smoke runs)")
+    p.add_argument("--skip-baselines", action="store_true", help="run tokenmill only")
+    p.add_argument("--naive-limit", type=positive, default=None,
+                   help="run the naive baseline on the first N requests only (tok/s over those)")
+    p.add_argument("--batch-size", type=positive, default=16, help="static-batch baseline batch size")
+    p.add_argument("--max-num-seqs", type=positive, default=64)
+    p.add_argument("--max-num-batched-tokens", type=positive, default=2048)
+    p.add_argument("--block-size", type=positive, default=16)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--threads", type=positive, default=None, help="torch CPU threads (default: usable cores)")
+    p.add_argument("--output", default=None, help="markdown report (default: docs/benchmarks.md)")
+    p.add_argument("--results-json", default=None, help="raw numbers (default: bench-results/engine-core.json)")
+    p.add_argument("--no-tqdm", action="store_true", help="no progress bars")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from tokenmill.benchmarks.workloads import default_workload_path, load_workload, repo_root, workload_summary
+
+    threads = args.threads or _usable_cores()
+    torch.set_num_threads(threads)
+    workload_path = Path(args.workload) if args.workload else default_workload_path()
+    requests = load_workload(workload_path, args.limit)
+    report: dict[str, Any] = {
+        "section": SECTION,
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": exact_command(argv),
+        "machine": machine_info(threads),
+        "settings": settings_of(args, threads),
+        "workload": {"path": str(workload_path), "limit": args.limit, **workload_summary(requests)},
+        "results": {},
+    }
+    report["results"]["tokenmill"] = run_tokenmill(args, requests, threads)
+    if not args.skip_baselines:
+        report["results"].update(run_baselines(args, requests))
+    report["ratios"] = ratios(report["results"])
+    print()
+    print(format_table(report))
+    root = repo_root()
+    json_path = Path(args.results_json) if args.results_json else root / "bench-results" / f"{SECTION}.json"
+    md_path = Path(args.output) if args.output else root / "docs" / "benchmarks.md"
+    write_json(json_path, report)
+    update_markdown(md_path, render_section(report, json_path))
+    print(f"\nwrote {md_path} (section {SECTION}) and {json_path}")
+    return report
+
+
+def run_tokenmill(args: argparse.Namespace, requests, threads: int) -> dict[str, Any]:
+    from tokenmill import LLM
+    from tokenmill.benchmarks.throughput import run_offline_throughput
+
+    print(f"tokenmill: {len(requests)} requests, dtype={args.dtype}, max_num_seqs={args.max_num_seqs}, "
+          f"max_num_batched_tokens={args.max_num_batched_tokens}", flush=True)
+    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
+              enable_prefix_caching=args.enable_prefix_caching, num_threads=threads, device="cpu")
+    try:
+        result = run_offline_throughput(llm, requests, use_tqdm=not args.no_tqdm)
+    finally:
+        del llm
+        gc.collect()  # release the KV cache before the baselines load their model
+    result["concurrency"] = min(args.max_num_seqs, len(requests))
+    _print_result(result)
+    return result
+
+
+def run_baselines(args: argparse.Namespace, requests) -> dict[str, Any]:
+    from tokenmill.benchmarks.baselines import load_hf_model, run_naive, run_static_batches
+
+    hf = load_hf_model(args.model, args.dtype)
+    out: dict[str, Any] = {}
+    print(f"hf-static: {len(requests)} requests in batches of {args.batch_size}", flush=True)
+    out["hf-static"] = run_static_batches(hf, requests, args.batch_size, progress=not args.no_tqdm)
+    _print_result(out["hf-static"])
+    naive_requests = requests[:args.naive_limit] if args.naive_limit else requests
+    print(f"hf-naive: {len(naive_requests)} requests one at a time", flush=True)
+    out["hf-naive"] = run_naive(hf, naive_requests, progress=not args.no_tqdm)
+    out["hf-naive"]["subset_of_workload"] = len(naive_requests) < len(requests)
+    _print_result(out["hf-naive"])
+    del hf
+    gc.collect()
+    return out
+
+
+def _print_result(r: dict[str, Any]) -> None:
+    print(f"  {r['engine']}: {r['output_tokens']} output tokens in {r['wall_s']:.2f} s -> "
+          f"{r['output_tok_s']:.1f} output tok/s, {r['total_tok_s']:.1f} total tok/s", flush=True)
+
+
+def ratios(results: dict[str, Any]) -> dict[str, float]:
+    tok = {name: r["output_tok_s"] for name, r in results.items()}
+    pairs = [("tokenmill", "hf-naive"), ("tokenmill", "hf-static"), ("hf-static", "hf-naive")]
+    return {f"{a}/{b}": round(tok[a] / tok[b], 3) for a, b in pairs if a in tok and tok.get(b)}
+
+
+# ---- machine, settings, command --------------------------------------------------------------
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def cpu_model() -> str:
+    try:
+        text = Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace")
+        match = re.search(r"^model name\s*:\s*(.+)$", text, re.MULTILINE)
+        if match:
+            return match.group(1).strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def machine_info(threads: int) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    return {
+        "cpu": cpu_model(),
+        "logical_cpus": os.cpu_count(),
+        "usable_cores": _usable_cores(),
+        "torch_threads": threads,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+    }
+
+
+def settings_of(args: argparse.Namespace, threads: int) -> dict[str, Any]:
+    return {
+        "model": args.model or "SmolLM2-135M-Instruct (embedded Q4_1 GGUF, dequantized)",
+        "dtype": args.dtype,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "block_size": args.block_size,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "static_batch_size": args.batch_size,
+        "naive_limit": args.naive_limit,
+        "skip_baselines": args.skip_baselines,
+        "threads": threads,
+        "sampling": "greedy, ignore_eos, exactly max_tokens per request",
+    }
+
+
+def exact_command(argv: Sequence[str]) -> str:
+    """How this run was started: `make bench ARGS=...` under make, else the python -m line."""
+    joined = shlex.join(argv)
+    if os.environ.get("MAKELEVEL"):
+        return "make bench" + (f" ARGS={shlex.quote(joined)}" if joined else "")
+    python = sys.executable
+    try:
+        python = os.path.relpath(python)
+    except ValueError:
+        pass
+    return f"{python} -m tokenmill.benchmarks.make_bench {joined}".rstrip()
+
+
+# ---- output ------------------------------------------------------------------------------
+def _rows(report: dict[str, Any]) -> list[list[str]]:
+    results = report["results"]
+    naive = results.get("hf-naive", {}).get("output_tok_s")
+    rows = []
+    for name in ("tokenmill", "hf-static", "hf-naive"):
+        r = results.get(name)
+        if r is None:
+            continue
+        vs_naive = f"{r['output_tok_s'] / naive:.2f}x" if naive else "-"
+        rows.append([ENGINE_LABELS[name], str(r.get("concurrency", "-")), str(r["num_requests"]),
+                     str(r["output_tokens"]), f"{r['wall_s']:.1f}", f"{r['output_tok_s']:.1f}",
+                     f"{r['total_tok_s']:.1f}", vs_naive])
+    return rows
+
+
+TABLE_HEADER = ["engine", "concurrency", "requests", "output tokens", "wall (s)", "output tok/s",
+                "total tok/s", "vs naive"]
+
+
+def format_table(report: dict[str, Any]) -> str:
+    rows = [TABLE_HEADER] + _rows(report)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_HEADER))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    if report.get("ratios"):
+        lines.append("ratios (output tok/s): " + ", ".join(f"{k} = {v:.2f}x" for k, v in report["ratios"].items()))
+    return "\n".join(lines)
+
+
+def render_section(report: dict[str, Any], json_path: Path) -> str:
+    m, s, w = report["machine"], report["settings"], report["workload"]
+    md_rows = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
+    md_rows += ["| " + " | ".join(row) + " |" for row in _rows(report)]
+    lines = [
+        START_MARK,
+        "## Engine core: offline throughput (`make bench`)",
+        "",
+        f"Measured {report['date']} on {m['cpu']} ({m['usable_cores']} usable of {m['logical_cpus']} logical "
+        f"CPUs, {m['torch_threads']} torch threads), torch {m['torch']}, transformers {m['transformers']}, "
+        f"Python {m['python']}.",
+        "",
+        f"Command: `{report['command']}`",
+        "",
+        f"Workload: `{Path(w['path']).name}`" + (f" (first {w['limit']} requests)" if w.get("limit") else "")
+        + f", {w['num_requests']} requests, {w['prompt_tokens']} prompt tokens, {w['output_tokens']} output "
+        "tokens; every request generates exactly its `max_tokens` (greedy, EOS ignored), all queued at t=0.",
+        "",
+        f"Settings: model {s['model']}, dtype {s['dtype']} for all engines, max_num_seqs {s['max_num_seqs']}, "
+        f"max_num_batched_tokens {s['max_num_batched_tokens']}, block size {s['block_size']}, prefix caching "
+        f"{'on' if s['enable_prefix_caching'] else 'off'}.",
+        "",
+        *md_rows,
+        "",
+        *_notes(report),
+        "",
+        f"Raw numbers: `{_display_path(json_path)}`.",
+        END_MARK,
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _notes(report: dict[str, Any]) -> list[str]:
+    results, notes = report["results"], []
+    if report.get("ratios"):
+        notes.append("Ratios of output tok/s: " + ", ".join(f"{k} **{v:.2f}x**" for k, v in report["ratios"].items())
+                     + ".")
+    tm = results.get("tokenmill", {})
+    if tm.get("ttft_p50_s") is not None:
+        notes.append(f"tokenmill TTFT p50 / p95: {tm['ttft_p50_s']:.2f} / {tm['ttft_p95_s']:.2f} s; "
+                     f"{tm.get('num_cached_prompt_tokens', 0)} prompt tokens served from the prefix cache, "
+                     f"{tm.get('num_preemptions', 0)} preemptions.")
+    static = results.get("hf-static")
+    if static:
+        notes.append(f"Static batches: requests in workload order, left-padded, {static['batch_size']} a batch; each "
+                     "batch runs until its longest `max_tokens`, and only each request's own `max_tokens` count as "
+                     f"output ({static['output_tokens']} of {static['generated_tokens_incl_waste']} generated).")
+    naive = results.get("hf-naive")
+    if naive and naive.get("subset_of_workload"):
+        notes.append(f"The naive baseline ran on the first {naive['num_requests']} requests only "
+                     "(`--naive-limit`); its tok/s is over those requests.")
+    if report["settings"].get("skip_baselines") or not (static or naive):
+        notes.append("Baselines skipped (`--skip-baselines`).")
+    return ["- " + n for n in notes]
+
+
+def _display_path(path: Path) -> str:
+    from tokenmill.benchmarks.workloads import repo_root
+
+    try:
+        return str(path.resolve().relative_to(repo_root()))
+    except ValueError:
+        return str(path)
+
+
+def write_json(path: Path, report: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+def update_markdown(path: Path, section: str) -> None:
+    """Replace this benchmark's marked section, keeping every other section of the file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
+    start, end = text.find(START_MARK), text.find(END_MARK)
+    if start != -1 and end > start:
+        text = text[:start] + section.rstrip("\n") + text[end + len(END_MARK):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    path.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")
+
+
+if __name__ == "__main__":
+    main()

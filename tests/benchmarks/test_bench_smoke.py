@@ -1,0 +1,62 @@
+"""`make bench` smoke test: two tiny requests through tokenmill and both transformers baselines."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tokenmill.benchmarks import make_bench
+from tokenmill.benchmarks.throughput import BenchmarkError, check_output_lengths, percentile
+from tokenmill.benchmarks.workloads import WorkloadRequest, load_workload
+
+REQUESTS = [
+    {"id": 0, "prompt_token_ids": [1, 504, 3458, 282, 4649, 314, 253, 1345, 30], "max_tokens": 5},
+    {"id": 1, "prompt_token_ids": [1, 2683, 314, 260, 3458], "prompt_len": 5, "max_tokens": 3},
+]
+
+
+@pytest.fixture()
+def workload_file(tmp_path):
+    path = tmp_path / "workload.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS), encoding="utf-8")
+    return path
+
+
+def test_load_workload(workload_file):
+    loaded = load_workload(workload_file)
+    assert [(r.id, r.prompt_len, r.max_tokens) for r in loaded] == [(0, 9, 5), (1, 5, 3)]
+    assert len(load_workload(workload_file, limit=1)) == 1
+
+
+def test_wrong_output_length_fails_loudly():
+    request = WorkloadRequest(id=7, prompt_token_ids=[1, 2], max_tokens=4)
+    check_output_lengths("x", [request], [4])
+    with pytest.raises(BenchmarkError, match="id 7: asked 4, got 3"):
+        check_output_lengths("x", [request], [3])
+    assert percentile([1.0, 2.0, 3.0], 50) == 2.0 and percentile([], 50) is None
+
+
+def test_make_bench_runs_every_engine(tiny_llama_dir, workload_file, tmp_path):
+    md, raw = tmp_path / "docs" / "benchmarks.md", tmp_path / "results" / "engine-core.json"
+    md.parent.mkdir()
+    md.write_text("# Benchmarks\n\n<!-- bench:other:start -->\nkeep me\n<!-- bench:other:end -->\n")
+    argv = ["--model", str(tiny_llama_dir), "--workload", str(workload_file), "--output", str(md),
+            "--results-json", str(raw), "--batch-size", "2", "--max-num-seqs", "4", "--no-tqdm"]
+    report = make_bench.main(argv)
+
+    wanted = sum(r["max_tokens"] for r in REQUESTS)
+    assert set(report["results"]) == {"tokenmill", "hf-static", "hf-naive"}
+    for result in report["results"].values():
+        assert result["num_requests"] == 2
+        assert result["output_tokens"] == wanted
+        assert result["output_tok_s"] > 0
+    # The static batch pads the short request up to the batch's longest max_tokens: waste, not output.
+    assert report["results"]["hf-static"]["generated_tokens_incl_waste"] == 2 * 5
+    assert set(report["ratios"]) == {"tokenmill/hf-naive", "tokenmill/hf-static", "hf-static/hf-naive"}
+
+    assert json.loads(raw.read_text())["results"]["tokenmill"]["output_tokens"] == wanted
+    make_bench.update_markdown(md, make_bench.render_section(report, raw))  # a refresh replaces, never appends
+    text = md.read_text()
+    assert "keep me" in text
+    assert text.count(make_bench.START_MARK) == 1 and text.count(make_bench.END_MARK) == 1
+    assert "| tokenmill `LLM.generate`" in text and "max_num_batched_tokens 2048" in text
