@@ -1,0 +1,288 @@
+"""GGUF files: config from metadata, dequantized weights under HF names, tokenizer via transformers.
+
+A GGUF file stores what llama.cpp needs, in llama.cpp's layout. Three things differ from an HF
+checkpoint and are undone here:
+  * names  (`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`);
+  * shapes (GGUF lists dimensions innermost first: `[ne0, ne1]` = `[in_features, out_features]`);
+  * the rows of q_proj / k_proj, which llama.cpp's converter reorders for its interleaved rotary
+    layout (see `unpermute_rotary_rows`).
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from tokenmill.errors import ModelLoadError
+
+if TYPE_CHECKING:
+    import gguf
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+
+@dataclass(frozen=True, slots=True)
+class GgufFamily:
+    """How one `general.architecture` value maps onto a transformers model."""
+
+    hf_architecture: str
+    config_class_name: str  # attribute of `transformers`, resolved lazily (importing it is slow)
+    unpermute_qk: bool  # llama.cpp reorders q/k rows only for some families (llama yes, qwen2 no)
+
+
+# Add a family here together with its tensor names below and a model implementation.
+GGUF_FAMILIES: dict[str, GgufFamily] = {
+    "llama": GgufFamily("LlamaForCausalLM", "LlamaConfig", unpermute_qk=True),
+}
+
+# Quantization types gguf-py dequantizes in numpy. The brief's core set is F32/F16/BF16/Q8_0/
+# Q4_0/Q4_1/Q4_K/Q6_K; the other legacy and k-quants are included because "Q5_K_M"/"Q3_K_M"
+# files mix them and gguf-py handles them with the same code path.
+SUPPORTED_TENSOR_TYPES: frozenset[str] = frozenset(
+    {"F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"}
+)
+
+_GLOBAL_TENSOR_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_BLOCK_TENSOR_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+# Tensors that carry no HF parameter: llama3 rope factors are folded into the config instead.
+_NON_PARAMETER_TENSORS = frozenset({"rope_freqs.weight"})
+
+
+def open_gguf(path: Path) -> gguf.GGUFReader:
+    import gguf
+
+    try:
+        return gguf.GGUFReader(path)  # memory-maps the file; tensors are read on demand
+    except Exception as exc:  # a truncated or foreign file raises anything from ValueError to struct.error
+        raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from None
+
+
+def gguf_architecture(reader: gguf.GGUFReader, path: Path) -> tuple[str, GgufFamily]:
+    arch = _field(reader, "general.architecture")
+    if arch is None:
+        raise ModelLoadError(f"{path} has no general.architecture metadata")
+    family = GGUF_FAMILIES.get(arch)
+    if family is None:
+        raise ModelLoadError(
+            f"unsupported GGUF architecture {arch!r} in {path.name} (supported: {', '.join(sorted(GGUF_FAMILIES))})"
+        )
+    return arch, family
+
+
+def gguf_hf_name(gguf_name: str) -> str | None:
+    """HF parameter name for a GGUF tensor name; None when the name is unknown."""
+    stem, _, suffix = gguf_name.rpartition(".")
+    if suffix not in ("weight", "bias"):
+        return None
+    if stem in _GLOBAL_TENSOR_NAMES:
+        return f"{_GLOBAL_TENSOR_NAMES[stem]}.{suffix}"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_TENSOR_NAMES:
+        return f"model.layers.{int(parts[1])}.{_BLOCK_TENSOR_NAMES[parts[2]]}.{suffix}"
+    return None
+
+
+def read_gguf_config(reader: gguf.GGUFReader, path: Path) -> tuple[PretrainedConfig, str]:
+    """The transformers config and HF architecture name described by the file's metadata."""
+    import transformers
+
+    arch, family = gguf_architecture(reader, path)
+
+    def required(key: str) -> Any:
+        value = _field(reader, f"{arch}.{key}")
+        if value is None:
+            raise ModelLoadError(f"{path.name} lacks the metadata key {arch}.{key}")
+        return value
+
+    tensor_names = {t.name for t in reader.tensors}
+    hidden = int(required("embedding_length"))
+    heads = int(required("attention.head_count"))
+    kv_heads = _field(reader, f"{arch}.attention.head_count_kv")
+    head_dim = _field(reader, f"{arch}.attention.key_length")
+    rope_theta = float(_field(reader, f"{arch}.rope.freq_base") or 10000.0)
+    settings: dict[str, Any] = dict(
+        architectures=[family.hf_architecture],
+        vocab_size=_vocab_size(reader, arch, path),
+        hidden_size=hidden,
+        intermediate_size=int(required("feed_forward_length")),
+        num_hidden_layers=int(required("block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(kv_heads) if kv_heads is not None else heads,
+        head_dim=int(head_dim) if head_dim is not None else hidden // heads,
+        max_position_embeddings=int(required("context_length")),
+        rms_norm_eps=float(required("attention.layer_norm_rms_epsilon")),
+        rope_parameters=_rope_parameters(reader, arch, rope_theta, path),
+        # llama.cpp omits output.weight exactly when the head reuses the embedding matrix
+        tie_word_embeddings="output.weight" not in tensor_names,
+        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
+        pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
+    )
+    config_class = getattr(transformers, family.config_class_name)
+    return config_class(**settings), family.hf_architecture
+
+
+def iter_gguf_weights(
+    path: Path, config: PretrainedConfig, dtype: torch.dtype, reader: gguf.GGUFReader | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yields (HF name, tensor) one tensor at a time, dequantized and in HF layout.
+
+    Pass the reader that read the config to skip a second parse of the header (seconds for a
+    50k-token vocabulary: gguf-py builds a numpy view per metadata array element).
+    """
+    from gguf import quants
+
+    reader = reader if reader is not None else open_gguf(path)
+    _, family = gguf_architecture(reader, path)
+    for tensor in reader.tensors:
+        if tensor.name in _NON_PARAMETER_TENSORS:
+            continue
+        hf_name = gguf_hf_name(tensor.name)
+        if hf_name is None:
+            raise ModelLoadError(f"unexpected tensor {tensor.name!r} in {path.name}")
+        type_name = tensor.tensor_type.name
+        if type_name not in SUPPORTED_TENSOR_TYPES:
+            raise ModelLoadError(
+                f"tensor {tensor.name} in {path.name} uses the unsupported GGUF type {type_name}"
+            )
+        array = quants.dequantize(tensor.data, tensor.tensor_type)
+        # GGUF shape [ne0, ne1] is innermost-first; torch wants [ne1, ne0] = [out, in].
+        array = array.reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
+        # Unquantized tensors come back as read-only memmap views; torch needs its own copy.
+        weight = torch.from_numpy(np.array(array, copy=not array.flags.writeable)).to(dtype)
+        if family.unpermute_qk and ".attn_q." in tensor.name:
+            weight = unpermute_rotary_rows(weight, config.num_attention_heads)
+        elif family.unpermute_qk and ".attn_k." in tensor.name:
+            weight = unpermute_rotary_rows(weight, config.num_key_value_heads)
+        yield hf_name, weight.contiguous()
+        del array, weight  # keep at most one tensor alive between yields
+
+
+def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row reordering so HF's rotate_half rotary applies.
+
+    HF rotary pairs dimension j with j + d/2 inside each head (two halves); llama.cpp's rope pairs
+    2j with 2j+1 (interleaved). Its converter therefore moves HF row (half, j) to GGUF row (j, half):
+
+        HF   rows of one head:  x0 x1 .. x{d/2-1} | y0 y1 .. y{d/2-1}     (view [2, d/2])
+        GGUF rows of one head:  x0 y0 x1 y1 .. x{d/2-1} y{d/2-1}           (view [d/2, 2])
+
+    The inverse views each GGUF head as [d/2, 2] and transposes back to [2, d/2].
+    Works for weights [heads*d, in] and biases [heads*d].
+    """
+    rows = weight.shape[0]
+    if rows % (2 * num_heads):
+        raise ModelLoadError(f"cannot unpermute {rows} rows into {num_heads} rotary heads")
+    half = rows // num_heads // 2
+    rest = weight.shape[1:]
+    return weight.reshape(num_heads, half, 2, *rest).transpose(1, 2).reshape(weight.shape)
+
+
+def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    """Tokenizer and chat template from the GGUF's tokenizer.* metadata (transformers rebuilds it)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+    except Exception as exc:  # transformers raises many types for missing/odd tokenizer metadata
+        raise ModelLoadError(f"cannot build a tokenizer from {path.name}: {exc}".splitlines()[0]) from None
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return None
+    value = field.contents()
+    if len(field.types) == 1 and field.types[0].name == "FLOAT32":
+        # A float32 1e-5 reads back as 9.99999974e-06; the shortest float32 repr restores the
+        # value the converter was given, so configs compare equal to the HF originals.
+        value = float(str(np.float32(value)))
+    return value
+
+
+def _vocab_size(reader: gguf.GGUFReader, arch: str, path: Path) -> int:
+    # Newer converters write {arch}.vocab_size; older ones only the token list; files without
+    # tokenizer metadata still have the embedding matrix, whose row count is the vocabulary.
+    value = _field(reader, f"{arch}.vocab_size")
+    if value is not None:
+        return int(value)
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    if tokens is not None:
+        return len(tokens.data)
+    for tensor in reader.tensors:
+        if tensor.name == "token_embd.weight":
+            return int(tensor.shape[1])
+    raise ModelLoadError(f"cannot tell the vocabulary size of {path.name}")
+
+
+def _rope_parameters(reader: gguf.GGUFReader, arch: str, theta: float, path: Path) -> dict[str, Any]:
+    kind = _field(reader, f"{arch}.rope.scaling.type")
+    factor = _field(reader, f"{arch}.rope.scaling.factor")
+    original = _field(reader, f"{arch}.rope.scaling.original_context_length")
+    if kind in (None, "none"):
+        rope_freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+        if rope_freqs is not None:
+            return _llama3_rope_parameters(np.asarray(rope_freqs.data, dtype=np.float64), theta, path)
+        return {"rope_type": "default", "rope_theta": theta}
+    if kind == "linear" and factor is not None:
+        return {"rope_type": "linear", "rope_theta": theta, "factor": float(factor)}
+    if kind == "yarn" and factor is not None:
+        params: dict[str, Any] = {"rope_type": "yarn", "rope_theta": theta, "factor": float(factor)}
+        if original is not None:
+            params["original_max_position_embeddings"] = int(original)
+        for gguf_key, hf_key in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+            value = _field(reader, f"{arch}.rope.scaling.{gguf_key}")
+            if value is not None:
+                params[hf_key] = float(value)
+        return params
+    raise ModelLoadError(f"unsupported rope scaling {kind!r} (factor {factor}) in {path.name}")
+
+
+def _llama3_rope_parameters(factors: np.ndarray, theta: float, path: Path) -> dict[str, Any]:
+    """Recover HF's llama3 rope parameters from the per-frequency divisors llama.cpp stores.
+
+    The converter bakes (factor, low_freq_factor, high_freq_factor, original context) into one
+    divisor per rotary frequency. Published Llama 3.x models all use low=1, high=4, original=8192
+    with the largest divisor as `factor`, so that candidate is rebuilt and compared; anything else
+    is refused rather than silently run with the wrong positions.
+    """
+    candidate = {
+        "rope_type": "llama3",
+        "rope_theta": theta,
+        "factor": float(factors.max()),
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    rotary_dim = 2 * len(factors)
+    freqs = theta ** -(np.arange(0, rotary_dim, 2, dtype=np.float64) / rotary_dim)
+    wavelen = 2 * math.pi / freqs
+    low_wavelen = candidate["original_max_position_embeddings"] / candidate["low_freq_factor"]
+    high_wavelen = candidate["original_max_position_embeddings"] / candidate["high_freq_factor"]
+    smooth = (candidate["original_max_position_embeddings"] / wavelen - 1.0) / (4.0 - 1.0)
+    expected = np.where(
+        wavelen < high_wavelen,
+        1.0,
+        np.where(wavelen > low_wavelen, candidate["factor"], 1.0 / ((1 - smooth) / candidate["factor"] + smooth)),
+    )
+    if not np.allclose(expected, factors, rtol=1e-3):
+        raise ModelLoadError(f"unrecognized rope_freqs tensor in {path.name}: cannot map it to HF rope scaling")
+    return candidate

@@ -1,0 +1,197 @@
+"""Find a model on disk and expose its config, tokenizer and weights in one shape.
+
+`load_model_source` accepts the embedded default GGUF (model=None), an HF directory
+(config.json + safetensors + tokenizer files), a .gguf file, or a directory holding one .gguf.
+Everything is read with local_files_only=True: loading a model never touches the network.
+Weights are not read here; `ModelSource.iter_weights` streams them one tensor at a time so the
+model builder can copy each into place without two copies of the model in memory.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from tokenmill.errors import ModelLoadError
+from tokenmill.model import gguf_loader
+from tokenmill.model.default_model import DEFAULT_MODEL_NAME, default_model_path
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+# HF architectures with a tokenmill implementation. Kept in step with the GGUF families.
+SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({"LlamaForCausalLM"})
+
+_SAFETENSORS_INDEX = "model.safetensors.index.json"
+# Buffers older checkpoints saved next to the parameters; they are recomputed, never loaded.
+_SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(slots=True)
+class ModelSource:
+    hf_config: PretrainedConfig
+    architecture: str
+    tokenizer: PreTrainedTokenizerBase
+    served_model_name: str
+    path: Path
+    is_gguf: bool
+    # The GGUFReader that read the config, handed to the first iter_weights and then dropped so a
+    # long-lived ModelSource does not pin its per-field numpy views.
+    _gguf_reader: Any = field(default=None, repr=False, compare=False)
+
+    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yields (HF parameter name, tensor in dtype), one tensor alive at a time.
+
+        lm_head.weight is absent when the embeddings are tied and the file stores no head.
+        """
+        if self.is_gguf:
+            reader, self._gguf_reader = self._gguf_reader, None
+            yield from gguf_loader.iter_gguf_weights(self.path, self.hf_config, dtype, reader)
+        else:
+            yield from _iter_safetensors(self.path, dtype)
+
+
+def load_model_source(model: str | None, tokenizer: str | None = None) -> ModelSource:
+    """Resolve `model` (None = the embedded default) into a ModelSource; ModelLoadError if unusable."""
+    path = default_model_path() if model is None else Path(model).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model path does not exist: {path} (models are loaded from local files only)")
+    is_default = model is None or _same_file(path, default_model_path_or_none())
+    if path.is_dir():
+        gguf_file = _single_gguf_in(path)
+        if gguf_file is None:
+            return _load_hf_dir(path, tokenizer)
+        path = gguf_file
+    if path.suffix.lower() != ".gguf":
+        raise ModelLoadError(f"not a model directory or .gguf file: {path}")
+    source = _load_gguf(path, tokenizer)
+    if is_default:
+        source.served_model_name = DEFAULT_MODEL_NAME
+    return source
+
+
+def default_model_path_or_none() -> Path | None:
+    try:
+        return default_model_path()
+    except ModelLoadError:
+        return None
+
+
+def _same_file(a: Path, b: Path | None) -> bool:
+    try:
+        return b is not None and a.is_file() and b.is_file() and a.samefile(b)
+    except OSError:
+        return False
+
+
+def _single_gguf_in(directory: Path) -> Path | None:
+    """The GGUF a directory stands for, or None when it is an HF directory."""
+    if (directory / "config.json").is_file():
+        return None
+    ggufs = sorted(p for p in directory.glob("*.gguf") if p.is_file())
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs)
+        raise ModelLoadError(f"{directory} holds several .gguf files ({names}); pass one of them")
+    raise ModelLoadError(f"{directory} has neither config.json nor a .gguf file")
+
+
+def _load_gguf(path: Path, tokenizer: str | None) -> ModelSource:
+    reader = gguf_loader.open_gguf(path)
+    config, architecture = gguf_loader.read_gguf_config(reader, path)
+    tok = _load_tokenizer(Path(tokenizer).expanduser()) if tokenizer else gguf_loader.load_gguf_tokenizer(path)
+    return ModelSource(
+        hf_config=config,
+        architecture=architecture,
+        tokenizer=tok,
+        served_model_name=path.stem,
+        path=path,
+        is_gguf=True,
+        _gguf_reader=reader,
+    )
+
+
+def _load_hf_dir(directory: Path, tokenizer: str | None) -> ModelSource:
+    from transformers import AutoConfig
+
+    directory = directory.resolve()
+    architecture = _hf_architecture(directory)
+    if not _safetensors_files(directory):
+        raise ModelLoadError(f"no *.safetensors weights in {directory} (pytorch .bin files are not supported)")
+    try:
+        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except Exception as exc:  # transformers raises ValueError/KeyError/OSError for bad configs
+        raise ModelLoadError(f"cannot read {directory / 'config.json'}: {exc}".splitlines()[0]) from None
+    tok = _load_tokenizer(Path(tokenizer).expanduser() if tokenizer else directory)
+    return ModelSource(
+        hf_config=config,
+        architecture=architecture,
+        tokenizer=tok,
+        served_model_name=directory.name,
+        path=directory,
+        is_gguf=False,
+    )
+
+
+def _hf_architecture(directory: Path) -> str:
+    """Checked from the raw JSON first so an unsupported model fails with a clear message."""
+    try:
+        raw = json.loads((directory / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot read {directory / 'config.json'}: {exc}") from None
+    architectures = raw.get("architectures") or []
+    if not architectures and raw.get("model_type") == "llama":
+        architectures = ["LlamaForCausalLM"]  # configs saved from a bare LlamaConfig omit the list
+    supported = [a for a in architectures if a in SUPPORTED_ARCHITECTURES]
+    if not supported:
+        found = ", ".join(architectures) or f"model_type={raw.get('model_type')!r}"
+        raise ModelLoadError(
+            f"unsupported architecture {found} in {directory.name} "
+            f"(supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+        )
+    return supported[0]
+
+
+def _load_tokenizer(path: Path) -> PreTrainedTokenizerBase:
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return gguf_loader.load_gguf_tokenizer(path)
+    if not path.is_dir():
+        raise ModelLoadError(f"tokenizer path does not exist: {path}")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except Exception as exc:  # missing files show up as OSError or ValueError depending on the class
+        raise ModelLoadError(f"cannot load a tokenizer from {path}: {exc}".splitlines()[0]) from None
+
+
+def _safetensors_files(directory: Path) -> list[Path]:
+    """Shards named by the index when there is one (it may list a subset), else every file."""
+    index = directory / _SAFETENSORS_INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError) as exc:
+            raise ModelLoadError(f"bad {index}: {exc}") from None
+        files = [directory / name for name in sorted(set(weight_map.values()))]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ModelLoadError(f"{directory.name} is missing shards: {', '.join(missing)}")
+        return files
+    return sorted(directory.glob("*.safetensors"))
+
+
+def _iter_safetensors(directory: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in _safetensors_files(directory):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if name.endswith(_SKIPPED_SUFFIXES):
+                    continue
+                yield name, handle.get_tensor(name).to(dtype)
