@@ -24,11 +24,16 @@ PROMPTS = [
 
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF greedy `generate` that, like ignore_eos, neither stops at nor suppresses EOS."""
+    # generate() falls back to the model's own EOS ids wherever the config leaves them unset.
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
     with torch.inference_mode():
         out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    tokens = out[0, len(prompt_ids):].tolist()
+    assert len(tokens) == max_new_tokens
+    return tokens
 
 
 def check_against_hf(llm: LLM, hf_model, tokenizer, max_tokens: list[int]) -> None:
