@@ -1,0 +1,33 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tokenmill.entrypoints.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_generate_prints_the_greedy_completion(tiny_llama_dir):
+    from tokenmill import LLM, SamplingParams
+
+    expected = LLM(str(tiny_llama_dir), num_kv_blocks=64).generate(
+        "Hello", SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)[0].outputs[0].text
+    result = run_cli("generate", "--model", str(tiny_llama_dir), "--prompt", "Hello", "--max-tokens", "6",
+                     "--num-kv-blocks", "64")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == expected + "\n"
+
+
+def test_bad_arguments_give_one_line_errors(tmp_path):
+    result = run_cli("generate", "--prompt", "x", "--max-tokens", "-3")
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert "max_tokens" in result.stderr
+    result = run_cli("generate", "--prompt", "x", "--kv-cache-memory-bytes", "lots")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+    result = run_cli("generate", "--prompt", "x", "--model", str(tmp_path / "missing"))
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
