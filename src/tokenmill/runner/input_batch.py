@@ -5,8 +5,12 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.core.sched_output import SchedulerOutput
-from tokenmill.model.layers.attention import AttentionMetadata
+from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput
+from tokenmill.model.layers.attention import AttentionMetadata, DecodeBucket
+
+# A decode bucket may pad its members up to this factor of their real total context.
+MAX_PADDING_FACTOR = 1.25
+MIN_BUCKET_SIZE = 8
 
 
 @dataclass
@@ -14,65 +18,78 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    # Flat index of each scheduled request's last token (its logits are sampled when it samples).
+    # Flat index of each scheduled request's last token, in SchedulerOutput.scheduled order.
     last_token_index: list[int]
 
 
+def _num_blocks(ctx_len: int, block_size: int) -> int:
+    return -(-ctx_len // block_size)
+
+
+def _bucket_decodes(lengths: list[int]) -> list[tuple[int, int]]:
+    """Split ascending context lengths into [start, end) runs whose padding stays bounded."""
+    buckets, start, total = [], 0, 0
+    for i, length in enumerate(lengths):
+        count = i - start + 1
+        if count > MIN_BUCKET_SIZE and count * length > MAX_PADDING_FACTOR * (total + length):
+            buckets.append((start, i))
+            start, total = i, 0
+        total += length
+    if lengths:
+        buckets.append((start, len(lengths)))
+    return buckets
+
+
 def build_model_inputs(output: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+    indexed = list(enumerate(output.scheduled))
+    decodes = sorted((p for p in indexed if p[1].num_new_tokens == 1),
+                     key=lambda p: p[1].start_position)
+    prefills = [p for p in indexed if p[1].num_new_tokens != 1]
+
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
-    last_index: list[int] = []
-    num_decodes = 0
-    decode_tables: list[list[int]] = []
-    decode_lens: list[int] = []
-    ranges: list[tuple[int, int]] = []
-    ctx_lens: list[int] = []
-    prefill_blocks: list[torch.Tensor] = []
-
-    for item in output.scheduled:
+    last_index = [0] * len(indexed)
+    for original, item in decodes + prefills:
         start, count, blocks = item.start_position, item.num_new_tokens, item.block_ids
-        flat_start = len(input_ids)
         input_ids.extend(item.token_ids)
         positions.extend(range(start, start + count))
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + count))
-        last_index.append(len(input_ids) - 1)
-        ctx_len = start + count
-        if count == 1 and not ranges:
-            num_decodes += 1
-            decode_tables.append(blocks[: -(-ctx_len // block_size)])
-            decode_lens.append(ctx_len)
-        else:
-            ranges.append((flat_start, flat_start + count))
-            ctx_lens.append(ctx_len)
-            prefill_blocks.append(torch.tensor(blocks[: -(-ctx_len // block_size)], dtype=torch.long, device=device))
+        last_index[original] = len(input_ids) - 1
 
-    decode_block_tables = torch.zeros((0, 1), dtype=torch.long)
-    decode_seq_lens = torch.zeros(0, dtype=torch.long)
-    decode_mask = None
-    if num_decodes:
-        max_blocks = max(len(t) for t in decode_tables)
-        # Padding entries point at block 0; the mask hides them.
-        decode_block_tables = torch.tensor([t + [0] * (max_blocks - len(t)) for t in decode_tables], dtype=torch.long)
-        decode_seq_lens = torch.tensor(decode_lens, dtype=torch.long)
-        key_pos = torch.arange(max_blocks * block_size)
-        decode_mask = (key_pos.unsqueeze(0) < decode_seq_lens.unsqueeze(1)).view(num_decodes, 1, 1, -1).to(device)
-        decode_block_tables = decode_block_tables.to(device)
-        decode_seq_lens = decode_seq_lens.to(device)
+    meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+                             num_decodes=len(decodes))
+    lengths = [item.start_position + 1 for _, item in decodes]
+    for lo, hi in _bucket_decodes(lengths):
+        meta.decode_buckets.append(_decode_bucket(decodes[lo:hi], lengths[lo:hi], lo, block_size, device))
 
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        num_decodes=num_decodes,
-        decode_block_tables=decode_block_tables,
-        decode_seq_lens=decode_seq_lens,
-        decode_mask=decode_mask,
-        prefill_query_ranges=ranges,
-        prefill_context_lens=ctx_lens,
-        prefill_block_ids=prefill_blocks,
-    )
+    offset = len(decodes)
+    for _, item in prefills:
+        ctx_len = item.start_position + item.num_new_tokens
+        meta.prefill_query_ranges.append((offset, offset + item.num_new_tokens))
+        meta.prefill_context_lens.append(ctx_len)
+        meta.prefill_block_ids.append(torch.tensor(item.block_ids[:_num_blocks(ctx_len, block_size)],
+                                                   dtype=torch.long, device=device))
+        offset += item.num_new_tokens
+
     return ModelInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
         positions=torch.tensor(positions, dtype=torch.long, device=device),
         meta=meta,
         last_token_index=last_index,
     )
+
+
+def _decode_bucket(members: list[tuple[int, ScheduledRequest]], lengths: list[int], start: int, block_size: int,
+                   device: torch.device) -> DecodeBucket:
+    max_blocks = _num_blocks(max(lengths), block_size)
+    table: list[int] = []
+    for _, item in members:
+        row = item.block_ids[:_num_blocks(item.start_position + 1, block_size)]
+        table.extend(row)
+        table.extend([0] * (max_blocks - len(row)))  # padding: block 0, hidden by the mask
+    key_pos = torch.arange(max_blocks * block_size)
+    mask = key_pos.unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)
+    return DecodeBucket(start=start, end=start + len(members),
+                        block_ids=torch.tensor(table, dtype=torch.long, device=device),
+                        max_blocks=max_blocks, mask=mask.view(len(members), 1, 1, -1).to(device))

@@ -1,13 +1,20 @@
 """Attention over the paged KV cache for a flat, mixed batch of prefill chunks and decodes.
 
-The batch is one flat list of tokens (no padding). Requests are ordered decodes first:
+The batch is one flat list of tokens (no padding). Single-token requests (decodes) come first,
+sorted by context length, then prefill chunks:
 
-    tokens:  [d0 d1 d2 | p0 p0 p0 p0 | p1 p1]     query_start_loc = [0, 1, 2, 3, 7, 9]
-              decodes     prefill chunk 0  chunk 1
+    tokens:  [d0 d1 d2 | p0 p0 p0 p0 | p1 p1]
+              decodes    chunk of p0   chunk of p1
 
 Each layer first writes the new tokens' K/V into their cache slots (slot = block_id * block_size +
-offset), then every query attends to its request's cached context, which now includes itself. A
-backend is picked once at startup; `TorchAttentionBackend` is portable (CPU or any GPU).
+offset), then every query attends to its request's cached context, which now includes itself.
+
+Decodes are attended in a few buckets of similar context length: each bucket gathers its blocks
+into one padded [batch, ctx, heads, dim] tensor (a masked tail hides the padding) and runs one
+SDPA call. Bucketing bounds the padding; gathering whole blocks with index_select into a buffer
+reused by every layer keeps the copy at memory speed.
+
+A backend is picked once at startup; `TorchAttentionBackend` is portable (CPU or any GPU).
 """
 from __future__ import annotations
 
@@ -19,17 +26,25 @@ import torch.nn.functional as F
 
 
 @dataclass
+class DecodeBucket:
+    start: int  # first decode token of the bucket in the flat batch
+    end: int
+    block_ids: torch.Tensor  # [batch * max_blocks] long, row-major, padded with block 0
+    max_blocks: int
+    mask: torch.Tensor  # [batch, 1, 1, max_blocks * block_size] bool, True = attend
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot of each new token
-    num_decodes: int  # the first num_decodes requests (and tokens) are single-token decodes
-    # Decodes: padded block tables and context lengths, for one batched SDPA call.
-    decode_block_tables: torch.Tensor  # [num_decodes, max_blocks] long
-    decode_seq_lens: torch.Tensor  # [num_decodes] long
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_ctx] bool, True = attend
+    num_decodes: int  # the first num_decodes tokens are single-token requests
+    decode_buckets: list[DecodeBucket] = field(default_factory=list)
     # Prefill chunks: one entry per request, host-side ints (few per step).
-    prefill_query_ranges: list[tuple[int, int]] = field(default_factory=list)  # [start, end) into the flat batch
+    prefill_query_ranges: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in the flat batch
     prefill_context_lens: list[int] = field(default_factory=list)  # tokens of context incl. the chunk
     prefill_block_ids: list[torch.Tensor] = field(default_factory=list)  # [num_blocks] long per request
+    # Scratch for gathered K/V, shared by all layers of one step (allocated on first use).
+    gather_buffer: torch.Tensor | None = None
 
 
 class AttentionBackend(Protocol):
@@ -46,45 +61,55 @@ class TorchAttentionBackend:
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
-        flat_k = key_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-        flat_v = value_cache.view(num_blocks * block_size, num_kv_heads, head_dim)
-        flat_k.index_copy_(0, meta.slot_mapping, k.to(flat_k.dtype))
-        flat_v.index_copy_(0, meta.slot_mapping, v.to(flat_v.dtype))
+        slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+        slots[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+        slots[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
 
         out = torch.empty_like(q)
-        if meta.num_decodes:
-            out[: meta.num_decodes] = self._decode(q[: meta.num_decodes], key_cache, value_cache, meta, scale)
+        for bucket in meta.decode_buckets:
+            out[bucket.start:bucket.end] = self._decode(q[bucket.start:bucket.end], kv_cache, bucket, meta, scale)
         for (start, end), ctx_len, block_ids in zip(meta.prefill_query_ranges, meta.prefill_context_lens,
                                                     meta.prefill_block_ids):
-            out[start:end] = self._prefill(q[start:end], key_cache, value_cache, block_ids, ctx_len, scale)
+            out[start:end] = self._prefill(q[start:end], kv_cache, block_ids, ctx_len, scale)
         return out
 
     @staticmethod
-    def _decode(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        batch, max_blocks = meta.decode_block_tables.shape
-        block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-        # [B, max_blocks, block_size, Hkv, D] -> [B, Hkv, ctx, D]
-        keys = key_cache[meta.decode_block_tables].view(batch, max_blocks * block_size, num_kv_heads, head_dim)
-        values = value_cache[meta.decode_block_tables].view(batch, max_blocks * block_size, num_kv_heads, head_dim)
-        keys = keys.transpose(1, 2).to(q.dtype)
-        values = values.transpose(1, 2).to(q.dtype)
-        query = q.unsqueeze(2)  # [B, Hq, 1, D]
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask, scale=scale,
-                                             enable_gqa=True)
-        return out.squeeze(2)
+    def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """K and V of the given blocks, as [2, len(block_ids) * block_size, Hkv, D] (a view of scratch)."""
+        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+        per_block = block_size * num_kv_heads * head_dim
+        needed = 2 * block_ids.numel() * per_block
+        if meta.gather_buffer is None or meta.gather_buffer.numel() < needed or \
+                meta.gather_buffer.dtype != kv_cache.dtype:
+            meta.gather_buffer = torch.empty(needed, dtype=kv_cache.dtype, device=kv_cache.device)
+        out = meta.gather_buffer[:needed].view(2, block_ids.numel(), per_block)
+        blocks = kv_cache.view(2, num_blocks, per_block)
+        torch.index_select(blocks[0], 0, block_ids, out=out[0])
+        torch.index_select(blocks[1], 0, block_ids, out=out[1])
+        return out.view(2, -1, num_kv_heads, head_dim)
 
-    @staticmethod
-    def _prefill(q: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, block_ids: torch.Tensor,
-                 ctx_len: int, scale: float) -> torch.Tensor:
-        block_size, num_kv_heads, head_dim = key_cache.shape[1:]
-        keys = key_cache[block_ids].view(-1, num_kv_heads, head_dim)[:ctx_len]
-        values = value_cache[block_ids].view(-1, num_kv_heads, head_dim)[:ctx_len]
+    def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, bucket: DecodeBucket, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        batch, num_heads, head_dim = q.shape
+        num_kv_heads = kv_cache.shape[3]
+        group = num_heads // num_kv_heads
+        kv = self._gather(kv_cache, bucket.block_ids, meta)
+        keys = kv[0].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, ctx, D]
+        values = kv[1].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        # The `group` query heads sharing a KV head act as `group` queries of length 1 each; with no
+        # causal mask between them this equals grouped-query attention without repeating K/V.
+        query = q.view(batch, num_kv_heads, group, head_dim)
+        out = F.scaled_dot_product_attention(query, keys.to(q.dtype), values.to(q.dtype), attn_mask=bucket.mask,
+                                             scale=scale)
+        return out.reshape(batch, num_heads, head_dim)
+
+    def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, ctx_len: int,
+                 scale: float) -> torch.Tensor:
+        kv = self._gather_prefill(kv_cache, block_ids)
+        keys = kv[0][:ctx_len].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, ctx, D]
+        values = kv[1][:ctx_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
         num_q = q.shape[0]
         query = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        keys = keys.transpose(0, 1).unsqueeze(0).to(q.dtype)
-        values = values.transpose(0, 1).unsqueeze(0).to(q.dtype)
         if num_q == ctx_len:
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -94,6 +119,12 @@ class TorchAttentionBackend:
             out = F.scaled_dot_product_attention(query, keys, values, attn_mask=k_pos <= q_pos, scale=scale,
                                                  enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
+
+    @staticmethod
+    def _gather_prefill(kv_cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+        blocks = kv_cache.view(2, num_blocks, block_size * num_kv_heads * head_dim)
+        return blocks.index_select(1, block_ids).view(2, -1, num_kv_heads, head_dim)
 
 
 def get_attention_backend(device: torch.device) -> AttentionBackend:
