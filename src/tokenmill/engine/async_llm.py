@@ -1,0 +1,165 @@
+"""AsyncLLM: the server's asyncio façade over one continuous-batching engine loop.
+
+The engine loop runs in a dedicated thread. The HTTP event loop only enqueues commands and awaits
+per-request queues; torch releases the GIL during kernels, so tokenization and HTTP work proceed
+while the model runs. (DESIGN.md's target is a separate engine-core process; the thread keeps one
+copy of the weights and no serialization, and its cost is measured in docs/benchmarks.md.)
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional
+
+from tokenmill.config import EngineConfig
+from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt
+from tokenmill.engine.llm_engine import LLMEngine
+from tokenmill.errors import EngineDeadError, InvalidRequestError
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling_params import SamplingParams
+
+logger = logging.getLogger("tokenmill")
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+    def put(self, item: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLM:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.input_processor: InputProcessor = engine.input_processor
+        self.served_model_name = engine.served_model_name
+        self.max_model_len = engine.max_model_len
+        self.config = engine.config
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, _Stream] = {}
+        self._streams_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._dead: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "AsyncLLM":
+        return cls(LLMEngine(config))
+
+    # ---- public API ----------------------------------------------------------------------
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None or not self._thread.is_alive()
+
+    @property
+    def is_running(self) -> bool:
+        return not self.errored and not self._stop.is_set()
+
+    async def check_health(self) -> None:
+        if self.errored:
+            raise EngineDeadError("the engine loop has stopped")
+
+    async def generate(self, prompt: ProcessedPrompt, sampling_params: SamplingParams, request_id: str, *,
+                       priority: int = 0, user: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        """Cumulative outputs of one request; closing the iterator early aborts the request."""
+        await self.check_health()
+        params = self.input_processor.validate_lengths(prompt.prompt_token_ids, sampling_params)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        with self._streams_lock:
+            if request_id in self._streams:
+                raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+            self._streams[request_id] = stream
+        self._send(("add", request_id, prompt, params, priority, user, time.monotonic()))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                # Outputs are cumulative: when the consumer lags, only the newest one matters.
+                while not stream.queue.empty() and not _is_final(item):
+                    item = stream.queue.get_nowait()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            with self._streams_lock:
+                self._streams.pop(request_id, None)
+            if not finished:
+                self._send(("abort", request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._send(("abort", request_id))
+
+    def get_stats(self) -> dict[str, Any]:
+        stats = self.engine.core.get_stats()
+        return {
+            "num_requests_running": stats.num_running,
+            "num_requests_waiting": stats.num_waiting,
+            "kv_cache_usage": stats.kv_cache_usage,
+            "num_preemptions": stats.num_preemptions,
+            "prefix_cache_queries": stats.prefix_cache_queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+        }
+
+    async def shutdown(self) -> None:
+        self._stop.set()
+        self._wakeup.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _send(self, command: tuple) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(timeout=0.5)
+                    self._wakeup.clear()
+                    continue
+                for output in self.engine.step():
+                    stream = self._streams.get(output.request_id)
+                    if stream is not None:
+                        stream.put(output)
+        except BaseException as exc:  # the loop must never die silently
+            logger.exception("engine loop died")
+            self._dead = exc
+            with self._streams_lock:
+                for stream in self._streams.values():
+                    stream.put(EngineDeadError("the engine failed while serving this request"))
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if command[0] == "add":
+                _, request_id, prompt, params, priority, user, arrival = command
+                if request_id not in self._streams:
+                    continue  # the client left before the request reached the engine
+                try:
+                    self.engine.add_request(request_id, prompt, params, priority=priority, user=user,
+                                            arrival_time=arrival)
+                except Exception as exc:  # a bad request fails alone
+                    stream = self._streams.get(request_id)
+                    if stream is not None:
+                        stream.put(exc if isinstance(exc, InvalidRequestError) else
+                                   InvalidRequestError(str(exc)))
+            elif command[0] == "abort":
+                self.engine.abort_request(command[1])
+
+
+def _is_final(item: Any) -> bool:
+    return isinstance(item, BaseException) or item.finished
