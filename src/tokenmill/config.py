@@ -48,7 +48,18 @@ class EngineConfig:
     num_kv_blocks: Optional[int] = None
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"
+    scheduling_policy: str = "fcfs"  # fcfs | priority | fair | lpm
+    # A request preempted this many times is spared while other victims remain (no thrash).
+    max_preemptions: Optional[int] = 4
+    # Admission control: refuse (429) beyond this many waiting requests; expire long waits.
+    max_num_queued_requests: Optional[int] = None
+    max_queue_time: Optional[float] = None
+    # Length limits and long-prompt isolation.
+    max_prompt_tokens: Optional[int] = None
+    long_prefill_token_threshold: Optional[int] = None
+    max_long_partial_prefills: int = 1
+    # Host memory for swapped-out KV blocks (GiB); preemption swaps only where the device is not the CPU.
+    swap_space: float = 0.0
     seed: int = 0
     max_logprobs: int = 20
     num_threads: Optional[int] = None
@@ -65,5 +76,15 @@ class EngineConfig:
                 raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}", name)
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise InvalidRequestError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}", "num_kv_blocks")
+        from tokenmill.core.policy import POLICIES
+
+        if self.scheduling_policy not in POLICIES:
+            raise InvalidRequestError(f"scheduling_policy must be one of {', '.join(POLICIES)}", "scheduling_policy")
+        for name in ("max_num_queued_requests", "max_prompt_tokens", "long_prefill_token_threshold"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidRequestError(f"{name} must be positive, got {value}", name)
+        if self.max_queue_time is not None and self.max_queue_time <= 0:
+            raise InvalidRequestError("max_queue_time must be positive", "max_queue_time")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]", "gpu_memory_utilization")

@@ -39,6 +39,8 @@ class KVCacheManager:
         # How many leading blocks of each request are already in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
+        # (src, dst) block copies the runner must do before the next forward pass (copy-on-write).
+        self.pending_copies: list[tuple[int, int]] = []
 
     @property
     def usage(self) -> float:
@@ -79,6 +81,19 @@ class KVCacheManager:
         self.prefix_stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
+    def peek_cached_tokens(self, request: Request) -> int:
+        """Cached prefix length in tokens, without taking the blocks or counting a query."""
+        if not self.enable_caching:
+            return 0
+        max_tokens = request.num_tokens - 1
+        self._update_block_hashes(request, max_tokens)
+        count = 0
+        for block_hash in request.block_hashes[: max_tokens // self.block_size]:
+            if self.pool.get_cached_block(block_hash) is None:
+                break
+            count += 1
+        return count * self.block_size
+
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        new_computed_blocks: Sequence[KVBlock] = ()) -> Optional[list[KVBlock]]:
@@ -91,10 +106,14 @@ class KVCacheManager:
         num_needed = -(-total_tokens // self.block_size) - len(blocks) - len(new_computed_blocks)
         # Cache hits sitting in the free queue stop being free once we take them.
         num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if max(num_needed, 0) + num_revived > self.pool.num_free_blocks:
+        shared_partial = self._shared_partial_block(request, blocks) if num_new_tokens > 0 else None
+        num_copies = 1 if shared_partial is not None else 0
+        if max(num_needed, 0) + num_revived + num_copies > self.pool.num_free_blocks:
             if not blocks:
                 del self.req_to_blocks[request.request_id]
             return None
+        if shared_partial is not None:
+            self._copy_on_write(blocks, shared_partial)
         self.pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_needed) if num_needed > 0 else []
@@ -102,6 +121,33 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, total_tokens)
         return new_blocks
+
+    def _shared_partial_block(self, request: Request, blocks: list[KVBlock]) -> Optional[int]:
+        """Index of the block the next token is written into, if other requests share it."""
+        index = request.num_computed_tokens // self.block_size
+        if request.num_computed_tokens % self.block_size and index < len(blocks) and blocks[index].ref_cnt > 1:
+            return index
+        return None
+
+    def _copy_on_write(self, blocks: list[KVBlock], index: int) -> None:
+        """Give the request a private copy of a shared, partially filled block before it writes."""
+        shared = blocks[index]
+        private = self.pool.get_new_blocks(1)[0]
+        self.pending_copies.append((shared.block_id, private.block_id))
+        self.pool.free_blocks([shared])
+        blocks[index] = private
+
+    def take_pending_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """The child shares every block of the parent (ref counts up); writes copy on demand."""
+        blocks = self.req_to_blocks.get(parent.request_id, [])
+        self.pool.touch(blocks)
+        self.req_to_blocks[child.request_id] = list(blocks)
+        self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
+        child.block_hashes = list(parent.block_hashes)
 
     def _cache_full_blocks(self, request: Request, num_tokens: int) -> None:
         """Register the request's full blocks in the prefix cache. Their KV is written during the

@@ -51,6 +51,9 @@ class Request:
     # Chained hashes of this request's full blocks (filled lazily by the KV cache manager).
     block_hashes: list[bytes] = field(default_factory=list)
     first_scheduled_time: Optional[float] = None
+    # n > 1: the samples that fork from this request once its prompt (all but the last token) is
+    # computed. Such a parent never samples; its children share its blocks (copy-on-write).
+    fork_children: Optional[list["Request"]] = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
@@ -62,6 +65,11 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """How far num_computed_tokens must catch up this round (a fork parent stops one short)."""
+        return self.num_tokens - 1 if self.fork_children is not None else self.num_tokens
 
     @property
     def num_output_tokens(self) -> int:

@@ -17,7 +17,8 @@ class ScheduledRequest:
     samples: bool = False
 
     def __post_init__(self) -> None:
-        self.samples = self.start_position + self.num_new_tokens >= self.request.num_tokens
+        self.samples = (self.start_position + self.num_new_tokens >= self.request.num_tokens
+                        and self.request.fork_children is None)
 
     @property
     def request_id(self) -> str:
@@ -34,6 +35,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
     finished_ids: list[str] = field(default_factory=list)
+    # Copy-on-write block copies (src, dst) to do before the forward pass.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:

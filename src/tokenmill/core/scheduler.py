@@ -1,24 +1,30 @@
 """Continuous batching with chunked prefill under a token budget.
 
 Each step:
-  1. running requests, oldest first, get the tokens they need to catch up (a decode needs one);
-     when the KV cache is full, the newest running request is preempted (blocks freed, put back
-     at the front of the waiting queue, recomputed later);
-  2. waiting requests fill what is left of the token budget and of max_num_seqs, long prompts
-     cut into chunks; a prefix-cache hit starts a request's computed count ahead.
+  1. running requests, in policy order, get the tokens they need to catch up (a decode needs
+     one); when the KV cache is full, the policy picks a victim to preempt (blocks freed, put
+     back in the waiting queue, recomputed later); a request preempted `max_preemptions` times
+     is spared while any other victim remains, so preemption cannot thrash;
+  2. waiting requests, in policy order, fill what is left of the token budget and of
+     max_num_seqs; long prompts are cut into chunks, and prompts longer than
+     long_prefill_token_threshold are capped per step (at most max_long_partial_prefills of them
+     at once) so decodes and short prompts keep flowing; a prefix-cache hit starts a request's
+     computed count ahead.
 After the forward pass, update_from_output appends sampled tokens, applies stop conditions and
 frees the blocks of finished requests in the same step.
 """
 from __future__ import annotations
 
 import time
-from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
+from tokenmill.core.policy import SchedulingPolicy, make_policy
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput
+
+QUEUE_TIMEOUT = "queue_timeout"
 
 
 @dataclass(slots=True)
@@ -27,6 +33,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    policy: str = "fcfs"
+    max_preemptions: Optional[int] = 4
+    max_queue_time_s: Optional[float] = None
+    long_prefill_token_threshold: Optional[int] = None
+    max_long_partial_prefills: int = 1
+    lpm_max_wait_s: float = 5.0
 
 
 @dataclass(slots=True)
@@ -37,17 +49,25 @@ class SchedulerStats:
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    num_cached_blocks: int = 0
+    num_evictions: int = 0
+    num_queue_timeouts: int = 0
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 policy: Optional[SchedulingPolicy] = None) -> None:
         self.config = config
         self.kv_cache = kv_cache
-        self.waiting: deque[Request] = deque()
+        self.policy = policy or make_policy(config.policy, config.lpm_max_wait_s)
+        self.waiting: list[Request] = []  # preempted requests are put back at the front
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_queue_timeouts = 0
         self._finished_ids: list[str] = []
+        # Requests finished inside schedule() (queue timeouts), reported by the next update.
+        self._timed_out: list[Request] = []
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -76,7 +96,7 @@ class Scheduler:
         self._finished_ids.append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._timed_out)
 
     @property
     def num_unfinished(self) -> int:
@@ -84,19 +104,21 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._fork_ready_parents()
+        self._expire_waiting()
         output = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
 
+        self.running.sort(key=self.policy.rank)
         budget = self._schedule_running(scheduled, output, budget)
         if not output.preempted_ids:
             # Admitting new work right after a preemption would only cause another one.
-            self._schedule_waiting(scheduled, budget)
+            self._schedule_waiting(scheduled, output, budget)
 
-        # Decodes first, prefill chunks after (the attention backend groups them that way).
-        scheduled.sort(key=lambda s: s.num_new_tokens != 1)
         output.scheduled = scheduled
+        output.block_copies = self.kv_cache.take_pending_copies()
         now = time.monotonic()
         for item in scheduled:
             if item.request.first_scheduled_time is None:
@@ -105,69 +127,132 @@ class Scheduler:
             item.request.num_computed_tokens += item.num_new_tokens
         return output
 
-    def _schedule_running(self, scheduled: list[ScheduledRequest], output: SchedulerOutput,
-                          budget: int) -> int:
+    def _fork_ready_parents(self) -> None:
+        """n > 1: once a parent's prompt is computed, its samples take over its blocks."""
+        for parent in [r for r in self.running if r.fork_children is not None]:
+            if parent.num_computed_tokens < parent.num_tokens_to_compute:
+                continue
+            index = self.running.index(parent)
+            for child in parent.fork_children:
+                self.kv_cache.fork(parent, child)
+                child.num_computed_tokens = parent.num_computed_tokens
+                child.num_cached_tokens = parent.num_cached_tokens
+                child.first_scheduled_time = parent.first_scheduled_time
+                child.status = RequestStatus.RUNNING
+                self.requests[child.request_id] = child
+            self.running[index:index + 1] = parent.fork_children
+            self.kv_cache.free(parent)
+            self.requests.pop(parent.request_id, None)
+            parent.status = RequestStatus.FINISHED_STOPPED
+
+    def _expire_waiting(self) -> None:
+        limit = self.config.max_queue_time_s
+        if limit is None:
+            return
+        now = time.monotonic()
+        for request in [r for r in self.waiting if r.first_scheduled_time is None and now - r.arrival_time > limit]:
+            self.waiting.remove(request)
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.stop_reason = QUEUE_TIMEOUT
+            self.num_queue_timeouts += 1
+            self._free(request)
+            self._timed_out.append(request)
+
+    def _schedule_running(self, scheduled: list[ScheduledRequest], output: SchedulerOutput, budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._cap_prefill(request, request.num_tokens_to_compute - request.num_computed_tokens, budget)
             if num_new <= 0:
                 index += 1
                 continue
             start = request.num_computed_tokens
             while self.kv_cache.allocate_slots(request, num_new) is None:
-                victim = self.running.pop()  # the newest running request
-                self._preempt(victim)
-                output.preempted_ids.append(victim.request_id)
+                victim = self.policy.pick_victim(self.running[index:], self.config.max_preemptions)
+                self._preempt(victim, output)
                 if victim is request:
                     break
             else:
                 scheduled.append(ScheduledRequest(request, start, num_new, self.kv_cache.block_ids(request.request_id)))
                 budget -= num_new
                 index += 1
-                continue
-            break  # the request itself was preempted: everything after it is gone too
-        # A preemption may have removed requests already scheduled in this loop.
-        live = {id(r) for r in self.running}
-        scheduled[:] = [s for s in scheduled if id(s.request) in live]
         return budget
 
-    def _preempt(self, request: Request) -> None:
+    def _cap_prefill(self, request: Request, num_new: int, budget: int) -> int:
+        threshold = self.config.long_prefill_token_threshold
+        if threshold is not None and num_new > threshold:
+            num_new = threshold  # long prompts advance at most `threshold` tokens per step
+        return min(num_new, budget)
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        self.running.remove(request)
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self.waiting.insert(0, request)
+        output.preempted_ids.append(request.request_id)
 
-    def _schedule_waiting(self, scheduled: list[ScheduledRequest], budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
+    def _schedule_waiting(self, scheduled: list[ScheduledRequest], output: SchedulerOutput, budget: int) -> None:
+        threshold = self.config.long_prefill_token_threshold
+        num_long = sum(1 for s in scheduled if threshold is not None and
+                       s.request.num_tokens_to_compute - s.start_position > threshold)
+        skipped: list[Request] = []
+        candidates = list(self.waiting)
+        while candidates and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.policy.pick_next(candidates, self.kv_cache.peek_cached_tokens)
+            candidates.remove(request)
             if request.sampling_params.prompt_logprobs is None:
                 hits, num_cached = self.kv_cache.get_computed_blocks(request)
             else:  # every prompt position must be computed to be scored
                 hits, num_cached = [], 0
-            num_new = request.num_tokens - num_cached
-            if num_new > budget and not self.config.enable_chunked_prefill:
+            num_cached = min(num_cached, request.num_tokens_to_compute)
+            hits = hits[: num_cached // self.kv_cache.block_size]
+            remaining = request.num_tokens_to_compute - num_cached
+            is_long = threshold is not None and remaining > threshold
+            if is_long and num_long >= self.config.max_long_partial_prefills:
+                skipped.append(request)  # isolation: let shorter prompts use this step
+                continue
+            if remaining > budget and not self.config.enable_chunked_prefill:
                 break
-            num_new = min(num_new, budget)
+            num_new = self._cap_prefill(request, remaining, budget)
             if self.kv_cache.allocate_slots(request, num_new, hits) is None:
+                self._preempt_for(request, output, scheduled)
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
+            num_long += is_long
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached
             request.status = RequestStatus.RUNNING
             self.running.append(request)
-            scheduled.append(ScheduledRequest(request, num_cached, num_new, self.kv_cache.block_ids(request.request_id)))
-            budget -= num_new
+            if num_new > 0:
+                scheduled.append(ScheduledRequest(request, num_cached, num_new,
+                                                  self.kv_cache.block_ids(request.request_id)))
+                budget -= num_new
+
+    def _preempt_for(self, request: Request, output: SchedulerOutput,
+                     scheduled: list[ScheduledRequest]) -> None:
+        """Priority policy: make room for a waiting request by preempting a strictly lower-priority
+        running one. The freed blocks are used from the next step on."""
+        if not self.policy.preempts_for_waiting or not self.running:
+            return
+        victim = self.policy.pick_victim(self.running, self.config.max_preemptions)
+        limit = self.config.max_preemptions
+        if self.policy.victim_class(victim) <= self.policy.victim_class(request) or (
+                limit is not None and victim.num_preemptions >= limit):
+            return
+        self._preempt(victim, output)
+        scheduled[:] = [s for s in scheduled if s.request is not victim]
 
     # ---- results -------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
         """Append sampled tokens and apply stop conditions; returns requests that finished."""
-        finished = []
+        finished, self._timed_out = self._timed_out, []
         for item in output.scheduled:
             request = item.request
+            self.policy.on_tokens(request, item.num_new_tokens)
             token = sampled.get(request.request_id)
             if token is None or request.is_finished:
                 continue
@@ -196,6 +281,7 @@ class Scheduler:
 
     def get_stats(self) -> SchedulerStats:
         stats = self.kv_cache.prefix_stats
+        pool = self.kv_cache.pool
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
@@ -203,4 +289,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=stats.queries,
             prefix_cache_hits=stats.hits,
+            num_cached_blocks=len(pool.cached),
+            num_evictions=pool.num_evictions,
+            num_queue_timeouts=self.num_queue_timeouts,
         )

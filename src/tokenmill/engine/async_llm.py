@@ -18,7 +18,8 @@ from typing import Any, AsyncIterator, Optional
 from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.errors import EngineDeadError, InvalidRequestError
+from tokenmill.core.scheduler import QUEUE_TIMEOUT
+from tokenmill.errors import EngineDeadError, InvalidRequestError, RequestRejectedError, TokenmillError
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -73,6 +74,7 @@ class AsyncLLM:
         """Cumulative outputs of one request; closing the iterator early aborts the request."""
         await self.check_health()
         params = self.input_processor.validate_lengths(prompt.prompt_token_ids, sampling_params)
+        self._admit()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:
             if request_id in self._streams:
@@ -89,12 +91,32 @@ class AsyncLLM:
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
+                if finished and any(o.stop_reason == QUEUE_TIMEOUT for o in item.outputs):
+                    self._count_rejection("queue_timeout")
+                    raise RequestRejectedError(
+                        f"the request waited longer than max_queue_time ({self.config.max_queue_time} s) "
+                        "without being scheduled; retry later", retry_after_s=1.0, code="queue_timeout")
                 yield item
         finally:
             with self._streams_lock:
                 self._streams.pop(request_id, None)
             if not finished:
                 self._send(("abort", request_id))
+
+    def _admit(self) -> None:
+        """Admission control: refuse at once (429) when the waiting queue is full."""
+        limit = self.config.max_num_queued_requests
+        if limit is None:
+            return
+        waiting = len(self.engine.core.scheduler.waiting) + self._commands.qsize()
+        if waiting >= limit:
+            self._count_rejection("queue_full")
+            raise RequestRejectedError(f"the server is busy: {limit} requests are already queued; retry later",
+                                       retry_after_s=1.0, code="queue_full")
+
+    def _count_rejection(self, reason: str) -> None:
+        rejected = self.engine.num_rejected
+        rejected[reason] = rejected.get(reason, 0) + 1
 
     async def abort(self, request_id: str) -> None:
         self._send(("abort", request_id))
@@ -108,6 +130,9 @@ class AsyncLLM:
             "num_preemptions": stats.num_preemptions,
             "prefix_cache_queries": stats.prefix_cache_queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
+            "num_cached_blocks": stats.num_cached_blocks,
+            "num_evictions": stats.num_evictions,
+            "num_rejected": dict(self.engine.num_rejected),
         }
 
     async def shutdown(self) -> None:
@@ -155,8 +180,7 @@ class AsyncLLM:
                 except Exception as exc:  # a bad request fails alone
                     stream = self._streams.get(request_id)
                     if stream is not None:
-                        stream.put(exc if isinstance(exc, InvalidRequestError) else
-                                   InvalidRequestError(str(exc)))
+                        stream.put(exc if isinstance(exc, TokenmillError) else InvalidRequestError(str(exc)))
             elif command[0] == "abort":
                 self.engine.abort_request(command[1])
 

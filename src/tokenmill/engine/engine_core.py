@@ -51,6 +51,11 @@ class EngineCore:
                 max_num_batched_tokens=config.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
+                policy=config.scheduling_policy,
+                max_preemptions=config.max_preemptions,
+                max_queue_time_s=config.max_queue_time,
+                long_prefill_token_threshold=config.long_prefill_token_threshold,
+                max_long_partial_prefills=config.max_long_partial_prefills,
             ),
             self.kv_cache,
         )
@@ -98,10 +103,17 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         if sched.is_empty:
-            return []
+            return [EngineCoreOutput(request_id=r.request_id, finish_reason=r.status.finish_reason,
+                                     stop_reason=r.stop_reason)
+                    for r in self.scheduler.update_from_output(sched, {})]
         result = self.runner.execute(sched)
-        finished = {r.request_id for r in self.scheduler.update_from_output(sched, result.sampled)}
-        outputs = []
+        finished_requests = self.scheduler.update_from_output(sched, result.sampled)
+        finished = {r.request_id for r in finished_requests}
+        scheduled_ids = {item.request_id for item in sched.scheduled}
+        # Requests that ended without running this step (queue timeouts) still report their end.
+        outputs = [EngineCoreOutput(request_id=r.request_id, finish_reason=r.status.finish_reason,
+                                    stop_reason=r.stop_reason)
+                   for r in finished_requests if r.request_id not in scheduled_ids]
         for item in sched.scheduled:
             request = item.request
             rid = request.request_id

@@ -16,7 +16,7 @@ from tokenmill.engine.detokenizer import IncrementalDetokenizer
 from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt
 from tokenmill.engine.messages import EngineCoreOutput
-from tokenmill.errors import InvalidRequestError
+from tokenmill.errors import InvalidRequestError, RequestRejectedError
 from tokenmill.model.default_model import DEFAULT_MODEL_NAME
 from tokenmill.model.loader import load_model_source
 from tokenmill.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
@@ -46,6 +46,7 @@ class RequestState:
     sequences: list[SequenceState]
     metrics: RequestMetrics
     prompt_logprobs: Optional[PromptLogprobs] = None
+    parent_core_id: Optional[str] = None  # n > 1: the request computing the shared prompt
 
     @property
     def finished(self) -> bool:
@@ -72,9 +73,11 @@ class LLMEngine:
         self.core = EngineCore(config, source)
         self.max_model_len = self.core.max_model_len
         vocab_size = self.hf_config.vocab_size
-        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, vocab_size)
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, vocab_size,
+                                              config.max_prompt_tokens)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.hf_config)
         self.requests: dict[str, RequestState] = {}
+        self.num_rejected: dict[str, int] = {}  # reason -> count, for metrics
         self.core_to_request: dict[str, tuple[RequestState, SequenceState]] = {}
 
     # ---- requests ------------------------------------------------------------------------
@@ -82,6 +85,11 @@ class LLMEngine:
                     priority: int = 0, user: Optional[str] = None, arrival_time: Optional[float] = None) -> None:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        limit = self.config.max_num_queued_requests
+        if limit is not None and len(self.core.scheduler.waiting) >= limit:
+            self.num_rejected["queue_full"] = self.num_rejected.get("queue_full", 0) + 1
+            raise RequestRejectedError(f"the server is busy: {limit} requests are already queued; retry later",
+                                       retry_after_s=1.0, code="queue_full")
         params = self.input_processor.validate_lengths(prompt.prompt_token_ids, params)
         # Extra EOS ids of the model (e.g. Llama 3's <|eot_id|>) stop generation like EOS does.
         primary_eos = self.eos_token_ids[0] if self.eos_token_ids else None
@@ -93,6 +101,7 @@ class LLMEngine:
                              RequestMetrics(arrival_time=arrival))
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(prompt.prompt_token_ids)
+        children = []
         for index in range(params.n):
             core_id = request_id if params.n == 1 else f"{request_id}#{index}"
             # Samples of one request get distinct seeds so they differ, yet stay reproducible.
@@ -104,8 +113,19 @@ class LLMEngine:
                                 cumulative_logprob=0.0 if params.logprobs is not None else None)
             state.sequences.append(seq)
             self.core_to_request[core_id] = (state, seq)
-            self.core.add_request(Request(core_id, list(prompt.prompt_token_ids), seq_params, primary_eos,
-                                          arrival_time=arrival, priority=priority, user=user))
+            children.append(Request(core_id, list(prompt.prompt_token_ids), seq_params, primary_eos,
+                                    arrival_time=arrival, priority=priority, user=user))
+        if params.n == 1:
+            self.core.add_request(children[0])
+        else:
+            # The prompt is computed once by a parent; the n samples fork from it and share its
+            # blocks, copying the partially filled last block when they diverge.
+            parent_id = f"{request_id}#prompt"
+            state.parent_core_id = parent_id
+            self.core_to_request[parent_id] = (state, None)
+            self.core.add_request(Request(parent_id, list(prompt.prompt_token_ids), params, primary_eos,
+                                          arrival_time=arrival, priority=priority, user=user,
+                                          fork_children=children))
         self.requests[request_id] = state
 
     def abort_request(self, request_ids: list[str] | str) -> None:
@@ -119,6 +139,9 @@ class LLMEngine:
             for seq in state.sequences:
                 core_ids.append(seq.core_id)
                 self.core_to_request.pop(seq.core_id, None)
+            if state.parent_core_id is not None:
+                core_ids.append(state.parent_core_id)
+                self.core_to_request.pop(state.parent_core_id, None)
         self.core.abort_requests(core_ids)
 
     def has_unfinished_requests(self) -> bool:
@@ -148,6 +171,7 @@ class LLMEngine:
                 self.requests.pop(state.request_id, None)
                 for seq in state.sequences:
                     self.core_to_request.pop(seq.core_id, None)
+                self.core_to_request.pop(state.parent_core_id, None)
         return results
 
     def _apply(self, state: RequestState, seq: SequenceState, out: EngineCoreOutput) -> bool:
@@ -161,6 +185,13 @@ class LLMEngine:
         if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
             start, entries = out.prompt_logprobs
             state.prompt_logprobs[start:start + len(entries)] = entries
+        if seq is None:  # the n > 1 prompt parent reports only prompt logprobs
+            return False
+        if out.finish_reason is not None and not out.new_token_ids and seq.finish_reason is None:
+            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason  # e.g. queue timeout
+            if state.finished:
+                metrics.finished_time = now
+            return False
         if not out.new_token_ids or seq.finish_reason is not None:
             return False
         if metrics.first_token_time is None:

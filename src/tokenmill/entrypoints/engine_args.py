@@ -23,6 +23,16 @@ def _positive_int(value: str) -> int:
     return number
 
 
+def _positive_float(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
+    return number
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("engine")
     group.add_argument("--model", default=None,
@@ -41,7 +51,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-kv-blocks", type=_positive_int, default=None, help="override the KV block count")
     group.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
     group.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority"])
+    group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "fair", "lpm"],
+                       help="fcfs; priority (per-request `priority`, lower first); fair (share tokens between "
+                            "tenants); lpm (longest cached prefix first, bounded wait)")
+    group.add_argument("--max-preemptions", type=_positive_int, default=4,
+                       help="a request preempted this many times is spared from further preemption")
+    group.add_argument("--max-num-queued-requests", type=_positive_int, default=None,
+                       help="refuse new requests with 429 beyond this many waiting")
+    group.add_argument("--max-queue-time", type=_positive_float, default=None,
+                       help="seconds a request may wait before it is rejected")
+    group.add_argument("--max-prompt-tokens", type=_positive_int, default=None)
+    group.add_argument("--long-prefill-token-threshold", type=_positive_int, default=None,
+                       help="prompts longer than this advance at most this many tokens per step")
+    group.add_argument("--max-long-partial-prefills", type=_positive_int, default=1)
+    group.add_argument("--swap-space", type=float, default=0.0,
+                       help="GiB of host memory for preempted KV blocks (ignored on CPU: recompute)")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--num-threads", type=_positive_int, default=None, help="torch CPU threads")
 
@@ -63,6 +87,13 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
+        max_preemptions=args.max_preemptions,
+        max_num_queued_requests=args.max_num_queued_requests,
+        max_queue_time=args.max_queue_time,
+        max_prompt_tokens=args.max_prompt_tokens,
+        long_prefill_token_threshold=args.long_prefill_token_threshold,
+        max_long_partial_prefills=args.max_long_partial_prefills,
+        swap_space=args.swap_space,
         seed=args.seed,
         num_threads=args.num_threads,
     )

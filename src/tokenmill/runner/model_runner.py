@@ -88,6 +88,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         result = RunnerOutput()
+        self._copy_blocks(output.block_copies)
         if output.is_empty:
             return result
         inputs = build_model_inputs(output, self.block_size, self.device)
@@ -116,6 +117,15 @@ class ModelRunner:
             if logprobs is not None:
                 result.logprobs[item.request_id] = logprobs
         return result
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate shared blocks before anyone writes into their copies."""
+        if not copies:
+            return
+        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
+        for kv_cache in self.kv_caches:
+            kv_cache[:, dst] = kv_cache[:, src]
 
     def _prompt_logprobs(self, item, hidden: torch.Tensor, last: int, result: RunnerOutput) -> None:
         """Score the prompt tokens this chunk predicts: position p's logits score token p + 1."""
