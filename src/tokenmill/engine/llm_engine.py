@@ -17,6 +17,7 @@ from tokenmill.engine.engine_core import EngineCore
 from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt
 from tokenmill.engine.messages import EngineCoreOutput
 from tokenmill.errors import InvalidRequestError, RequestRejectedError
+from tokenmill.metrics.stats import FinishedRequestStats, IterationStats, SchedulerSnapshot, StatLogger
 from tokenmill.model.default_model import DEFAULT_MODEL_NAME
 from tokenmill.model.loader import load_model_source
 from tokenmill.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
@@ -35,6 +36,7 @@ class SequenceState:
     cumulative_logprob: Optional[float] = None
     finish_reason: Optional[str] = None
     stop_reason: int | str | None = None
+    last_token_time: Optional[float] = None
 
 
 @dataclass
@@ -78,7 +80,10 @@ class LLMEngine:
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.hf_config)
         self.requests: dict[str, RequestState] = {}
         self.num_rejected: dict[str, int] = {}  # reason -> count, for metrics
-        self.core_to_request: dict[str, tuple[RequestState, SequenceState]] = {}
+        self.core_to_request: dict[str, tuple[RequestState, Optional[SequenceState]]] = {}
+        # Stat loggers (Prometheus, log line, dashboard window) see every step.
+        self.stat_loggers: list[StatLogger] = []
+        self._iteration = IterationStats()
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, *,
@@ -136,6 +141,8 @@ class LLMEngine:
             state = self.requests.pop(request_id, None)
             if state is None:
                 continue
+            if self.stat_loggers:
+                self._iteration.finished.append(self._finished_stats(state, "abort"))
             for seq in state.sequences:
                 core_ids.append(seq.core_id)
                 self.core_to_request.pop(seq.core_id, None)
@@ -168,11 +175,50 @@ class LLMEngine:
         for state in changed.values():
             results.append(self._make_output(state))
             if state.finished:
+                self._iteration.finished.append(self._finished_stats(state))
                 self.requests.pop(state.request_id, None)
                 for seq in state.sequences:
                     self.core_to_request.pop(seq.core_id, None)
                 self.core_to_request.pop(state.parent_core_id, None)
+        self._record_stats()
         return results
+
+    # ---- statistics ----------------------------------------------------------------------
+    def _record_stats(self) -> None:
+        iteration, self._iteration = self._iteration, IterationStats()
+        if not self.stat_loggers:
+            return
+        stats = self.core.get_stats()
+        snapshot = SchedulerSnapshot(
+            num_running=stats.num_running, num_waiting=stats.num_waiting, kv_cache_usage=stats.kv_cache_usage,
+            num_preemptions=stats.num_preemptions, prefix_cache_queries=stats.prefix_cache_queries,
+            prefix_cache_hits=stats.prefix_cache_hits, num_cached_blocks=stats.num_cached_blocks,
+            num_evictions=stats.num_evictions)
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(snapshot, iteration)
+
+    def _finished_stats(self, state: RequestState, reason: Optional[str] = None) -> FinishedRequestStats:
+        m = state.metrics
+        end = m.finished_time or time.monotonic()
+        scheduled = m.first_scheduled_time if m.first_scheduled_time is not None else end
+        first = m.first_token_time
+        num_generated = sum(len(seq.token_ids) for seq in state.sequences)
+        decode_time = (m.last_token_time - first) if first is not None and m.last_token_time else 0.0
+        longest = max((len(seq.token_ids) for seq in state.sequences), default=0)
+        reasons = [seq.finish_reason for seq in state.sequences if seq.finish_reason]
+        return FinishedRequestStats(
+            finish_reason=reason or (reasons[0] if reasons else "abort"),
+            num_prompt_tokens=len(state.prompt_token_ids),
+            num_generation_tokens=num_generated,
+            e2e_latency=end - m.arrival_time,
+            queue_time=scheduled - m.arrival_time,
+            prefill_time=(first - scheduled) if first is not None else 0.0,
+            decode_time=decode_time,
+            ttft=(first - m.arrival_time) if first is not None else None,
+            tpot=decode_time / (longest - 1) if longest > 1 else None,
+            num_preemptions=m.num_preemptions,
+            num_cached_tokens=m.num_cached_tokens,
+        )
 
     def _apply(self, state: RequestState, seq: SequenceState, out: EngineCoreOutput) -> bool:
         """Fold one core output into the sequence; True when a stop string ended it."""
@@ -196,7 +242,13 @@ class LLMEngine:
             return False
         if metrics.first_token_time is None:
             metrics.first_token_time = now
+            self._iteration.ttfts.append(now - metrics.arrival_time)
+            self._iteration.num_prompt_tokens += len(state.prompt_token_ids)
+        elif seq.last_token_time is not None:
+            self._iteration.inter_token_latencies.append(now - seq.last_token_time)
+        seq.last_token_time = now
         metrics.last_token_time = now
+        self._iteration.num_generation_tokens += len(out.new_token_ids)
         seq.token_ids.extend(out.new_token_ids)
         if out.new_logprobs is not None and seq.logprobs is not None:
             for token, entry in zip(out.new_token_ids, out.new_logprobs):

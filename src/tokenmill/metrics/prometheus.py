@@ -1,0 +1,112 @@
+"""Prometheus exporter with vLLM's metric names under the `tokenmill:` prefix."""
+from __future__ import annotations
+
+from typing import Optional
+
+from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector,
+                               generate_latest)
+
+from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                   20.0, 40.0, 80.0, 160.0, 640.0)
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None,
+                 device_memory: bool = False) -> None:
+        # A registry per engine keeps several engines in one process (tests) from colliding.
+        self.registry = registry or CollectorRegistry()
+        ProcessCollector(registry=self.registry)
+        PlatformCollector(registry=self.registry)
+        labels = ["model_name"]
+        r = self.registry
+        p = "tokenmill:"
+        self.running = Gauge(p + "num_requests_running", "Requests in the running batch", labels, registry=r)
+        self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
+        self.swapped = Gauge(p + "num_requests_swapped", "Requests swapped out to host memory", labels, registry=r)
+        self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", labels, registry=r)
+        self.cached_blocks = Gauge(p + "prefix_cache_blocks", "KV blocks holding a reusable prefix", labels,
+                                   registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens computed", labels, registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", labels, registry=r)
+        self.success = Counter(p + "request_success", "Finished requests", labels + ["finished_reason"], registry=r)
+        self.preemptions = Counter(p + "num_preemptions", "Preemptions", labels, registry=r)
+        self.prefix_queries = Counter(p + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      labels, registry=r)
+        self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
+                                   registry=r)
+        self.evictions = Counter(p + "prefix_cache_evictions", "Cached blocks evicted", labels, registry=r)
+        self.rejected = Counter(p + "request_rejected", "Requests refused by admission control",
+                                labels + ["reason"], registry=r)
+        self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
+        self.itl = self._histogram("inter_token_latency_seconds", "Time between consecutive tokens",
+                                   LATENCY_BUCKETS)
+        self.tpot = self._histogram("time_per_output_token_seconds", "Mean time per output token of a request",
+                                    LATENCY_BUCKETS)
+        self.e2e = self._histogram("e2e_request_latency_seconds", "End-to-end request latency", LATENCY_BUCKETS)
+        self.queue = self._histogram("request_queue_time_seconds", "Time waiting before first scheduled",
+                                     LATENCY_BUCKETS)
+        self.prefill = self._histogram("request_prefill_time_seconds", "First scheduled to first token",
+                                       LATENCY_BUCKETS)
+        self.decode = self._histogram("request_decode_time_seconds", "First token to last token", LATENCY_BUCKETS)
+        self.req_prompt = self._histogram("request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS)
+        self.req_generation = self._histogram("request_generation_tokens", "Generated tokens per request",
+                                              TOKEN_BUCKETS)
+        self.iteration_tokens = self._histogram("iteration_tokens_total", "Tokens per engine step", TOKEN_BUCKETS)
+        self.device_memory = Gauge(p + "device_memory_used_bytes", "CUDA memory allocated by the engine", labels,
+                                   registry=r) if device_memory else None
+        self.model_name = model_name
+        self._last = SchedulerSnapshot()
+        self._rejected_seen: dict[str, int] = {}
+
+    def _histogram(self, name: str, doc: str, buckets) -> Histogram:
+        return Histogram("tokenmill:" + name, doc, ["model_name"], buckets=buckets, registry=self.registry)
+
+    def record(self, scheduler: SchedulerSnapshot, iteration: IterationStats) -> None:
+        m = self.model_name
+        self.running.labels(m).set(scheduler.num_running)
+        self.waiting.labels(m).set(scheduler.num_waiting)
+        self.swapped.labels(m).set(scheduler.num_swapped)
+        self.kv_usage.labels(m).set(scheduler.kv_cache_usage)
+        self.cached_blocks.labels(m).set(scheduler.num_cached_blocks)
+        last = self._last
+        self.preemptions.labels(m).inc(max(0, scheduler.num_preemptions - last.num_preemptions))
+        self.prefix_queries.labels(m).inc(max(0, scheduler.prefix_cache_queries - last.prefix_cache_queries))
+        self.prefix_hits.labels(m).inc(max(0, scheduler.prefix_cache_hits - last.prefix_cache_hits))
+        self.evictions.labels(m).inc(max(0, scheduler.num_evictions - last.num_evictions))
+        self._last = scheduler
+        if iteration.num_tokens:
+            self.prompt_tokens.labels(m).inc(iteration.num_prompt_tokens)
+            self.generation_tokens.labels(m).inc(iteration.num_generation_tokens)
+            self.iteration_tokens.labels(m).observe(iteration.num_tokens)
+        for value in iteration.ttfts:
+            self.ttft.labels(m).observe(value)
+        for value in iteration.inter_token_latencies:
+            self.itl.labels(m).observe(value)
+        for request in iteration.finished:
+            self.success.labels(m, request.finish_reason).inc()
+            self.e2e.labels(m).observe(request.e2e_latency)
+            self.queue.labels(m).observe(request.queue_time)
+            self.prefill.labels(m).observe(request.prefill_time)
+            self.decode.labels(m).observe(request.decode_time)
+            self.req_prompt.labels(m).observe(request.num_prompt_tokens)
+            self.req_generation.labels(m).observe(request.num_generation_tokens)
+            if request.tpot is not None:
+                self.tpot.labels(m).observe(request.tpot)
+        if self.device_memory is not None:
+            import torch
+
+            self.device_memory.labels(m).set(torch.cuda.memory_allocated())
+
+    def record_rejections(self, totals: dict[str, int]) -> None:
+        """Admission-control refusals (cumulative per reason) happen outside engine steps."""
+        for reason, total in totals.items():
+            seen = self._rejected_seen.get(reason, 0)
+            if total > seen:
+                self.rejected.labels(self.model_name, reason).inc(total - seen)
+                self._rejected_seen[reason] = total
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
