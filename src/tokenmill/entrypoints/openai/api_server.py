@@ -1,0 +1,209 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over one `AsyncLLM`, run by uvicorn.
+
+`build_app(engine, args)` makes the app; `serve_app(app, args)` runs it and drains on SIGTERM/SIGINT:
+new requests get 503 while in-flight ones finish (up to --shutdown-timeout), then the server exits.
+`python -m tokenmill.entrypoints.openai.api_server [flags]` is the same as `tokenmill serve [flags]`.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import math
+import sys
+import time
+from importlib import metadata
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Optional
+
+import uvicorn
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, Response
+
+from tokenmill.entrypoints.engine_args import add_engine_args
+from tokenmill.entrypoints.openai.cli_args import (
+    DEFAULT_MAX_BODY_BYTES,
+    add_serve_args,
+    resolve_api_keys,
+    run_server,
+)
+from tokenmill.entrypoints.openai.errors import error_response, install_exception_handlers
+from tokenmill.entrypoints.openai.middleware import GatewayMiddleware, ServerLifecycle
+from tokenmill.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+    VersionResponse,
+)
+from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
+from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
+from tokenmill.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+
+if TYPE_CHECKING:
+    from tokenmill.engine.async_llm import AsyncLLM
+
+logger = logging.getLogger("tokenmill.server")
+
+_ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
+_STREAMING = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE chunks with stream=true"}}
+
+
+def _version() -> str:
+    try:
+        return metadata.version("tokenmill")
+    except metadata.PackageNotFoundError:
+        return "0.0.0+unknown"
+
+
+def build_app(engine: "AsyncLLM", args: Optional[argparse.Namespace] = None) -> FastAPI:
+    lifecycle = ServerLifecycle()
+    app = FastAPI(title="tokenmill", version=_version(),
+                  description="OpenAI-compatible API of the tokenmill inference engine")
+    app.state.engine = engine
+    app.state.lifecycle = lifecycle
+    install_exception_handlers(app)
+    _add_openai_routes(app, engine)
+    _add_server_routes(app, engine, lifecycle)
+    max_body = getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES)
+    app.add_middleware(GatewayMiddleware, lifecycle=lifecycle, api_keys=resolve_api_keys(args),
+                       max_body_bytes=max_body)
+    return app
+
+
+def _add_openai_routes(app: FastAPI, engine: "AsyncLLM") -> None:
+    name = engine.served_model_name
+    completions = OpenAIServingCompletion(engine, name)
+    chat = OpenAIServingChat(engine, name)
+    models = OpenAIServingModels(name, engine.max_model_len)
+
+    @app.post("/v1/completions", response_model=CompletionResponse, responses={**_STREAMING, **_ERRORS})
+    async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
+        return await completions.create_completion(body, raw_request)
+
+    @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_STREAMING, **_ERRORS})
+    async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await chat.create_chat_completion(body, raw_request)
+
+    @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
+    async def list_models() -> ModelList:
+        return models.list_models()
+
+    @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
+    async def get_model(model_id: str) -> ModelCard:
+        return models.get_model(model_id)
+
+
+def _add_server_routes(app: FastAPI, engine: "AsyncLLM", lifecycle: ServerLifecycle) -> None:
+    tokenization = OpenAIServingTokenization(engine, engine.served_model_name)
+    version = _version()
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
+        return tokenization.tokenize(body)
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        return tokenization.detokenize(body)
+
+    @app.get("/health", responses={200: {"description": "the engine can serve"}, 503: {"model": ErrorResponse}})
+    async def health() -> Response:
+        if engine.errored:
+            return error_response(503, "the engine has stopped", "service_unavailable", code="engine_dead")
+        if lifecycle.draining:
+            return error_response(503, "the server is shutting down", "service_unavailable", code="shutting_down")
+        return Response(status_code=200)
+
+    @app.get("/version", response_model=VersionResponse)
+    async def get_version() -> VersionResponse:
+        return VersionResponse(version=version)
+
+    @app.get("/stats", responses={200: {"description": "engine statistics (running, waiting, kv_cache_usage, ...)"}})
+    async def stats() -> JSONResponse:
+        return JSONResponse(_jsonable(engine.get_stats()))
+
+
+def _jsonable(value: Any) -> Any:
+    """JSON has no NaN or Infinity; a stats gauge that is not finite reads as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+# ---- running -----------------------------------------------------------------------------------
+class DrainingServer(uvicorn.Server):
+    """uvicorn, but the first SIGTERM/SIGINT drains instead of exiting at once; a second one forces exit.
+
+    uvicorn's own handling closes the listening socket first (new clients see a refused connection) and
+    re-raises the signal afterwards (the exit status would be -SIGTERM); draining here keeps answering
+    503 until in-flight requests are done and then exits normally with status 0.
+    """
+
+    def __init__(self, config: uvicorn.Config, lifecycle: ServerLifecycle, shutdown_timeout_s: float) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+        self.shutdown_timeout_s = shutdown_timeout_s
+        self._drain_deadline: Optional[float] = None
+        self._drain_logged = False
+
+    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+        # Runs as a signal handler: only set flags here (no logging, no awaiting).
+        if self.lifecycle.draining:
+            self.force_exit = True
+            self.should_exit = True
+            return
+        self.lifecycle.draining = True
+        self._drain_deadline = time.monotonic() + self.shutdown_timeout_s
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.lifecycle.draining and not self.should_exit:
+            inflight = self.lifecycle.inflight
+            if not self._drain_logged:
+                self._drain_logged = True
+                logger.info("shutting down: refusing new requests, waiting for %d in flight (up to %.0f s)",
+                            inflight, self.shutdown_timeout_s)
+            if inflight == 0 or time.monotonic() >= (self._drain_deadline or 0.0):
+                if inflight:
+                    logger.warning("shutdown timeout reached; cancelling %d requests", inflight)
+                # Whatever still runs gets a moment more and is then cancelled (which aborts it).
+                self.config.timeout_graceful_shutdown = 1
+                self.should_exit = True
+        return await super().on_tick(counter)
+
+
+async def serve_app(app: FastAPI, args: argparse.Namespace) -> None:
+    config = uvicorn.Config(
+        app,
+        host=getattr(args, "host", "127.0.0.1"),
+        port=getattr(args, "port", 8000),
+        log_level=getattr(args, "uvicorn_log_level", "info"),
+        access_log=not getattr(args, "disable_access_log", False),
+        lifespan="off",
+    )
+    server = DrainingServer(config, app.state.lifecycle, getattr(args, "shutdown_timeout", 30.0))
+    await server.serve()
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tokenmill.entrypoints.openai.api_server",
+                                     description="Serve a model over an OpenAI-compatible HTTP API.")
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="tokenmill's own log level")
+    add_engine_args(parser)
+    add_serve_args(parser)
+    return run_server(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

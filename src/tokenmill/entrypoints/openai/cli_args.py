@@ -1,0 +1,118 @@
+"""Flags of `tokenmill serve` (the engine's own flags come from entrypoints/engine_args.py) and the
+server's entry point `run_server(args) -> exit code`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+from typing import Optional
+
+from tokenmill.config import parse_memory_size
+from tokenmill.entrypoints.engine_args import engine_config_from_args
+from tokenmill.errors import TokenmillError
+
+API_KEY_ENV = "TOKENMILL_API_KEY"
+DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+ENGINE_SHUTDOWN_TIMEOUT_S = 30.0
+
+logger = logging.getLogger("tokenmill.server")
+
+
+def _size(value: str) -> int:
+    try:
+        return parse_memory_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _port(value: str) -> int:
+    if not value.isdigit() or not 0 <= int(value) <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {value!r}")
+    return int(value)
+
+
+def _non_negative(value: str) -> float:
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
+    if not number >= 0:
+        raise argparse.ArgumentTypeError(f"expected a non-negative number of seconds, got {value!r}")
+    return number
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=_port, default=8000)
+    group.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                       help=f"require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: ${API_KEY_ENV})")
+    group.add_argument("--shutdown-timeout", type=_non_negative, default=30.0,
+                       help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
+    group.add_argument("--max-request-body-bytes", type=_size, default=DEFAULT_MAX_BODY_BYTES,
+                       help="larger request bodies get 413 (e.g. 16MiB)")
+    # Not --log-level: the `tokenmill` command already has that flag (upper-case levels) for all subcommands.
+    group.add_argument("--uvicorn-log-level", default="info",
+                       choices=["trace", "debug", "info", "warning", "error", "critical"])
+    group.add_argument("--disable-access-log", action="store_true", help="no uvicorn access log lines")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="no JSON line per finished request on the tokenmill.requests logger")
+
+
+def resolve_api_keys(args: Optional[argparse.Namespace]) -> list[str]:
+    """--api-key values win; otherwise $TOKENMILL_API_KEY; otherwise no authentication."""
+    keys = [key for key in (getattr(args, "api_key", None) or []) if key]
+    if not keys and os.environ.get(API_KEY_ENV):
+        keys = [os.environ[API_KEY_ENV]]
+    return keys
+
+
+def configure_logging(level: str = "INFO", log_requests: bool = True) -> None:
+    root = logging.getLogger()
+    if not root.handlers:
+        logging.basicConfig(level=str(level).upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    requests = logging.getLogger("tokenmill.requests")
+    if not requests.handlers:
+        # The request log is one JSON object per line, so it gets no prefix.
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        requests.addHandler(handler)
+        requests.propagate = False
+    requests.setLevel(logging.INFO if log_requests else logging.WARNING)
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Loads the model, serves until SIGTERM/SIGINT, drains, shuts the engine down. Returns the exit code."""
+    configure_logging(getattr(args, "log_level", None) or "INFO", not getattr(args, "disable_log_requests", False))
+    try:
+        config = engine_config_from_args(args)
+    except TokenmillError as exc:
+        logger.error("invalid engine settings: %s", exc.message)
+        return 2
+    try:
+        return asyncio.run(_serve(args, config))
+    except KeyboardInterrupt:  # Ctrl-C while the model was still loading
+        return 130
+
+
+async def _serve(args: argparse.Namespace, config) -> int:
+    from tokenmill.engine.async_llm import AsyncLLM
+    from tokenmill.entrypoints.openai.api_server import build_app, serve_app
+
+    try:
+        # Inside the event loop, so an engine that runs its loop as an asyncio task finds one.
+        engine = AsyncLLM.from_config(config)
+    except TokenmillError as exc:
+        logger.error("cannot start the engine: %s", exc.message)
+        return 1
+    try:
+        await serve_app(build_app(engine, args), args)
+    finally:
+        try:
+            await asyncio.wait_for(engine.shutdown(), ENGINE_SHUTDOWN_TIMEOUT_S)
+        except Exception:
+            logger.exception("engine shutdown failed")
+    return 0

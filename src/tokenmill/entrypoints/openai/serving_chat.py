@@ -1,0 +1,184 @@
+"""POST /v1/chat/completions: the model's chat template turns messages into one prompt with n samples."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tokenmill.engine.input_processor import ProcessedPrompt
+from tokenmill.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatLogProb,
+    ChatLogProbs,
+    ChatLogProbsContent,
+    ChatResponseMessage,
+    ChatTemplateFields,
+    DeltaMessage,
+)
+from tokenmill.entrypoints.openai.serving_base import (
+    CLIENT_CLOSED_REQUEST,
+    MIN_LOGPROB,
+    GenerationGroup,
+    GenerationJob,
+    RequestLog,
+    ServingBase,
+    base_request_id,
+    engine_request_id,
+    safe_logprob,
+    sse,
+    token_text,
+    usage_of,
+)
+from tokenmill.errors import InvalidRequestError
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+
+# Arguments the server itself passes to apply_chat_template; chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template",
+    "tools", "documents", "return_dict", "return_tensors", "padding", "truncation", "max_length", "tokenizer_kwargs",
+    "return_assistant_tokens_mask",
+})
+
+
+def render_chat_prompt(processor: Any, fields: ChatTemplateFields) -> ProcessedPrompt:
+    kwargs = {k: v for k, v in (fields.chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS}
+    if fields.continue_final_message:
+        if fields.add_generation_prompt:
+            raise InvalidRequestError("continue_final_message needs add_generation_prompt set to false",
+                                      "continue_final_message")
+        if fields.messages[-1].role != "assistant":
+            raise InvalidRequestError("continue_final_message needs a final assistant message", "messages")
+        kwargs["continue_final_message"] = True
+    messages = [m.to_template_dict() for m in fields.messages]
+    return processor.apply_chat_template(messages, add_generation_prompt=fields.add_generation_prompt,
+                                         chat_template=fields.chat_template, tools=fields.tools, **kwargs)
+
+
+@dataclass
+class _ChoiceState:
+    """How much of one choice the client has already received."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    started: bool = False
+    finished: bool = False
+
+
+class OpenAIServingChat(ServingBase):
+    async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_request(body.model)
+        processor = self.engine.input_processor
+        prompt = render_chat_prompt(processor, body)
+        params = body.sampling_params(max_tokens=body.effective_max_tokens, logprobs=body.num_top_logprobs,
+                                      prompt_logprobs=None, vocab_size=processor.vocab_size)
+        request_id = base_request_id(raw)
+        response_id = f"chatcmpl-{request_id}"
+        jobs = [GenerationJob(engine_request_id(response_id, 0), prompt, params)]
+        self.check_lengths(jobs)
+        group = GenerationGroup(self.engine, jobs, RequestLog(request_id, "/v1/chat/completions"), request=raw,
+                                priority=body.priority, user=body.user)
+        group.start()
+        role = "assistant" if body.add_generation_prompt else body.messages[-1].role
+        echo = self._echo_text(body, role)
+        if body.stream:
+            return await self._stream(body, group, response_id, role, echo)
+        if not await self.collect(group):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        outputs = group.final_outputs()
+        choices = []
+        for comp in (outputs[0].outputs if outputs else []):
+            logprobs = self._logprobs(comp, 0, body.num_top_logprobs) if body.logprobs else None
+            choices.append(ChatCompletionResponseChoice(
+                index=comp.index, message=ChatResponseMessage(role=role, content=echo + comp.text),
+                logprobs=logprobs, finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
+        choices.sort(key=lambda c: c.index)
+        response = ChatCompletionResponse(id=response_id, model=self.model_name, choices=choices,
+                                          usage=usage_of(outputs))
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    @staticmethod
+    def _echo_text(body: ChatCompletionRequest, role: str) -> str:
+        """With echo, the reply repeats the last message when it has the reply's role (vLLM's rule)."""
+        last = body.messages[-1]
+        if not body.echo or last.role != role or last.content is None:
+            return ""
+        content = last.to_template_dict()["content"]
+        return content if isinstance(content, str) else ""
+
+    async def _stream(self, body: ChatCompletionRequest, group: GenerationGroup, response_id: str, role: str,
+                      echo: str) -> Response:
+        states: dict[int, _ChoiceState] = {}
+
+        def chunk(choice: ChatCompletionStreamChoice) -> str:
+            usage = usage_of(group.final_outputs()) if body.continuous_usage else None
+            return sse(ChatCompletionStreamResponse(id=response_id, model=self.model_name, choices=[choice],
+                                                    usage=usage))
+
+        def render(batch: dict[int, RequestOutput]) -> Iterator[str]:
+            out = batch.get(0)
+            for comp in (out.outputs if out is not None else []):
+                state = states.setdefault(comp.index, _ChoiceState())
+                if state.finished:
+                    continue
+                prefix = ""
+                if not state.started:  # OpenAI's first delta of a choice names the role
+                    state.started = True
+                    prefix = echo
+                    yield chunk(ChatCompletionStreamChoice(index=comp.index, delta=DeltaMessage(role=role, content="")))
+                choice = self._delta(body, state, comp, prefix)
+                if choice is not None:
+                    yield chunk(choice)
+
+        def tail() -> Iterator[str]:
+            if body.include_usage:
+                yield sse(ChatCompletionStreamResponse(id=response_id, model=self.model_name, choices=[],
+                                                       usage=usage_of(group.final_outputs())))
+
+        return await self.stream(group, render, tail)
+
+    def _delta(self, body: ChatCompletionRequest, state: _ChoiceState, comp: CompletionOutput,
+               prefix: str) -> Optional[ChatCompletionStreamChoice]:
+        delta = prefix + comp.text[state.text_len:]
+        num_new = len(comp.token_ids) - state.num_tokens
+        finish = comp.finish_reason
+        if not (delta or finish or (body.logprobs and num_new > 0)):
+            return None
+        logprobs = self._logprobs(comp, state.num_tokens, body.num_top_logprobs) if body.logprobs else None
+        state.text_len = len(comp.text)
+        state.num_tokens = len(comp.token_ids)
+        state.finished = finish is not None
+        return ChatCompletionStreamChoice(index=comp.index, delta=DeltaMessage(content=delta), logprobs=logprobs,
+                                          finish_reason=finish, stop_reason=comp.stop_reason if finish else None)
+
+    def _logprobs(self, comp: CompletionOutput, start: int, top_n: Optional[int]) -> ChatLogProbs:
+        tokenizer = self.engine.tokenizer
+        steps = comp.logprobs or []
+        content = []
+        for i in range(start, len(comp.token_ids)):
+            token_id = comp.token_ids[i]
+            step = steps[i] if i < len(steps) else {}
+            sampled = step.get(token_id)
+            content.append(ChatLogProbsContent(
+                **_entry(token_text(tokenizer, token_id, sampled), sampled),
+                top_logprobs=[ChatLogProb(**_entry(token_text(tokenizer, tid, lp), lp))
+                              for tid, lp in _top(step, top_n or 0)]))
+        return ChatLogProbs(content=content)
+
+
+def _entry(text: str, logprob: Optional[Logprob]) -> dict[str, Any]:
+    value = safe_logprob(logprob.logprob) if logprob is not None else MIN_LOGPROB
+    return {"token": text, "logprob": value, "bytes": list(text.encode("utf-8", errors="replace"))}
+
+
+def _top(step: dict[int, Logprob], top_n: int) -> list[tuple[int, Logprob]]:
+    """The top_n most likely tokens by rank; the sampled token appears only if it is among them."""
+    if top_n <= 0:
+        return []
+    ranked = sorted(step.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0, -kv[1].logprob))
+    return [(tid, lp) for tid, lp in ranked if lp.rank is None or lp.rank <= top_n][:top_n]

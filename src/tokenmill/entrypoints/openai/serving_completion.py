@@ -1,0 +1,195 @@
+"""POST /v1/completions: one engine request per prompt, choices indexed prompt_i * n + sample_j."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tokenmill.engine.input_processor import ProcessedPrompt
+from tokenmill.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamChoice,
+    CompletionStreamResponse,
+    PromptLogprobEntry,
+)
+from tokenmill.entrypoints.openai.serving_base import (
+    CLIENT_CLOSED_REQUEST,
+    GenerationGroup,
+    GenerationJob,
+    RequestLog,
+    ServingBase,
+    base_request_id,
+    engine_request_id,
+    safe_logprob,
+    sse,
+    token_text,
+    usage_of,
+)
+from tokenmill.errors import InvalidRequestError
+from tokenmill.outputs import CompletionOutput, Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
+
+logger = logging.getLogger(__name__)
+
+MAX_CHOICES = 1024  # prompts x n per request; more would flood the scheduler from one request
+
+
+@dataclass
+class _ChoiceState:
+    """How much of one choice the client has already received."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    text_offset: int = 0
+    echoed: bool = False
+    finished: bool = False
+
+
+class OpenAIServingCompletion(ServingBase):
+    async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
+        self.check_request(body.model)
+        if body.suffix is not None:
+            raise InvalidRequestError("suffix is not supported", "suffix")
+        prompts = body.prompts()
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise InvalidRequestError(f"a request may ask for at most {MAX_CHOICES} choices (prompts x n)", "n")
+        processor = self.engine.input_processor
+        processed = [processor.process_prompt(p, "prompt") for p in prompts]
+        prompt_logprobs = body.prompt_logprobs
+        if body.echo and body.logprobs is not None:
+            prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+        params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs,
+                                      prompt_logprobs=prompt_logprobs, vocab_size=processor.vocab_size)
+        request_id = base_request_id(raw)
+        response_id = f"cmpl-{request_id}"
+        jobs = [GenerationJob(engine_request_id(response_id, i), p, params) for i, p in enumerate(processed)]
+        self.check_lengths(jobs)
+        group = GenerationGroup(self.engine, jobs, RequestLog(request_id, "/v1/completions"), request=raw,
+                                priority=body.priority, user=body.user)
+        group.start()
+        if body.stream:
+            return await self._stream(body, group, processed, response_id)
+        return await self._full(body, group, processed, response_id)
+
+    # ---- non-streaming -------------------------------------------------------------------
+    async def _full(self, body: CompletionRequest, group: GenerationGroup, prompts: list[ProcessedPrompt],
+                    response_id: str) -> Response:
+        if not await self.collect(group):
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
+        outputs = group.final_outputs()
+        choices = []
+        for prompt_index, out in enumerate(outputs):
+            prompt_text = self._prompt_text(prompts[prompt_index]) if body.echo else ""
+            for comp in out.outputs:
+                logprobs = None
+                if body.logprobs is not None:
+                    logprobs, _ = self._logprobs(body, out, comp, prompt_text, 0, 0, echo=body.echo)
+                choices.append(CompletionResponseChoice(
+                    index=prompt_index * body.n + comp.index, text=prompt_text + comp.text, logprobs=logprobs,
+                    finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
+                    prompt_logprobs=_prompt_logprobs(out) if body.prompt_logprobs is not None else None))
+        choices.sort(key=lambda c: c.index)
+        response = CompletionResponse(id=response_id, model=self.model_name, choices=choices,
+                                      usage=usage_of(outputs))
+        return Response(response.model_dump_json(), media_type="application/json")
+
+    # ---- streaming -----------------------------------------------------------------------
+    async def _stream(self, body: CompletionRequest, group: GenerationGroup, prompts: list[ProcessedPrompt],
+                      response_id: str) -> Response:
+        states: dict[int, _ChoiceState] = {}
+
+        def render(batch: dict[int, RequestOutput]) -> Iterator[str]:
+            for prompt_index, out in sorted(batch.items()):
+                for comp in out.outputs:
+                    index = prompt_index * body.n + comp.index
+                    state = states.setdefault(index, _ChoiceState())
+                    choice = self._delta(body, state, index, out, comp, prompts[prompt_index])
+                    if choice is not None:
+                        usage = usage_of(group.final_outputs()) if body.continuous_usage else None
+                        yield sse(CompletionStreamResponse(id=response_id, model=self.model_name,
+                                                           choices=[choice], usage=usage))
+
+        def tail() -> Iterator[str]:
+            if body.include_usage:
+                yield sse(CompletionStreamResponse(id=response_id, model=self.model_name, choices=[],
+                                                   usage=usage_of(group.final_outputs())))
+
+        return await self.stream(group, render, tail)
+
+    def _delta(self, body: CompletionRequest, state: _ChoiceState, index: int, out: RequestOutput,
+               comp: CompletionOutput, prompt: ProcessedPrompt) -> Optional[CompletionStreamChoice]:
+        if state.finished:
+            return None
+        echo_now = body.echo and not state.echoed
+        prefix = self._prompt_text(prompt) if echo_now else ""
+        delta = comp.text[state.text_len:]
+        num_new = len(comp.token_ids) - state.num_tokens
+        finish = comp.finish_reason
+        if not (prefix or delta or finish or (body.logprobs is not None and num_new > 0)):
+            return None
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs, state.text_offset = self._logprobs(body, out, comp, prefix, state.num_tokens,
+                                                         state.text_offset, echo=echo_now)
+        state.echoed = state.echoed or echo_now
+        state.text_len = len(comp.text)
+        state.num_tokens = len(comp.token_ids)
+        state.finished = finish is not None
+        return CompletionStreamChoice(index=index, text=prefix + delta, logprobs=logprobs, finish_reason=finish,
+                                      stop_reason=comp.stop_reason if finish else None)
+
+    # ---- helpers -------------------------------------------------------------------------
+    def _prompt_text(self, prompt: ProcessedPrompt) -> str:
+        if prompt.prompt is not None:
+            return prompt.prompt
+        return self.engine.tokenizer.decode(prompt.prompt_token_ids)
+
+    def _logprobs(self, body: CompletionRequest, out: RequestOutput, comp: CompletionOutput, prompt_text: str,
+                  start: int, offset: int, *, echo: bool) -> tuple[CompletionLogProbs, int]:
+        """Logprobs of generated tokens from `start` on (and of the prompt first when echoing)."""
+        result = CompletionLogProbs()
+        if echo:
+            offset = self._append_logprobs(result, body, out.prompt_token_ids, out.prompt_logprobs, offset)
+            offset = max(offset, len(prompt_text))
+        offset = self._append_logprobs(result, body, comp.token_ids[start:],
+                                       (comp.logprobs or [])[start:], offset)
+        return result, offset
+
+    def _append_logprobs(self, result: CompletionLogProbs, body: CompletionRequest, token_ids: list[int],
+                         steps: Optional[SampleLogprobs | PromptLogprobs], offset: int) -> int:
+        tokenizer = self.engine.tokenizer
+        top_n = body.logprobs or 0
+        as_ids = body.return_tokens_as_token_ids
+        for i, token_id in enumerate(token_ids):
+            step = steps[i] if steps is not None and i < len(steps) else None
+            sampled = step.get(token_id) if step else None
+            text = token_text(tokenizer, token_id, sampled, as_ids)
+            result.tokens.append(text)
+            result.text_offset.append(offset)
+            offset += len(text)
+            if step is None:
+                result.token_logprobs.append(None)
+                result.top_logprobs.append(None)
+                continue
+            result.token_logprobs.append(safe_logprob(sampled.logprob) if sampled else None)
+            top: dict[str, float] = {}
+            for other_id, lp in sorted(step.items(), key=lambda kv: (kv[1].rank is None, kv[1].rank or 0)):
+                if other_id == token_id or lp.rank is None or lp.rank <= top_n:
+                    top[token_text(tokenizer, other_id, lp, as_ids)] = safe_logprob(lp.logprob)
+            result.top_logprobs.append(top)
+        return offset
+
+
+def _prompt_logprobs(out: RequestOutput) -> Optional[list[Optional[dict[str, PromptLogprobEntry]]]]:
+    if out.prompt_logprobs is None:
+        return None
+    def entry(lp: Logprob) -> PromptLogprobEntry:
+        return PromptLogprobEntry(logprob=safe_logprob(lp.logprob), rank=lp.rank, decoded_token=lp.decoded_token)
+
+    return [None if step is None else {str(token_id): entry(lp) for token_id, lp in step.items()}
+            for step in out.prompt_logprobs]

@@ -1,0 +1,75 @@
+"""SIGTERM drains: new requests get 503, in-flight ones finish, the process exits 0 leaving no children.
+
+Runs its own server on the tiny random Llama (output does not matter here), which also checks
+--served-model-name and the TOKENMILL_API_KEY environment variable.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+ENV_KEY = "tm-env-key"
+
+
+def _children(pid: int) -> list[int]:
+    children = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:  # field 4 of /proc/PID/stat: the parent pid
+                children.append(int(entry.name))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find child processes")
+def test_sigterm_drains_in_flight_requests_and_exits_zero(start_server, tiny_llama_dir):
+    server = start_server(["--model", str(tiny_llama_dir), "--served-model-name", "tiny-test",
+                           "--max-model-len", "512", "--num-kv-blocks", "64", "--shutdown-timeout", "60"],
+                          env={"TOKENMILL_API_KEY": ENV_KEY}, api_key=ENV_KEY)
+    url, headers = server.url, server.headers
+    assert httpx.get(url + "/v1/models").status_code == 401
+    models = httpx.get(url + "/v1/models", headers=headers).json()
+    assert [m["id"] for m in models["data"]] == ["tiny-test"]
+    wrong = httpx.post(url + "/v1/completions", headers=headers, json={"prompt": "a", "model": "other"})
+    assert wrong.status_code == 404
+    children = _children(server.proc.pid)
+
+    body = {"model": "tiny-test", "prompt": "Hello", "max_tokens": 96, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", url + "/v1/completions", headers=headers, json=body) as response:
+            lines = (line for line in response.iter_lines() if line.startswith("data: "))
+            events = [next(lines)]
+            server.proc.send_signal(signal.SIGTERM)
+            refused = httpx.post(url + "/v1/completions", headers=headers, json={"prompt": "a", "max_tokens": 1})
+            assert refused.status_code == 503 and refused.json()["error"]["type"] == "service_unavailable"
+            assert httpx.get(url + "/health").status_code == 503
+            events.extend(lines)
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(event[len("data: "):]) for event in events[:-1]]
+    assert chunks[-1]["usage"]["completion_tokens"] == 96
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"] and
+            c["choices"][0].get("finish_reason")] == ["length"]
+
+    assert server.proc.wait(timeout=60) == 0
+    assert not [pid for pid in children if _alive(pid)]
+    log = server.log_text()
+    assert "Traceback" not in log
+    assert os.path.exists(server.log_path)
