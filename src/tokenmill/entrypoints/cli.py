@@ -64,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
         _add_serve(subparsers)
     except ImportError:  # the server's dependencies are optional for offline use
         pass
+    from tokenmill.entrypoints.bench_cli import add_bench_subcommands
+
+    add_bench_subcommands(subparsers)
     return parser
 
 

@@ -1,0 +1,125 @@
+"""`tokenmill plan`: KV and weight arithmetic, headroom, tensor parallelism, devices needed, profile crossing."""
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from tokenmill.benchmarks.gpus import KNOWN_GPUS, custom_device, find_gpu
+from tokenmill.benchmarks.planner import (
+    PRESETS,
+    PlanInputs,
+    estimate_params,
+    make_plan,
+    profile_crossing,
+    resolve_model,
+)
+from tokenmill.entrypoints import bench_cli
+from tokenmill.errors import InvalidRequestError
+
+KIB, GIB = 1024, 2**30
+
+
+def test_kv_bytes_per_token_match_hand_calculations():
+    # 2 (K, V) × layers × KV heads × head_dim × 2 bytes (fp16)
+    assert PRESETS["llama-3-8b"].kv_bytes_per_token(2) == 32 * 8 * 128 * 2 * 2 == 128 * KIB
+    assert PRESETS["llama-3-70b"].kv_bytes_per_token(2) == 80 * 8 * 128 * 2 * 2 == 320 * KIB
+    assert PRESETS["qwen2.5-7b"].kv_bytes_per_token(2) == 28 * 4 * 128 * 2 * 2
+    assert PRESETS["mistral-7b"].kv_bytes_per_token(2) == 128 * KIB
+    assert PRESETS["smollm2-135m"].kv_bytes_per_token(2) == 30 * 3 * 64 * 2 * 2
+    assert PRESETS["llama-3-8b"].kv_bytes_per_token(1) == 64 * KIB  # fp8 KV halves it
+    plan = make_plan(PlanInputs(PRESETS["llama-3-8b"], custom_device(100), max_model_len=1024,
+                                kv_cache_dtype="fp8"))
+    assert plan["kv_bytes_per_token"] == 64 * KIB and plan["dtype"] == "bfloat16"
+
+
+def test_headroom_weights_and_devices_needed():
+    model, device = PRESETS["llama-3-8b"], custom_device(100)
+    plan = make_plan(PlanInputs(model, device, max_model_len=8192, concurrency=100, headroom=0.3, dtype="float16"))
+    weights = 8_030_261_248 * 2
+    usable = 100 * GIB * 0.7
+    assert plan["weights_bytes"] == weights and plan["usable_bytes_per_device"] == pytest.approx(usable)
+    assert plan["kv_bytes_per_device"] == pytest.approx(usable - weights)
+    assert plan["kv_tokens_per_replica"] == int((usable - weights) // (128 * KIB))
+    per_replica = plan["kv_tokens_per_replica"] // 8192
+    assert plan["max_concurrency_per_replica"] == per_replica == 55  # (70 − 14.96 GiB) / 1 GiB per sequence
+    assert plan["tensor_parallel_size"] == 1
+    assert plan["replicas_needed"] == math.ceil(100 / per_replica) == 2 and plan["devices_needed"] == 2
+    # More headroom, less KV room: fewer sequences per device.
+    tighter = make_plan(PlanInputs(model, device, max_model_len=8192, concurrency=100, headroom=0.5, dtype="float16"))
+    assert tighter["usable_bytes_per_device"] == pytest.approx(50 * GIB)
+    assert tighter["max_concurrency_per_replica"] == int((50 * GIB - weights) // (128 * KIB)) // 8192 == 35
+    assert tighter["devices_needed"] == 3
+    # A context that is not a whole number of 16-token blocks takes whole blocks.
+    odd = make_plan(PlanInputs(model, device, max_model_len=8200, headroom=0.3, dtype="float16"))
+    assert odd["kv_bytes_per_sequence"] == 8208 * 128 * KIB
+
+
+def test_tensor_parallel_when_weights_do_not_fit_one_device():
+    model = PRESETS["llama-3-70b"]
+    plan = make_plan(PlanInputs(model, find_gpu("A100-80GB"), max_model_len=8192, concurrency=64, dtype="fp16"))
+    weights = 70_553_706_496 * 2
+    assert plan["tensor_parallel_size"] == 4  # TP 2 leaves 65.7 GiB of weights on a 56 GiB budget
+    kv_per_device = 80 * GIB * 0.7 - weights / 4
+    assert plan["kv_bytes_per_device"] == pytest.approx(kv_per_device)
+    # Each of the 4 ranks holds 2 of the 8 KV heads: a token costs a quarter of 320 KiB per rank.
+    assert plan["kv_tokens_per_replica"] == int(kv_per_device // (320 * KIB / 4))
+    assert plan["devices_needed"] == math.ceil(64 / plan["max_concurrency_per_replica"]) * 4
+    assert make_plan(PlanInputs(model, find_gpu("h200"), max_model_len=8192, dtype="fp8"))["tensor_parallel_size"] == 1
+    with pytest.raises(InvalidRequestError, match="does not fit"):
+        make_plan(PlanInputs(model, custom_device(1), max_model_len=8192))
+
+
+def test_profile_crossing_interpolates_p95_ttft():
+    profile = {"points": [
+        {"max_concurrency": 1, "p95_ttft_ms": 100.0, "server": {"queue_depth_p95": 0.0}},
+        {"max_concurrency": 4, "p95_ttft_ms": 200.0, "server": {"queue_depth_p95": 0.0}},
+        {"max_concurrency": 16, "p95_ttft_ms": 600.0, "server": {"queue_depth_p95": 6.0}},
+    ]}
+    out = profile_crossing(profile, 400.0)
+    assert out["crossing_concurrency"] == pytest.approx(10.0) and out["ttft_bound_concurrency"] == 10
+    assert out["queue_depth_p95_at_crossing"] == pytest.approx(3.0)
+    assert profile_crossing(profile, 1000.0)["crossing_concurrency"] is None
+    assert profile_crossing(profile, 50.0)["ttft_bound_concurrency"] == 1
+    plan = make_plan(PlanInputs(PRESETS["llama-3-8b"], find_gpu("H100-80GB"), max_model_len=4096, concurrency=50,
+                                target_ttft_ms=400, profile=profile))
+    assert plan["concurrency_per_replica"] == 10 and plan["replicas_needed"] == 5
+    assert plan["scale_out_trigger"]["p95_queue_depth"] == 3 and plan["scale_out_trigger"]["p95_ttft_ms"] == 400
+    assert "P95 TTFT > 400 ms" in plan["scale_out_trigger"]["text"]
+    with pytest.raises(InvalidRequestError, match="bench sweep"):
+        profile_crossing({"points": []}, 100)
+
+
+def test_hf_directory_config_and_safetensors_count(tmp_path):
+    from safetensors.torch import save_file
+
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "num_hidden_layers": 3, "intermediate_size": 128, "vocab_size": 100,
+              "max_position_embeddings": 256, "torch_dtype": "float16"}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec = resolve_model(str(tmp_path))
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.default_dtype) == (3, 2, 16, "float16")
+    assert spec.num_params == estimate_params(config)  # no weights: estimated from the config
+    save_file({"a": torch.zeros(3, 5), "b": torch.zeros(7)}, str(tmp_path / "model.safetensors"))
+    assert resolve_model(str(tmp_path)).num_params == 22
+    with pytest.raises(InvalidRequestError, match="unknown model"):
+        resolve_model("gpt-17")
+
+
+def test_known_gpus_and_cli(capsys):
+    for name in ("A100-40GB", "A100-80GB", "H100-80GB", "H200", "L4", "L40S", "A10G", "RTX-4090", "MI300X"):
+        assert find_gpu(name).memory_gib > 0 and find_gpu(name).bandwidth_gbps > 0
+    assert len(KNOWN_GPUS) >= 9
+    code = bench_cli.main(["plan", "--model", "llama-3-8b", "--gpu", "H100", "--max-model-len", "8192",
+                           "--concurrency", "128"])
+    text = capsys.readouterr().out
+    assert code == 0 and "128.0 KiB" in text and "devices" in text and "scale-out trigger" in text
+    code = bench_cli.main(["plan", "--model", "llama-3-8b", "--memory-gib", "100", "--max-model-len", "8192",
+                           "--concurrency", "100", "--dtype", "fp16", "--json"])
+    assert code == 0 and json.loads(capsys.readouterr().out)["devices_needed"] == 2
+    code = bench_cli.main(["plan", "--model", "llama-3-8b", "--gpu", "Z100", "--concurrency", "1"])
+    assert code == 1 and capsys.readouterr().err.strip() == (
+        "tokenmill: error: unknown GPU 'Z100'; known: A100-40GB, A100-80GB, H100-80GB, H200, L4, L40S, A10G, "
+        "RTX-4090, MI300X (or give --memory-gib)")
