@@ -310,13 +310,14 @@ def write_json(path: Path, report: dict[str, Any]) -> None:
     path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
 
 
-def update_markdown(path: Path, section: str) -> None:
-    """Replace this benchmark's marked section, keeping every other section of the file."""
+def update_markdown(path: Path, section: str, name: str = SECTION) -> None:
+    """Replace the marked section `name` (default: this benchmark's), keeping every other section."""
     path.parent.mkdir(parents=True, exist_ok=True)
     text = path.read_text(encoding="utf-8") if path.exists() else "# Benchmarks\n"
-    start, end = text.find(START_MARK), text.find(END_MARK)
+    start_mark, end_mark = f"<!-- bench:{name}:start -->", f"<!-- bench:{name}:end -->"
+    start, end = text.find(start_mark), text.find(end_mark)
     if start != -1 and end > start:
-        text = text[:start] + section.rstrip("\n") + text[end + len(END_MARK):]
+        text = text[:start] + section.rstrip("\n") + text[end + len(end_mark):]
     else:
         text = text.rstrip("\n") + "\n\n" + section
     path.write_text(text if text.endswith("\n") else text + "\n", encoding="utf-8")

@@ -45,6 +45,9 @@ class SchedulingPolicy:
     def on_tokens(self, request: Request, num_tokens: int) -> None:
         """Account generated/computed tokens to the request's tenant (fair share)."""
 
+    def begin_step(self, running: list[Request], waiting: list[Request]) -> None:
+        """Called at the start of every schedule() with the requests the scheduler holds."""
+
 
 class FCFSPolicy(SchedulingPolicy):
     pass
@@ -71,20 +74,26 @@ class FairSharePolicy(SchedulingPolicy):
 
     def __init__(self) -> None:
         self.served: dict[str, float] = defaultdict(float)
+        # Tenants with a request running or waiting at the last step.
+        self.active: set[str] = set()
 
     @staticmethod
     def tenant(request: Request) -> str:
         return request.user or ""
 
-    def _start_tenant(self, tenant: str) -> None:
-        # A tenant that was idle starts at the least-served active tenant's count, so it cannot bank
-        # credit while away and then monopolize the engine.
-        if tenant not in self.served and self.served:
-            self.served[tenant] = min(self.served.values())
+    def begin_step(self, running, waiting):
+        # A tenant that becomes active (new, or back from idle) starts no lower than the least-served
+        # tenant that stayed active, so it cannot bank credit while away and then monopolize the
+        # engine. With none staying (the engine was idle), the arrivals start level with each other.
+        active = {self.tenant(r) for r in running} | {self.tenant(r) for r in waiting}
+        arriving, staying = active - self.active, active & self.active
+        if arriving:
+            floor = min(self.served[t] for t in staying) if staying else max(self.served[t] for t in arriving)
+            for tenant in arriving:
+                self.served[tenant] = max(self.served[tenant], floor)
+        self.active = active
 
     def pick_next(self, waiting, cached_prefix):
-        for request in waiting:
-            self._start_tenant(self.tenant(request))
         return min(waiting, key=lambda r: (self.served[self.tenant(r)], r.arrival_time))
 
     def rank(self, request):

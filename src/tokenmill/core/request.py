@@ -53,6 +53,8 @@ class Request:
     first_scheduled_time: Optional[float] = None
     # n > 1: the samples that fork from this request once its prompt (all but the last token) is
     # computed. Such a parent never samples; its children share its blocks (copy-on-write).
+    # Beam search sets it after a beam sampled: [] parks the beam (holding its blocks, computing
+    # nothing) until the search sets the children, which then fork from it the same way.
     fork_children: Optional[list["Request"]] = None
 
     def __post_init__(self) -> None:

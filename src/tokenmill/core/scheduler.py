@@ -3,8 +3,9 @@
 Each step:
   1. running requests, in policy order, get the tokens they need to catch up (a decode needs
      one); when the KV cache is full, the policy picks a victim to preempt (blocks freed, put
-     back in the waiting queue, recomputed later); a request preempted `max_preemptions` times
-     is spared while any other victim remains, so preemption cannot thrash;
+     back in the waiting queue, recomputed later) among the requests ranked below the one that
+     needs room, or that request itself; a request preempted `max_preemptions` times is spared
+     while any other victim remains, so preemption cannot thrash;
   2. waiting requests, in policy order, fill what is left of the token budget and of
      max_num_seqs; long prompts are cut into chunks, and prompts longer than
      long_prefill_token_threshold are capped per step (at most max_long_partial_prefills of them
@@ -106,6 +107,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         self._fork_ready_parents()
         self._expire_waiting()
+        self.policy.begin_step(self.running, self.waiting)
         output = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
@@ -128,9 +130,10 @@ class Scheduler:
         return output
 
     def _fork_ready_parents(self) -> None:
-        """n > 1: once a parent's prompt is computed, its samples take over its blocks."""
+        """n > 1: once a parent's prompt is computed, its samples take over its blocks.
+        Beam search parks a beam with an empty children list until it has picked the children."""
         for parent in [r for r in self.running if r.fork_children is not None]:
-            if parent.num_computed_tokens < parent.num_tokens_to_compute:
+            if not parent.fork_children or parent.num_computed_tokens < parent.num_tokens_to_compute:
                 continue
             index = self.running.index(parent)
             for child in parent.fork_children:
@@ -167,16 +170,48 @@ class Scheduler:
                 index += 1
                 continue
             start = request.num_computed_tokens
-            while self.kv_cache.allocate_slots(request, num_new) is None:
-                victim = self.policy.pick_victim(self.running[index:], self.config.max_preemptions)
-                self._preempt(victim, output)
-                if victim is request:
-                    break
-            else:
+            if self._make_room(index, num_new, output, can_wait=bool(scheduled)):
                 scheduled.append(ScheduledRequest(request, start, num_new, self.kv_cache.block_ids(request.request_id)))
                 budget -= num_new
                 index += 1
+            elif request.status == RequestStatus.RUNNING:
+                index += 1  # it waits this step out, keeping its blocks
         return budget
+
+    def _make_room(self, index: int, num_new: int, output: SchedulerOutput, can_wait: bool) -> bool:
+        """Allocate num_new slots for running[index], preempting as needed. False when the request
+        was preempted itself or has to wait a step."""
+        request = self.running[index]
+        while self.kv_cache.allocate_slots(request, num_new) is None:
+            victim = self._running_victim(index, can_wait)
+            if victim is None:
+                return False
+            self._preempt(victim, output)
+            if victim is request:
+                return False
+        return True
+
+    def _running_victim(self, index: int, can_wait: bool) -> Optional[Request]:
+        """Who gives way to running[index]: a lower-ranked request (the policy picks: lowest class,
+        then cheapest recompute), else the request itself; one at the preemption cap is spared while
+        any other remains. When only capped ones remain and this step already has work, the request
+        waits (None): that work finishes and frees blocks, whereas preempting again could thrash."""
+        request = self.running[index]
+        limit = self.config.max_preemptions
+
+        def spared(r: Request) -> bool:
+            return limit is not None and r.num_preemptions >= limit
+
+        lower = self.running[index + 1:]
+        uncapped = [r for r in lower if not spared(r)]
+        if uncapped:
+            return self.policy.pick_victim(uncapped, None)
+        if not spared(request):
+            return request
+        if can_wait:
+            return None
+        # Nothing is scheduled yet, so nothing would free blocks: exceed the cap rather than stall.
+        return self.policy.pick_victim(lower, None) if lower else request
 
     def _cap_prefill(self, request: Request, num_new: int, budget: int) -> int:
         threshold = self.config.long_prefill_token_threshold

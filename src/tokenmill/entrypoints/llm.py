@@ -6,6 +6,7 @@ from typing import Any, Optional, Sequence, Union
 
 from tqdm.auto import tqdm
 
+from tokenmill.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.errors import InvalidRequestError
@@ -60,6 +61,14 @@ class LLM:
         params_list = self._params_for(sampling_params, len(processed))
         return self._run(list(zip(processed, params_list)), use_tqdm, None)
 
+    def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
+                    use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """vLLM's offline beam search: one BeamSearchOutput per prompt, sequences best first.
+        Beams share KV blocks and fork with copy-on-write (see tokenmill.beam_search)."""
+        processor = self.llm_engine.input_processor
+        processed = [processor.process_prompt(p) for p in self._as_list(prompts)]
+        return run_beam_search(self.llm_engine, processed, params, use_tqdm)
+
     # ---- internals -----------------------------------------------------------------------
     @staticmethod
     def _as_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
@@ -82,10 +91,14 @@ class LLM:
     def _run(self, items, use_tqdm: bool, priority: Optional[list[int]]) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
-        for i, (prompt, params) in enumerate(items):
-            request_id = f"offline-{next(self._counter)}"
-            engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0)
-            ids.append(request_id)
+        try:
+            for i, (prompt, params) in enumerate(items):
+                request_id = f"offline-{next(self._counter)}"
+                engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0)
+                ids.append(request_id)
+        except BaseException:
+            engine.abort_request(ids)  # one refused prompt refuses the whole call
+            raise
         results: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or len(ids) < 2, leave=False)
         try:
