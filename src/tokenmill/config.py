@@ -58,7 +58,7 @@ class EngineConfig:
     max_prompt_tokens: Optional[int] = None
     long_prefill_token_threshold: Optional[int] = None
     max_long_partial_prefills: int = 1
-    # Host memory for swapped-out KV blocks (GiB); preemption swaps only where the device is not the CPU.
+    # vLLM's flag, accepted for compatibility: preemption always recomputes (no swap to host yet).
     swap_space: float = 0.0
     seed: int = 0
     max_logprobs: int = 20

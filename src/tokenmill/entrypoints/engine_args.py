@@ -65,7 +65,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="prompts longer than this advance at most this many tokens per step")
     group.add_argument("--max-long-partial-prefills", type=_positive_int, default=1)
     group.add_argument("--swap-space", type=float, default=0.0,
-                       help="GiB of host memory for preempted KV blocks (ignored on CPU: recompute)")
+                       help="accepted for vLLM compatibility; preemption always recomputes (swapping KV to host "
+                            "memory is not implemented yet)")
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--num-threads", type=_positive_int, default=None, help="torch CPU threads")
 
