@@ -150,6 +150,10 @@ class LLMEngine:
                 core_ids.append(state.parent_core_id)
                 self.core_to_request.pop(state.parent_core_id, None)
         self.core.abort_requests(core_ids)
+        if not self.requests:
+            # An idle engine takes no further step, so report the abort and the freed blocks now
+            # (otherwise the gauges would show the aborted request running until the next request).
+            self._record_stats()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -188,6 +192,7 @@ class LLMEngine:
         iteration, self._iteration = self._iteration, IterationStats()
         if not self.stat_loggers:
             return
+        iteration.timestamp = time.time()  # when the step ended, not when the (possibly idle) step began
         stats = self.core.get_stats()
         snapshot = SchedulerSnapshot(
             num_running=stats.num_running, num_waiting=stats.num_waiting, kv_cache_usage=stats.kv_cache_usage,

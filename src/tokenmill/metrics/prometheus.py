@@ -1,16 +1,24 @@
-"""Prometheus exporter with vLLM's metric names under the `tokenmill:` prefix."""
+"""Prometheus exporter with vLLM's metric names under the `tokenmill:` prefix.
+
+`record` runs in the engine thread after every step; `render` runs in the HTTP server (prometheus_client's
+metrics are thread-safe). Every labelled series is created up front, so a scrape before the first request
+already shows zeros instead of missing series (rate() and absent() behave), as vLLM does.
+"""
 from __future__ import annotations
 
 from typing import Optional
 
-from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram, PlatformCollector, ProcessCollector,
-                               generate_latest)
+from prometheus_client import (CollectorRegistry, Counter, GCCollector, Gauge, Histogram, PlatformCollector,
+                               ProcessCollector, generate_latest)
 
 from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot
 
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                    20.0, 40.0, 80.0, 160.0, 640.0)
 TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+# Series that exist from the start (others appear when first seen).
+FINISHED_REASONS = ("stop", "length", "abort")
+REJECTION_REASONS = ("queue_full", "queue_timeout")
 
 
 class PrometheusStatLogger:
@@ -20,6 +28,7 @@ class PrometheusStatLogger:
         self.registry = registry or CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
+        GCCollector(registry=self.registry)
         labels = ["model_name"]
         r = self.registry
         p = "tokenmill:"
@@ -29,7 +38,8 @@ class PrometheusStatLogger:
         self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", labels, registry=r)
         self.cached_blocks = Gauge(p + "prefix_cache_blocks", "KV blocks holding a reusable prefix", labels,
                                    registry=r)
-        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens computed", labels, registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of requests that started generating",
+                                     labels, registry=r)
         self.generation_tokens = Counter(p + "generation_tokens", "Tokens generated", labels, registry=r)
         self.success = Counter(p + "request_success", "Finished requests", labels + ["finished_reason"], registry=r)
         self.preemptions = Counter(p + "num_preemptions", "Preemptions", labels, registry=r)
@@ -55,11 +65,30 @@ class PrometheusStatLogger:
         self.req_generation = self._histogram("request_generation_tokens", "Generated tokens per request",
                                               TOKEN_BUCKETS)
         self.iteration_tokens = self._histogram("iteration_tokens_total", "Tokens per engine step", TOKEN_BUCKETS)
-        self.device_memory = Gauge(p + "device_memory_used_bytes", "CUDA memory allocated by the engine", labels,
-                                   registry=r) if device_memory else None
         self.model_name = model_name
+        self.device_memory: Optional[Gauge] = None
+        if device_memory:
+            # Read at scrape time: a CUDA query per engine step would cost more than it tells.
+            import torch
+
+            self.device_memory = Gauge(p + "device_memory_used_bytes", "CUDA memory allocated by the engine",
+                                       labels, registry=r)
+            self.device_memory.labels(model_name).set_function(torch.cuda.memory_allocated)
         self._last = SchedulerSnapshot()
         self._rejected_seen: dict[str, int] = {}
+        self._create_series()
+
+    def _create_series(self) -> None:
+        m = self.model_name
+        for metric in (self.running, self.waiting, self.swapped, self.kv_usage, self.cached_blocks,
+                       self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries,
+                       self.prefix_hits, self.evictions, self.ttft, self.itl, self.tpot, self.e2e, self.queue,
+                       self.prefill, self.decode, self.req_prompt, self.req_generation, self.iteration_tokens):
+            metric.labels(m)
+        for reason in FINISHED_REASONS:
+            self.success.labels(m, reason)
+        for reason in REJECTION_REASONS:
+            self.rejected.labels(m, reason)
 
     def _histogram(self, name: str, doc: str, buckets) -> Histogram:
         return Histogram("tokenmill:" + name, doc, ["model_name"], buckets=buckets, registry=self.registry)
@@ -95,14 +124,11 @@ class PrometheusStatLogger:
             self.req_generation.labels(m).observe(request.num_generation_tokens)
             if request.tpot is not None:
                 self.tpot.labels(m).observe(request.tpot)
-        if self.device_memory is not None:
-            import torch
-
-            self.device_memory.labels(m).set(torch.cuda.memory_allocated())
 
     def record_rejections(self, totals: dict[str, int]) -> None:
-        """Admission-control refusals (cumulative per reason) happen outside engine steps."""
-        for reason, total in totals.items():
+        """Admission-control refusals (cumulative per reason) happen outside engine steps, so the server
+        passes the engine's running totals before each scrape."""
+        for reason, total in dict(totals).items():  # a copy: the engine thread may add a reason meanwhile
             seen = self._rejected_seen.get(reason, 0)
             if total > seen:
                 self.rejected.labels(self.model_name, reason).inc(total - seen)

@@ -43,7 +43,7 @@ class FinishedRequestStats:
 class IterationStats:
     """What happened in one engine step."""
 
-    timestamp: float = field(default_factory=time.time)
+    timestamp: float = field(default_factory=time.time)  # the engine resets it when the step is recorded
     num_prompt_tokens: int = 0  # prompt tokens computed this step (prefill work)
     num_generation_tokens: int = 0  # tokens sampled this step
     ttfts: list[float] = field(default_factory=list)
@@ -70,14 +70,21 @@ def percentile(sorted_values: list[float], q: float) -> Optional[float]:
 
 
 class SlidingWindow:
-    """Timestamped observations kept for `window_s` seconds; percentiles over what remains."""
+    """Timestamped observations kept for `window_s` seconds; percentiles over what remains.
+
+    Old observations are dropped on every add, so memory stays bounded by the window even when
+    nobody reads the summaries (a server without a dashboard open)."""
 
     def __init__(self, window_s: float) -> None:
         self.window_s = window_s
         self._items: deque[tuple[float, float]] = deque()
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def add(self, value: float, now: float) -> None:
         self._items.append((now, value))
+        self._trim(now)
 
     def _trim(self, now: float) -> None:
         while self._items and self._items[0][0] < now - self.window_s:
@@ -98,12 +105,28 @@ class SlidingWindow:
         self._trim(now)
         return sum(v for _, v in self._items)
 
+    def total_since(self, since: float, until: Optional[float] = None) -> float:
+        """Sum of the observations made in [since, until] (newest last, so scan from the end)."""
+        total = 0.0
+        for t, v in reversed(self._items):
+            if t < since:
+                break
+            if until is None or t <= until:
+                total += v
+        return total
+
 
 class WindowStatLogger:
-    """Server-side percentiles over a sliding window, for the dashboard's /stats endpoint."""
+    """Server-side percentiles over a sliding window, for the dashboard's /stats endpoint.
 
-    def __init__(self, window_s: float = 60.0, history_points: int = 120) -> None:
+    `record` runs in the engine thread after every step, `snapshot` in the HTTP server; a lock keeps
+    them apart. `history` holds one point per second (while the engine steps or someone reads the
+    snapshot) for the dashboard's charts.
+    """
+
+    def __init__(self, window_s: float = 60.0, history_points: int = 120, rate_span_s: float = 5.0) -> None:
         self.window_s = window_s
+        self.rate_span_s = rate_span_s
         self._lock = threading.Lock()
         self.ttft = SlidingWindow(window_s)
         self.itl = SlidingWindow(window_s)
@@ -115,53 +138,83 @@ class WindowStatLogger:
         self.num_finished = 0
         self.finish_reasons: dict[str, int] = {}
         self.started = time.time()
-        # (time, output tok/s, prompt tok/s, running, waiting, kv usage) once per second, for charts
         self.history: deque[dict] = deque(maxlen=history_points)
         self._last_history = 0.0
+        # Latency sums since the last history point, so each point shows that second's means.
+        self._interval = {"ttft_sum": 0.0, "ttft_count": 0, "itl_sum": 0.0, "itl_count": 0}
 
     def record(self, scheduler: SchedulerSnapshot, iteration: IterationStats) -> None:
         now = iteration.timestamp
         with self._lock:
+            self._fill_idle_gap(now)  # before this step's state and observations join
             self.scheduler = scheduler
+            interval = self._interval
             for value in iteration.ttfts:
                 self.ttft.add(value, now)
+                interval["ttft_sum"] += value
+                interval["ttft_count"] += 1
             for value in iteration.inter_token_latencies:
                 self.itl.add(value, now)
+                interval["itl_sum"] += value
+                interval["itl_count"] += 1
             for request in iteration.finished:
                 self.e2e.add(request.e2e_latency, now)
                 self.queue_time.add(request.queue_time, now)
                 self.num_finished += 1
                 self.finish_reasons[request.finish_reason] = self.finish_reasons.get(request.finish_reason, 0) + 1
-            self.prompt_tokens.add(iteration.num_prompt_tokens, now)
-            self.generation_tokens.add(iteration.num_generation_tokens, now)
-            if now - self._last_history >= 1.0:
-                self._last_history = now
-                self.history.append(self._point(now))
+            if iteration.num_prompt_tokens:
+                self.prompt_tokens.add(iteration.num_prompt_tokens, now)
+            if iteration.num_generation_tokens:
+                self.generation_tokens.add(iteration.num_generation_tokens, now)
+            self._maybe_add_history(now)
 
-    def _point(self, now: float) -> dict:
-        span = min(10.0, max(1e-9, now - self.started))
-        return {
+    def _fill_idle_gap(self, now: float) -> None:
+        """An idle engine records nothing; when the gap since the last point is over 2 s, the state of the
+        last step held all along, so two points (one second after the last, one second before now) say
+        so instead of leaving a hole in the charts."""
+        last = self._last_history
+        if not last or now - last <= 2.0:
+            return
+        self._add_point(last + 1.0)
+        if now - last > 3.0:
+            self._add_point(now - 1.0)
+
+    def _maybe_add_history(self, now: float) -> None:
+        if now - self._last_history < 1.0:
+            return
+        self._fill_idle_gap(now)
+        self._add_point(now)
+
+    def _add_point(self, now: float) -> None:
+        self._last_history = now
+        interval = self._interval
+        span = min(self.rate_span_s, max(1.0, now - self.started))
+        sched = self.scheduler
+        self.history.append({
             "time": now,
-            "output_tokens_per_s": self._rate(self.generation_tokens, now, span),
-            "prompt_tokens_per_s": self._rate(self.prompt_tokens, now, span),
-            "num_running": self.scheduler.num_running,
-            "num_waiting": self.scheduler.num_waiting,
-            "kv_cache_usage": self.scheduler.kv_cache_usage,
-        }
+            "output_tokens_per_s": self.generation_tokens.total_since(now - span, now) / span,
+            "prompt_tokens_per_s": self.prompt_tokens.total_since(now - span, now) / span,
+            "num_running": sched.num_running,
+            "num_waiting": sched.num_waiting,
+            "kv_cache_usage": sched.kv_cache_usage,
+            "num_preemptions": sched.num_preemptions,
+            "num_finished": self.num_finished,
+            "ttft_mean_s": interval["ttft_sum"] / interval["ttft_count"] if interval["ttft_count"] else None,
+            "itl_mean_s": interval["itl_sum"] / interval["itl_count"] if interval["itl_count"] else None,
+        })
+        self._interval = {"ttft_sum": 0.0, "ttft_count": 0, "itl_sum": 0.0, "itl_count": 0}
 
-    @staticmethod
-    def _rate(window: SlidingWindow, now: float, span: float) -> float:
-        recent = sum(v for t, v in window._items if t >= now - span)
-        return recent / span
-
-    def snapshot(self) -> dict:
-        now = time.time()
+    def snapshot(self, now: Optional[float] = None) -> dict:
+        now = time.time() if now is None else now
         with self._lock:
+            # An idle engine does not step; reading the snapshot keeps the charts' clock running.
+            self._maybe_add_history(now)
             sched = self.scheduler
             hit_rate = (sched.prefix_cache_hits / sched.prefix_cache_queries) if sched.prefix_cache_queries else None
-            span = min(self.window_s, max(1e-9, now - self.started))
+            span = min(self.window_s, max(1.0, now - self.started))
             return {
                 "time": now,
+                "uptime_s": now - self.started,
                 "window_s": self.window_s,
                 "num_requests_running": sched.num_running,
                 "num_requests_waiting": sched.num_waiting,

@@ -3,6 +3,10 @@
 `build_app(engine, args)` makes the app; `serve_app(app, args)` runs it and drains on SIGTERM/SIGINT:
 new requests get 503 while in-flight ones finish (up to --shutdown-timeout), then the server exits.
 `python -m tokenmill.entrypoints.openai.api_server [flags]` is the same as `tokenmill serve [flags]`.
+
+Observability: the engine's stat loggers (Prometheus exporter, sliding-window stats, periodic log line)
+are attached here; `/metrics`, `/stats`, the web dashboard `/` and its `/static/*` files need no API key
+(the key guards `/v1/*` only).
 """
 from __future__ import annotations
 
@@ -12,12 +16,14 @@ import math
 import sys
 import time
 from importlib import metadata
+from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.staticfiles import StaticFiles
 
 from tokenmill.entrypoints.engine_args import add_engine_args
 from tokenmill.entrypoints.openai.cli_args import (
@@ -46,6 +52,9 @@ from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from tokenmill.metrics.loggers import LoggingStatLogger
+from tokenmill.metrics.prometheus import PrometheusStatLogger
+from tokenmill.metrics.stats import WindowStatLogger
 
 if TYPE_CHECKING:
     from tokenmill.engine.async_llm import AsyncLLM
@@ -53,6 +62,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tokenmill.server")
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
+STATIC_DIR = Path(__file__).resolve().parents[2] / "web" / "static"
+_NO_CACHE = {"Cache-Control": "no-cache"}
 _STREAMING = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE chunks with stream=true"}}
 
 
@@ -72,6 +83,7 @@ def build_app(engine: "AsyncLLM", args: Optional[argparse.Namespace] = None) -> 
     install_exception_handlers(app)
     _add_openai_routes(app, engine)
     _add_server_routes(app, engine, lifecycle)
+    _add_observability(app, engine, args)
     max_body = getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES)
     app.add_middleware(GatewayMiddleware, lifecycle=lifecycle, api_keys=resolve_api_keys(args),
                        max_body_bytes=max_body)
@@ -125,9 +137,44 @@ def _add_server_routes(app: FastAPI, engine: "AsyncLLM", lifecycle: ServerLifecy
     async def get_version() -> VersionResponse:
         return VersionResponse(version=version)
 
-    @app.get("/stats", responses={200: {"description": "engine statistics (running, waiting, kv_cache_usage, ...)"}})
+
+
+def _add_observability(app: FastAPI, engine: "AsyncLLM", args: Optional[argparse.Namespace]) -> None:
+    """Attaches the stat loggers to the engine (they see every step) and serves what they collect."""
+    llm_engine = engine.engine
+    runner = getattr(llm_engine.core, "runner", None)
+    on_cuda = getattr(getattr(runner, "device", None), "type", None) == "cuda"
+    prometheus = PrometheusStatLogger(engine.served_model_name, device_memory=on_cuda)
+    window = WindowStatLogger()
+    llm_engine.stat_loggers.extend([prometheus, window])
+    if not getattr(args, "disable_log_stats", False):
+        llm_engine.stat_loggers.append(LoggingStatLogger())
+    app.state.prometheus = prometheus
+    app.state.window_stats = window
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
+    async def metrics() -> Response:
+        prometheus.record_rejections(llm_engine.num_rejected)
+        return Response(prometheus.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.get("/stats", responses={200: {"description": "engine statistics (running, waiting, kv_cache_usage, "
+                                                       "latency percentiles over a sliding window, history)"}})
     async def stats() -> JSONResponse:
-        return JSONResponse(_jsonable(engine.get_stats()))
+        body = window.snapshot()
+        live = engine.get_stats()  # read now, not at the last step
+        body.update(live)
+        queries, hits = live["prefix_cache_queries"], live["prefix_cache_hits"]
+        body["prefix_cache_hit_rate"] = hits / queries if queries else None
+        body["model"] = engine.served_model_name
+        body["max_model_len"] = engine.max_model_len
+        return JSONResponse(_jsonable(body), headers=_NO_CACHE)
+
+    @app.get("/", include_in_schema=False)
+    async def dashboard() -> Response:
+        return FileResponse(STATIC_DIR / "index.html", headers=_NO_CACHE)
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
 
 def _jsonable(value: Any) -> Any:

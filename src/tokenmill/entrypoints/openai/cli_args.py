@@ -60,6 +60,8 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--disable-access-log", action="store_true", help="no uvicorn access log lines")
     group.add_argument("--disable-log-requests", action="store_true",
                        help="no JSON line per finished request on the tokenmill.requests logger")
+    group.add_argument("--disable-log-stats", action="store_true",
+                       help="no periodic throughput/queue/KV-cache log line (Prometheus /metrics and /stats stay)")
 
 
 def resolve_api_keys(args: Optional[argparse.Namespace]) -> list[str]:
