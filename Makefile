@@ -9,7 +9,7 @@ STAMP := $(VENV)/.tokenmill-installed
 PORT ?= 8000
 HOST ?= 127.0.0.1
 
-.PHONY: install serve test test-fast bench clean
+.PHONY: install serve test test-fast bench browser clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,8 +27,14 @@ install: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/tokenmill serve --host $(HOST) --port $(PORT) $(ARGS)
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+
+# The dashboard test drives Debian's headless chromium through chromedriver.
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  (apt-get update -qq && apt-get install -y -qq chromium chromium-driver >/dev/null) || \
+	  echo "warning: could not install chromium + chromium-driver; the browser test will fail"
 
 test-fast: $(STAMP)
 	$(PY) -m pytest tests -q -m "not slow" $(PYTEST_ARGS)
