@@ -103,7 +103,7 @@ def peaky_dir(tmp_path_factory, smollm2_tokenizer):
     """A tiny Llama with larger weights, so next-token distributions are peaked and the candidates at
     each cut are >= 0.01 apart in logprob (with the default init they are ~uniform, and the cut can
     fall between candidates closer than float noise)."""
-    from conftest import build_tiny_llama
+    from model_factory import build_tiny_llama
 
     return build_tiny_llama(tmp_path_factory.mktemp("peaky-llama"), smollm2_tokenizer, initializer_range=PEAKY_INIT)
 
@@ -182,7 +182,7 @@ def test_beam_search_matches_a_full_recompute_reference(peaky_dir, hf_peaky, smo
 def test_eos_finishes_a_beam_that_stays_a_candidate(tmp_path, hf_peaky, peaky_dir, smollm2_tokenizer):
     """Make a token the search meets at step 2 an extra EOS id of the model: the run must finish some
     hypotheses early ("stop"), keep them among the candidates, and still equal the reference."""
-    from conftest import build_tiny_llama
+    from model_factory import build_tiny_llama
 
     prompt = smollm2_tokenizer.encode(BEAM_PROMPTS[0])
     probe = LLM(str(peaky_dir), num_kv_blocks=64, max_model_len=256)

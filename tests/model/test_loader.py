@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import build_tiny_llama
+from model_factory import build_tiny_llama
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.default_model import DEFAULT_MODEL_NAME
 from tokenmill.model.gguf_loader import unpermute_rotary_rows
