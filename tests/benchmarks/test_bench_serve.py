@@ -29,7 +29,7 @@ from tokenmill.benchmarks.serve import (
     parse_prometheus,
     summarize,
 )
-from tokenmill.entrypoints import bench_cli
+from tokenmill.entrypoints import cli
 from tokenmill.errors import InvalidRequestError
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -141,7 +141,7 @@ def test_unreachable_server_is_a_one_line_error(capsys):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    code = bench_cli.main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "2",
+    code = cli.main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}", "--num-prompts", "2",
                            "--random-input-len", "8", "--disable-tqdm", "--no-sample-server"])
     err = capsys.readouterr().err
     assert code == 1 and err.startswith("tokenmill: error: cannot reach") and "Traceback" not in err
@@ -203,7 +203,7 @@ def test_bench_serve_against_live_server(live_server, tiny_llama_dir, tmp_path, 
     url, proc, log_path = live_server
     before = len(_server_usage(log_path))
     out = tmp_path / "serve.json"
-    code = bench_cli.main([
+    code = cli.main([
         "bench", "serve", "--base-url", url, "--dataset", "random", "--num-prompts", "10", "--random-input-len", "48",
         "--random-output-len", "12", "--random-range-ratio", "0.5", "--max-concurrency", "4", "--request-rate", "50",
         "--slo-ttft-ms", "60000", "--slo-tpot-ms", "60000", "--server-pid", str(proc.pid), "--disable-tqdm",
@@ -244,7 +244,7 @@ def test_bench_serve_against_live_server(live_server, tiny_llama_dir, tmp_path, 
 def test_bench_sweep_chat_and_plan_profile(live_server, tmp_path, capsys):
     url, _, _ = live_server
     sweep_path = tmp_path / "sweep.json"
-    code = bench_cli.main([
+    code = cli.main([
         "bench", "sweep", "--base-url", url + "/v1", "--endpoint", "/v1/chat/completions", "--dataset",
         "sharegpt-like", "--sharegpt-max-input-len", "120", "--sharegpt-max-output-len", "8", "--num-prompts", "4",
         "--concurrencies", "1,4", "--disable-tqdm", "--result-json", str(sweep_path)])
@@ -259,7 +259,7 @@ def test_bench_sweep_chat_and_plan_profile(live_server, tmp_path, capsys):
     capsys.readouterr()
 
     target = (sweep["points"][0]["p95_ttft_ms"] + sweep["points"][1]["p95_ttft_ms"]) / 2
-    code = bench_cli.main(["plan", "--model", "smollm2-135m", "--memory-gib", "8", "--max-model-len", "512",
+    code = cli.main(["plan", "--model", "smollm2-135m", "--memory-gib", "8", "--max-model-len", "512",
                            "--concurrency", "16", "--target-ttft-ms", str(target), "--profile", str(sweep_path),
                            "--json"])
     plan = json.loads(capsys.readouterr().out)
@@ -271,7 +271,7 @@ def test_bench_sweep_chat_and_plan_profile(live_server, tmp_path, capsys):
 @pytest.mark.slow
 def test_bench_throughput_offline(tiny_llama_dir, tmp_path, capsys):
     out = tmp_path / "throughput.json"
-    code = bench_cli.main(["bench", "throughput", "--model", str(tiny_llama_dir), "--dataset", "shared-prefix",
+    code = cli.main(["bench", "throughput", "--model", str(tiny_llama_dir), "--dataset", "shared-prefix",
                            "--num-prefixes", "2", "--prefix-len", "24", "--suffix-len", "4",
                            "--random-output-len", "3", "--num-prompts", "4", "--max-num-seqs", "2",
                            "--max-num-batched-tokens", "64", "--max-model-len", "128", "--disable-tqdm",

@@ -16,7 +16,7 @@ from tokenmill.benchmarks.planner import (
     profile_crossing,
     resolve_model,
 )
-from tokenmill.entrypoints import bench_cli
+from tokenmill.entrypoints import cli
 from tokenmill.errors import InvalidRequestError
 
 KIB, GIB = 1024, 2**30
@@ -112,14 +112,14 @@ def test_known_gpus_and_cli(capsys):
     for name in ("A100-40GB", "A100-80GB", "H100-80GB", "H200", "L4", "L40S", "A10G", "RTX-4090", "MI300X"):
         assert find_gpu(name).memory_gib > 0 and find_gpu(name).bandwidth_gbps > 0
     assert len(KNOWN_GPUS) >= 9
-    code = bench_cli.main(["plan", "--model", "llama-3-8b", "--gpu", "H100", "--max-model-len", "8192",
+    code = cli.main(["plan", "--model", "llama-3-8b", "--gpu", "H100", "--max-model-len", "8192",
                            "--concurrency", "128"])
     text = capsys.readouterr().out
     assert code == 0 and "128.0 KiB" in text and "devices" in text and "scale-out trigger" in text
-    code = bench_cli.main(["plan", "--model", "llama-3-8b", "--memory-gib", "100", "--max-model-len", "8192",
+    code = cli.main(["plan", "--model", "llama-3-8b", "--memory-gib", "100", "--max-model-len", "8192",
                            "--concurrency", "100", "--dtype", "fp16", "--json"])
     assert code == 0 and json.loads(capsys.readouterr().out)["devices_needed"] == 2
-    code = bench_cli.main(["plan", "--model", "llama-3-8b", "--gpu", "Z100", "--concurrency", "1"])
+    code = cli.main(["plan", "--model", "llama-3-8b", "--gpu", "Z100", "--concurrency", "1"])
     assert code == 1 and capsys.readouterr().err.strip() == (
         "tokenmill: error: unknown GPU 'Z100'; known: A100-40GB, A100-80GB, H100-80GB, H200, L4, L40S, A10G, "
         "RTX-4090, MI300X (or give --memory-gib)")

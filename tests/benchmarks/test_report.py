@@ -12,7 +12,7 @@ from tokenmill.benchmarks.report import (
     load_result,
     verdict,
 )
-from tokenmill.entrypoints import bench_cli
+from tokenmill.entrypoints import cli
 from tokenmill.errors import InvalidRequestError
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -69,7 +69,7 @@ def test_compare_cli_writes_markdown_and_valid_pngs(tmp_path, capsys):
     single = tmp_path / "single.json"
     single.write_text(json.dumps(_point(4, 1.05)))
     out_dir = tmp_path / "report"
-    code = bench_cli.main(["bench", "compare", *map(str, paths), str(single), "--labels", "tm,vllm,one",
+    code = cli.main(["bench", "compare", *map(str, paths), str(single), "--labels", "tm,vllm,one",
                            "--output-dir", str(out_dir)])
     assert code == 0
     markdown = (out_dir / "report.md").read_text()
@@ -83,7 +83,7 @@ def test_compare_cli_writes_markdown_and_valid_pngs(tmp_path, capsys):
     assert json.loads((out_dir / "compare.json").read_text())["labels"] == ["tm", "vllm", "one"]
     capsys.readouterr()
 
-    code = bench_cli.main(["bench", "compare", str(paths[0]), str(paths[1]), "--labels", "x",
+    code = cli.main(["bench", "compare", str(paths[0]), str(paths[1]), "--labels", "x",
                            "--output-dir", str(out_dir)])
     assert code == 1 and "--labels has 1 names for 2 results" in capsys.readouterr().err
 
