@@ -58,8 +58,10 @@ class EngineConfig:
     max_prompt_tokens: Optional[int] = None
     long_prefill_token_threshold: Optional[int] = None
     max_long_partial_prefills: int = 1
-    # vLLM's flag, accepted for compatibility: preemption always recomputes (no swap to host yet).
+    # GiB of host memory for swapped-out KV blocks. Preemption swaps where the device is not the CPU
+    # (on the CPU a copy to "host" memory saves nothing, so it recomputes); preemption_mode forces it.
     swap_space: float = 0.0
+    preemption_mode: Optional[str] = None  # None: swap when swap_space > 0 on an accelerator, else recompute
     seed: int = 0
     max_logprobs: int = 20
     num_threads: Optional[int] = None
@@ -84,6 +86,10 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidRequestError(f"{name} must be positive, got {value}", name)
+        if self.preemption_mode not in (None, "swap", "recompute"):
+            raise InvalidRequestError("preemption_mode must be 'swap' or 'recompute'", "preemption_mode")
+        if self.swap_space < 0:
+            raise InvalidRequestError("swap_space must be non-negative", "swap_space")
         if self.max_queue_time is not None and self.max_queue_time <= 0:
             raise InvalidRequestError("max_queue_time must be positive", "max_queue_time")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

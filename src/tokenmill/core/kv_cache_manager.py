@@ -31,7 +31,8 @@ class PrefixCacheStats:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 num_host_blocks: int = 0) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.pool = BlockPool(num_blocks, enable_caching)
@@ -41,6 +42,13 @@ class KVCacheManager:
         self.prefix_stats = PrefixCacheStats()
         # (src, dst) block copies the runner must do before the next forward pass (copy-on-write).
         self.pending_copies: list[tuple[int, int]] = []
+        # Swap space: host blocks holding the KV of swapped-out requests.
+        self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks > 0 else None
+        self.req_to_host_blocks: dict[str, list[KVBlock]] = {}
+        self.pending_swap_out: list[tuple[int, int]] = []  # (device block, host block)
+        self.pending_swap_in: list[tuple[int, int]] = []  # (host block, device block)
+        # Host blocks released by a swap-in are reused only after the copy back has run.
+        self._host_blocks_to_free: list[KVBlock] = []
 
     @property
     def usage(self) -> float:
@@ -162,7 +170,51 @@ class KVCacheManager:
             self.pool.cache_full_block(blocks[i], request.block_hashes[i])
         self.num_cached_blocks[request.request_id] = max(start, end)
 
+    # ---- swapping ------------------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        blocks = self.req_to_blocks.get(request.request_id)
+        return self.host_pool is not None and bool(blocks) and len(blocks) <= self.host_pool.num_free_blocks
+
+    def swap_out(self, request: Request) -> None:
+        """Copy the request's blocks to host memory (at the start of the next step) and free them."""
+        blocks = self.req_to_blocks.pop(request.request_id)
+        self.num_cached_blocks.pop(request.request_id, None)
+        host = self.host_pool.get_new_blocks(len(blocks))
+        self.pending_swap_out += [(d.block_id, h.block_id) for d, h in zip(blocks, host)]
+        self.req_to_host_blocks[request.request_id] = host
+        self.pool.free_blocks(reversed(blocks))
+
+    def can_swap_in(self, request: Request, reserve: int = 0) -> bool:
+        """Whether the request's blocks fit on the device with `reserve` blocks to spare."""
+        return len(self.req_to_host_blocks.get(request.request_id, ())) + reserve <= self.pool.num_free_blocks
+
+    def swap_in(self, request: Request) -> None:
+        host = self.req_to_host_blocks.pop(request.request_id)
+        device = self.pool.get_new_blocks(len(host))
+        self.pending_swap_in += [(h.block_id, d.block_id) for h, d in zip(host, device)]
+        self.req_to_blocks[request.request_id] = device
+        self._host_blocks_to_free += host
+        if self.enable_caching:
+            self.num_cached_blocks[request.request_id] = 0
+            self._cache_full_blocks(request, request.num_computed_tokens)
+
+    def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Swap copies for the runner: all swap-outs run before all swap-ins."""
+        swaps = (self.pending_swap_out, self.pending_swap_in)
+        self.pending_swap_out, self.pending_swap_in = [], []
+        if self._host_blocks_to_free:
+            self.host_pool.free_blocks(self._host_blocks_to_free)
+            self._host_blocks_to_free = []
+        return swaps
+
+    @property
+    def num_free_host_blocks(self) -> int:
+        return self.host_pool.num_free_blocks if self.host_pool is not None else 0
+
     def free(self, request: Request) -> None:
+        host = self.req_to_host_blocks.pop(request.request_id, None)
+        if host:
+            self.host_pool.free_blocks(host)
         blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
         if blocks:

@@ -37,6 +37,9 @@ class SchedulerOutput:
     finished_ids: list[str] = field(default_factory=list)
     # Copy-on-write block copies (src, dst) to do before the forward pass.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
+    # Swapping: (device, host) copies out, then (host, device) copies in, before the forward pass.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -44,4 +47,4 @@ class SchedulerOutput:
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.swap_out and not self.swap_in and not self.block_copies

@@ -40,12 +40,16 @@ class SchedulerConfig:
     long_prefill_token_threshold: Optional[int] = None
     max_long_partial_prefills: int = 1
     lpm_max_wait_s: float = 5.0
+    # "swap": a preempted request's blocks go to host memory (when they fit) and come back intact;
+    # "recompute": its blocks are freed and its tokens computed again.
+    preemption_mode: str = "recompute"
 
 
 @dataclass(slots=True)
 class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
+    num_swapped: int = 0
     kv_cache_usage: float = 0.0
     num_preemptions: int = 0
     prefix_cache_queries: int = 0
@@ -63,8 +67,11 @@ class Scheduler:
         self.policy = policy or make_policy(config.policy, config.lpm_max_wait_s)
         self.waiting: list[Request] = []  # preempted requests are put back at the front
         self.running: list[Request] = []
+        self.swapped: list[Request] = []  # swapped out, resumed first-in first-out before new work
+        self._swapped_in_now: set[str] = set()
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.num_swap_outs = 0
         self.num_queue_timeouts = 0
         self._finished_ids: list[str] = []
         # Requests finished inside schedule() (queue timeouts), reported by the next update.
@@ -84,6 +91,8 @@ class Scheduler:
                 continue
             if request.status == RequestStatus.RUNNING:
                 self.running.remove(request)
+            elif request.status == RequestStatus.SWAPPED:
+                self.swapped.remove(request)
             else:
                 self.waiting.remove(request)
             request.status = status
@@ -97,7 +106,7 @@ class Scheduler:
         self._finished_ids.append(request.request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running or self._timed_out)
+        return bool(self.waiting or self.running or self.swapped or self._timed_out)
 
     @property
     def num_unfinished(self) -> int:
@@ -113,14 +122,17 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
 
+        self._swap_in()
         self.running.sort(key=self.policy.rank)
         budget = self._schedule_running(scheduled, output, budget)
-        if not output.preempted_ids:
-            # Admitting new work right after a preemption would only cause another one.
+        if not output.preempted_ids and not self.swapped:
+            # Admitting new work right after a preemption (or before swapped requests are back)
+            # would only cause another one.
             self._schedule_waiting(scheduled, output, budget)
 
         output.scheduled = scheduled
         output.block_copies = self.kv_cache.take_pending_copies()
+        output.swap_out, output.swap_in = self.kv_cache.take_pending_swaps()
         now = time.monotonic()
         for item in scheduled:
             if item.request.first_scheduled_time is None:
@@ -221,13 +233,38 @@ class Scheduler:
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
         self.running.remove(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        output.preempted_ids.append(request.request_id)
+        if (self.config.preemption_mode == "swap" and request.request_id not in self._swapped_in_now
+                and self.kv_cache.can_swap_out(request)):
+            # Its KV survives in host memory, so nothing is recomputed when it comes back.
+            self.kv_cache.swap_out(request)
+            self.num_swap_outs += 1
+            request.status = RequestStatus.SWAPPED
+            self.swapped.append(request)
+            return
         self.kv_cache.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.num_preemptions += 1
-        self.num_preemptions += 1
         self.waiting.insert(0, request)
-        output.preempted_ids.append(request.request_id)
+
+    def _swap_in(self) -> None:
+        """Bring swapped requests back, oldest first, while their blocks fit on the device.
+        (Their copy back runs at the start of this step, so one of them preempted again in this
+        same step is recomputed rather than swapped out of blocks not yet filled.)"""
+        self._swapped_in_now = set()
+        while self.swapped and len(self.running) < self.config.max_num_seqs:
+            request = self.swapped[0]
+            # Keep a block of growth for every running request (itself included), or it would be
+            # swapped right back out.
+            if not self.kv_cache.can_swap_in(request, reserve=len(self.running) + 1):
+                break
+            self.swapped.pop(0)
+            self.kv_cache.swap_in(request)
+            self._swapped_in_now.add(request.request_id)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
 
     def _schedule_waiting(self, scheduled: list[ScheduledRequest], output: SchedulerOutput, budget: int) -> None:
         threshold = self.config.long_prefill_token_threshold
@@ -320,6 +357,7 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
+            num_swapped=len(self.swapped),
             kv_cache_usage=self.kv_cache.usage,
             num_preemptions=self.num_preemptions,
             prefix_cache_queries=stats.queries,

@@ -126,6 +126,7 @@ class AsyncLLM:
         return {
             "num_requests_running": stats.num_running,
             "num_requests_waiting": stats.num_waiting,
+            "num_requests_swapped": stats.num_swapped,
             "kv_cache_usage": stats.kv_cache_usage,
             "num_preemptions": stats.num_preemptions,
             "prefix_cache_queries": stats.prefix_cache_queries,

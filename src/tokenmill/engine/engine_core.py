@@ -44,7 +44,15 @@ class EngineCore:
         # A request must fit in the cache on its own, or preemption could never make room for it.
         self.max_model_len = min(max_model_len, num_blocks * config.block_size)
         self.runner.max_model_len = self.max_model_len
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        preemption_mode = config.preemption_mode or ("swap" if config.swap_space > 0 and device.type != "cpu"
+                                                     else "recompute")
+        num_host_blocks = 0
+        if preemption_mode == "swap":
+            num_host_blocks = int(config.swap_space * 2**30) // self.runner.kv_spec.bytes_per_block
+            if num_host_blocks < 1:
+                raise ModelLoadError("--swap-space must hold at least one KV block for swap preemption")
+            self.runner.initialize_host_cache(num_host_blocks)
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
@@ -56,6 +64,7 @@ class EngineCore:
                 max_queue_time_s=config.max_queue_time,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,
                 max_long_partial_prefills=config.max_long_partial_prefills,
+                preemption_mode=preemption_mode,
             ),
             self.kv_cache,
         )

@@ -195,7 +195,8 @@ class LLMEngine:
         iteration.timestamp = time.time()  # when the step ended, not when the (possibly idle) step began
         stats = self.core.get_stats()
         snapshot = SchedulerSnapshot(
-            num_running=stats.num_running, num_waiting=stats.num_waiting, kv_cache_usage=stats.kv_cache_usage,
+            num_running=stats.num_running, num_waiting=stats.num_waiting, num_swapped=stats.num_swapped,
+            kv_cache_usage=stats.kv_cache_usage,
             num_preemptions=stats.num_preemptions, prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits, num_cached_blocks=stats.num_cached_blocks,
             num_evictions=stats.num_evictions)

@@ -65,8 +65,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="prompts longer than this advance at most this many tokens per step")
     group.add_argument("--max-long-partial-prefills", type=_positive_int, default=1)
     group.add_argument("--swap-space", type=float, default=0.0,
-                       help="accepted for vLLM compatibility; preemption always recomputes (swapping KV to host "
-                            "memory is not implemented yet)")
+                       help="GiB of host memory for preempted requests' KV blocks; preemption swaps to it on "
+                            "accelerators (on CPU it recomputes unless --preemption-mode swap)")
+    group.add_argument("--preemption-mode", default=None, choices=["swap", "recompute"])
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--num-threads", type=_positive_int, default=None, help="torch CPU threads")
 
@@ -95,6 +96,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         long_prefill_token_threshold=args.long_prefill_token_threshold,
         max_long_partial_prefills=args.max_long_partial_prefills,
         swap_space=args.swap_space,
+        preemption_mode=args.preemption_mode,
         seed=args.seed,
         num_threads=args.num_threads,
     )

@@ -56,6 +56,7 @@ class ModelRunner:
         self.kv_spec = KVCacheSpec(hf_config.num_hidden_layers, block_size, attn.num_kv_heads, attn.head_dim,
                                    self.dtype)
         self.kv_caches: list[torch.Tensor] = []
+        self.host_caches: list[torch.Tensor] = []
         self.sampler = Sampler(seed)
 
     def load_weights(self, weights) -> None:
@@ -88,8 +89,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
         result = RunnerOutput()
+        self._swap(output.swap_out, output.swap_in)
         self._copy_blocks(output.block_copies)
-        if output.is_empty:
+        if not output.scheduled:
             return result
         inputs = build_model_inputs(output, self.block_size, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
@@ -117,6 +119,25 @@ class ModelRunner:
             if logprobs is not None:
                 result.logprobs[item.request_id] = logprobs
         return result
+
+    def initialize_host_cache(self, num_blocks: int) -> None:
+        """Swap space in host memory (pinned on CUDA, so copies can run at full bandwidth)."""
+        pin = self.device.type == "cuda"
+        self.host_caches = [cache.pin_memory() if pin else cache
+                            for cache in allocate_kv_caches(self.kv_spec, num_blocks, torch.device("cpu"))]
+
+    def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """All swap-outs first (their device blocks may be reused this step), then swap-ins."""
+        for pairs, to_host in ((swap_out, True), (swap_in, False)):
+            if not pairs:
+                continue
+            src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+            dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+            for device_cache, host_cache in zip(self.kv_caches, self.host_caches):
+                if to_host:
+                    host_cache[:, dst] = device_cache[:, src.to(self.device)].to("cpu")
+                else:
+                    device_cache[:, dst.to(self.device)] = host_cache[:, src].to(self.device, non_blocking=True)
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy-on-write: duplicate shared blocks before anyone writes into their copies."""
