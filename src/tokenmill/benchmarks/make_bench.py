@@ -22,6 +22,8 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from tokenmill.benchmarks.tables import markdown_table, text_table
+
 SECTION = "engine-core"
 START_MARK = f"<!-- bench:{SECTION}:start -->"
 END_MARK = f"<!-- bench:{SECTION}:end -->"
@@ -231,10 +233,7 @@ TABLE_HEADER = ["engine", "concurrency", "requests", "output tokens", "wall (s)"
 
 
 def format_table(report: dict[str, Any]) -> str:
-    rows = [TABLE_HEADER] + _rows(report)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_HEADER))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = text_table(TABLE_HEADER, _rows(report))
     if report.get("ratios"):
         lines.append("ratios (output tok/s): " + ", ".join(f"{k} = {v:.2f}x" for k, v in report["ratios"].items()))
     return "\n".join(lines)
@@ -242,8 +241,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 def render_section(report: dict[str, Any], json_path: Path) -> str:
     m, s, w = report["machine"], report["settings"], report["workload"]
-    md_rows = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
-    md_rows += ["| " + " | ".join(row) + " |" for row in _rows(report)]
+    md_rows = markdown_table(TABLE_HEADER, _rows(report))
     lines = [
         START_MARK,
         "## Engine core: offline throughput (`make bench`)",

@@ -27,6 +27,7 @@ from typing import Any, Optional, Sequence
 from tokenmill.benchmarks.make_bench import (_display_path, _usable_cores, machine_info, positive,
                                              update_markdown, write_json)
 from tokenmill.benchmarks.throughput import BenchmarkError, percentile
+from tokenmill.benchmarks.tables import markdown_table, text_table
 
 SECTION = "scheduling"
 START_MARK = f"<!-- bench:{SECTION}:start -->"
@@ -291,17 +292,13 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    rows = [TABLE_HEADER] + _rows(report)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_HEADER))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = text_table(TABLE_HEADER, _rows(report))
     return "\n".join(lines)
 
 
 def render_section(report: dict[str, Any], json_path: Path) -> str:
     m, s, w = report["machine"], report["settings"], report["workload"]
-    md_rows = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
-    md_rows += ["| " + " | ".join(row) + " |" for row in _rows(report)]
+    md_rows = markdown_table(TABLE_HEADER, _rows(report))
     lines = [
         START_MARK,
         "## Scheduling: long-prompt isolation on a mixed workload (`mixed_bench`)",

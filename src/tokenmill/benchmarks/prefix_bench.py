@@ -28,6 +28,7 @@ from tokenmill.benchmarks.make_bench import (_display_path, _usable_cores, machi
 from tokenmill.benchmarks.shared_prefix import SharedPrefixSpec, build_shared_prefix_workload, ideal_cached_tokens
 from tokenmill.benchmarks.throughput import check_output_lengths, percentile, throughput_result, warm_up_llm
 from tokenmill.benchmarks.workloads import WorkloadRequest, repo_root, workload_summary
+from tokenmill.benchmarks.tables import markdown_table, text_table
 
 SECTION = "prefix-cache"
 # name -> (label, LLM keyword arguments)
@@ -213,10 +214,7 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
 
 
 def format_table(report: dict[str, Any]) -> str:
-    rows = [TABLE_HEADER] + _rows(report)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(TABLE_HEADER))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
-    lines.insert(1, "  ".join("-" * w for w in widths))
+    lines = text_table(TABLE_HEADER, _rows(report))
     if report.get("ratios"):
         lines.append("ratios: " + ", ".join(f"{k} = {v:.2f}x" for k, v in report["ratios"].items()))
     return "\n".join(lines)
@@ -224,8 +222,7 @@ def format_table(report: dict[str, Any]) -> str:
 
 def render_section(report: dict[str, Any], json_path: Path) -> str:
     m, s, w = report["machine"], report["settings"], report["workload"]
-    md_rows = ["| " + " | ".join(TABLE_HEADER) + " |", "|" + "---|" * len(TABLE_HEADER)]
-    md_rows += ["| " + " | ".join(row) + " |" for row in _rows(report)]
+    md_rows = markdown_table(TABLE_HEADER, _rows(report))
     ideal = w["ideal_cached_tokens"] / w["prompt_tokens"] if w.get("prompt_tokens") else 0.0
     lines = [
         f"<!-- bench:{SECTION}:start -->",
