@@ -82,6 +82,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.print_help()
         return 2
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # One line per HTTP call (the bench client polls /stats) would drown the output.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     try:
         return int(args.handler(args) or 0)
     except TokenmillError as exc:
