@@ -177,6 +177,9 @@ class CompletionRequest(SamplingFields):
     suffix: Optional[str] = None
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool = False
+    # vLLM's beam search extras: n beams are returned, best first.
+    use_beam_search: bool = False
+    length_penalty: float = 1.0
 
     _check_prompt = field_validator("prompt", mode="before")(_check_prompt_shape)
 

@@ -17,6 +17,7 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionStreamChoice,
     CompletionStreamResponse,
     PromptLogprobEntry,
+    UsageInfo,
 )
 from tokenmill.entrypoints.openai.serving_base import (
     CLIENT_CLOSED_REQUEST,
@@ -63,6 +64,8 @@ class OpenAIServingCompletion(ServingBase):
         prompt_logprobs = body.prompt_logprobs
         if body.echo and body.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
+        if body.use_beam_search:
+            return await self._beam_search(body, processed, base_request_id(raw))
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs,
                                       prompt_logprobs=prompt_logprobs, vocab_size=processor.vocab_size)
         request_id = base_request_id(raw)
@@ -75,6 +78,38 @@ class OpenAIServingCompletion(ServingBase):
         if body.stream:
             return await self._stream(body, group, processed, response_id)
         return await self._full(body, group, processed, response_id)
+
+    # ---- beam search ---------------------------------------------------------------------
+    async def _beam_search(self, body: CompletionRequest, prompts: list[ProcessedPrompt],
+                           request_id: str) -> Response:
+        """use_beam_search: n beams per prompt (beam width = n), best first; not streamed."""
+        import asyncio
+
+        from tokenmill.beam_search import BeamSearchParams
+        from tokenmill.engine.async_beam_search import beam_search
+
+        if body.stream:
+            raise InvalidRequestError("use_beam_search cannot be combined with stream", "stream")
+        if body.echo or body.logprobs is not None:
+            raise InvalidRequestError("use_beam_search does not support echo or logprobs", "use_beam_search")
+        params = BeamSearchParams(beam_width=body.n, max_tokens=body.max_tokens or 16,
+                                  ignore_eos=body.ignore_eos, length_penalty=body.length_penalty)
+        eos = self.engine.engine.eos_token_ids
+        results = await asyncio.gather(*(beam_search(self.engine, p, params, f"{request_id}-{i}", eos)
+                                         for i, p in enumerate(prompts)))
+        choices, completion_tokens = [], 0
+        for i, (prompt, result) in enumerate(zip(prompts, results)):
+            for j, seq in enumerate(result.sequences):
+                num_generated = len(seq.tokens) - len(prompt.prompt_token_ids)
+                completion_tokens += num_generated
+                choices.append(CompletionResponseChoice(index=i * body.n + j, text=seq.text or "",
+                                                        finish_reason=seq.finish_reason,
+                                                        stop_reason=seq.stop_reason))
+        num_prompt = sum(len(p.prompt_token_ids) for p in prompts)
+        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=completion_tokens,
+                          total_tokens=num_prompt + completion_tokens)
+        response = CompletionResponse(id=f"cmpl-{request_id}", model=self.model_name, choices=choices, usage=usage)
+        return Response(response.model_dump_json(), media_type="application/json")
 
     # ---- non-streaming -------------------------------------------------------------------
     async def _full(self, body: CompletionRequest, group: GenerationGroup, prompts: list[ProcessedPrompt],
