@@ -26,3 +26,5 @@ def test_http_beam_search_matches_offline(start_server, tiny_llama_dir):
     stream = httpx.post(f"{server.url}/v1/completions", json={**body, "stream": True},
                         headers=server.headers, timeout=60)
     assert stream.status_code == 400 and stream.json()["error"]["param"] == "stream"
+    too_wide = httpx.post(f"{server.url}/v1/completions", json={**body, "n": 50}, headers=server.headers, timeout=60)
+    assert too_wide.status_code == 400 and too_wide.json()["error"]["param"] == "n"

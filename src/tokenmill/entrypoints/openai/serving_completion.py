@@ -92,8 +92,12 @@ class OpenAIServingCompletion(ServingBase):
             raise InvalidRequestError("use_beam_search cannot be combined with stream", "stream")
         if body.echo or body.logprobs is not None:
             raise InvalidRequestError("use_beam_search does not support echo or logprobs", "use_beam_search")
-        params = BeamSearchParams(beam_width=body.n, max_tokens=body.max_tokens or 16,
-                                  ignore_eos=body.ignore_eos, length_penalty=body.length_penalty)
+        try:
+            params = BeamSearchParams(beam_width=body.n, max_tokens=body.max_tokens or 16,
+                                      ignore_eos=body.ignore_eos, length_penalty=body.length_penalty)
+        except InvalidRequestError as exc:  # the beam width is the request's `n`
+            param = "n" if exc.param == "beam_width" else exc.param
+            raise InvalidRequestError(exc.message.replace("beam_width", "n (the beam width)"), param) from None
         eos = self.engine.engine.eos_token_ids
         results = await asyncio.gather(*(beam_search(self.engine, p, params, f"{request_id}-{i}", eos)
                                          for i, p in enumerate(prompts)))
