@@ -39,7 +39,7 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
     "llama": GgufFamily("LlamaForCausalLM", "LlamaConfig", unpermute_qk=True),
 }
 
-# Quantization types gguf-py dequantizes in numpy. The brief's core set is F32/F16/BF16/Q8_0/
+# Quantization types gguf-py dequantizes in numpy. The common set is F32/F16/BF16/Q8_0/
 # Q4_0/Q4_1/Q4_K/Q6_K; the other legacy and k-quants are included because "Q5_K_M"/"Q3_K_M"
 # files mix them and gguf-py handles them with the same code path.
 SUPPORTED_TENSOR_TYPES: frozenset[str] = frozenset(
