@@ -49,6 +49,8 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
     scheduling_policy: str = "fcfs"  # fcfs | priority | fair | lpm
+    # lpm: a request waiting longer than this goes first regardless of its cached prefix.
+    lpm_max_wait: float = 5.0
     # A request preempted this many times is spared while other victims remain (no thrash).
     max_preemptions: Optional[int] = 4
     # Admission control: refuse (429) beyond this many waiting requests; expire long waits.
@@ -90,6 +92,8 @@ class EngineConfig:
             raise InvalidRequestError("preemption_mode must be 'swap' or 'recompute'", "preemption_mode")
         if self.swap_space < 0:
             raise InvalidRequestError("swap_space must be non-negative", "swap_space")
+        if not self.lpm_max_wait > 0:
+            raise InvalidRequestError("lpm_max_wait must be positive", "lpm_max_wait")
         if self.max_queue_time is not None and self.max_queue_time <= 0:
             raise InvalidRequestError("max_queue_time must be positive", "max_queue_time")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

@@ -119,3 +119,17 @@ def test_bad_input_is_refused_before_anything_runs(tiny_llama_dir):
     with pytest.raises(InvalidRequestError):
         SamplingParams(top_p=1.5)
     assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_lpm_wait_bound_reaches_the_policy(tiny_llama_dir):
+    import argparse
+
+    from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(["--scheduling-policy", "lpm", "--lpm-max-wait", "0.5"]))
+    assert config.lpm_max_wait == 0.5
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=32, max_model_len=128, scheduling_policy="lpm", lpm_max_wait=0.5)
+    policy = llm.llm_engine.core.scheduler.policy
+    assert policy.name == "lpm" and policy.max_wait_s == 0.5

@@ -60,6 +60,7 @@ class EngineCore:
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 policy=config.scheduling_policy,
+                lpm_max_wait_s=config.lpm_max_wait,
                 max_preemptions=config.max_preemptions,
                 max_queue_time_s=config.max_queue_time,
                 long_prefill_token_threshold=config.long_prefill_token_threshold,

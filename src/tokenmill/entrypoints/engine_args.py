@@ -54,6 +54,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "fair", "lpm"],
                        help="fcfs; priority (per-request `priority`, lower first); fair (share tokens between "
                             "tenants); lpm (longest cached prefix first, bounded wait)")
+    group.add_argument("--lpm-max-wait", type=_positive_float, default=5.0,
+                       help="lpm: seconds after which a waiting request goes first regardless of prefix")
     group.add_argument("--max-preemptions", type=_positive_int, default=4,
                        help="a request preempted this many times is spared from further preemption")
     group.add_argument("--max-num-queued-requests", type=_positive_int, default=None,
@@ -89,6 +91,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         enable_chunked_prefill=args.enable_chunked_prefill,
         enable_prefix_caching=args.enable_prefix_caching,
         scheduling_policy=args.scheduling_policy,
+        lpm_max_wait=args.lpm_max_wait,
         max_preemptions=args.max_preemptions,
         max_num_queued_requests=args.max_num_queued_requests,
         max_queue_time=args.max_queue_time,
