@@ -72,11 +72,9 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, request.all_token_ids[start:start + bs]))
 
     # ---- lookup --------------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Longest cached prefix of the request, leaving at least its last token to compute."""
-        if not self.enable_caching:
-            return [], 0
-        # The last token must be computed to get logits, so look up at most num_tokens - 1.
+    def _cached_prefix(self, request: Request) -> list[KVBlock]:
+        """Cached blocks of the request's longest cached prefix. The last token must be computed to
+        get logits, so at most num_tokens - 1 tokens are looked up."""
         max_tokens = request.num_tokens - 1
         self._update_block_hashes(request, max_tokens)
         hits: list[KVBlock] = []
@@ -85,6 +83,13 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
+        return hits
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of the request, leaving at least its last token to compute."""
+        if not self.enable_caching:
+            return [], 0
+        hits = self._cached_prefix(request)
         self.prefix_stats.queries += request.num_tokens
         self.prefix_stats.hits += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
@@ -93,14 +98,7 @@ class KVCacheManager:
         """Cached prefix length in tokens, without taking the blocks or counting a query."""
         if not self.enable_caching:
             return 0
-        max_tokens = request.num_tokens - 1
-        self._update_block_hashes(request, max_tokens)
-        count = 0
-        for block_hash in request.block_hashes[: max_tokens // self.block_size]:
-            if self.pool.get_cached_block(block_hash) is None:
-                break
-            count += 1
-        return count * self.block_size
+        return len(self._cached_prefix(request)) * self.block_size
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
