@@ -44,7 +44,3 @@ class SchedulerOutput:
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.swap_out and not self.swap_in and not self.block_copies

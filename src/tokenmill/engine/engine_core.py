@@ -112,11 +112,7 @@ class EngineCore:
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return [EngineCoreOutput(request_id=r.request_id, finish_reason=r.status.finish_reason,
-                                     stop_reason=r.stop_reason)
-                    for r in self.scheduler.update_from_output(sched, {})]
-        result = self.runner.execute(sched)
+        result = self.runner.execute(sched)  # an empty schedule costs nothing in the runner
         finished_requests = self.scheduler.update_from_output(sched, result.sampled)
         finished = {r.request_id for r in finished_requests}
         scheduled_ids = {item.request_id for item in sched.scheduled}
