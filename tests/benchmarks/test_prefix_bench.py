@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from tokenmill.benchmarks.make_bench import update_markdown
 from tokenmill.benchmarks import prefix_bench
 from tokenmill.benchmarks.shared_prefix import (MIN_TOKEN_ID, SharedPrefixSpec, build_shared_prefix_workload,
                                                 ideal_cached_tokens)
@@ -43,7 +44,7 @@ def test_prefix_bench_runs_every_config(tiny_llama_dir, tmp_path):
     assert set(report["ratios"]) == {"cache-on/cache-off throughput", "cache-off/cache-on mean TTFT",
                                      "cache-on-lpm/cache-off throughput", "cache-off/cache-on-lpm mean TTFT"}
     assert json.loads(raw.read_text())["results"]["cache-on"]["prefix_cache_hits"] == 64
-    prefix_bench.update_markdown(md, prefix_bench.render_section(report, raw), prefix_bench.SECTION)  # replaces
+    update_markdown(md, prefix_bench.render_section(report, raw), prefix_bench.SECTION)  # replaces
     text = md.read_text()
     assert "keep me" in text and text.count("<!-- bench:prefix-cache:start -->") == 1
     assert "| prefix caching on (fcfs) |" in text

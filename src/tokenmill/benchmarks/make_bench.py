@@ -70,7 +70,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     import torch
 
-    from tokenmill.benchmarks.workloads import default_workload_path, load_workload, repo_root, workload_summary
+    from tokenmill.benchmarks.workloads import default_workload_path, load_workload, workload_summary
 
     threads = args.threads or _usable_cores()
     torch.set_num_threads(threads)
@@ -91,12 +91,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     report["ratios"] = ratios(report["results"])
     print()
     print(format_table(report))
-    root = repo_root()
-    json_path = Path(args.results_json) if args.results_json else root / "bench-results" / f"{SECTION}.json"
-    md_path = Path(args.output) if args.output else root / "docs" / "benchmarks.md"
-    write_json(json_path, report)
-    update_markdown(md_path, render_section(report, json_path))
-    print(f"\nwrote {md_path} (section {SECTION}) and {json_path}")
+    publish_report(report, args, SECTION, render_section)
     return report
 
 
@@ -301,6 +296,19 @@ def _display_path(path: Path) -> str:
         return str(path.resolve().relative_to(repo_root()))
     except ValueError:
         return str(path)
+
+
+def publish_report(report: dict[str, Any], args: argparse.Namespace, section: str, render_section) -> None:
+    """Write the JSON under bench-results/ and the report's section of docs/benchmarks.md
+    (or where --results-json / --output point), then say where."""
+    from tokenmill.benchmarks.workloads import repo_root
+
+    root = repo_root()
+    json_path = Path(args.results_json) if args.results_json else root / "bench-results" / f"{section}.json"
+    md_path = Path(args.output) if args.output else root / "docs" / "benchmarks.md"
+    write_json(json_path, report)
+    update_markdown(md_path, render_section(report, json_path), name=section)
+    print(f"\nwrote {md_path} (section {section}) and {json_path}")
 
 
 def write_json(path: Path, report: dict[str, Any]) -> None:

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from tokenmill.benchmarks.make_bench import (_display_path, _usable_cores, machine_info, positive,
-                                             update_markdown, write_json)
+                                             publish_report)
 from tokenmill.benchmarks.throughput import BenchmarkError, percentile
 from tokenmill.benchmarks.tables import markdown_table, text_table
 
@@ -239,8 +239,6 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         raise SystemExit("--long-prompt-len + --long-max-tokens must fit in --max-model-len")
     import torch
 
-    from tokenmill.benchmarks.workloads import repo_root
-
     threads = args.threads or _usable_cores()
     torch.set_num_threads(threads)
     workload, results = run_both(args, threads)
@@ -255,12 +253,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     }
     print()
     print(format_table(report))
-    root = repo_root()
-    json_path = Path(args.results_json) if args.results_json else root / "bench-results" / f"{SECTION}.json"
-    md_path = Path(args.output) if args.output else root / "docs" / "benchmarks.md"
-    write_json(json_path, report)
-    update_markdown(md_path, render_section(report, json_path), name=SECTION)
-    print(f"\nwrote {md_path} (section {SECTION}) and {json_path}")
+    publish_report(report, args, SECTION, render_section)
     return report
 
 

@@ -23,11 +23,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from tokenmill.benchmarks.make_bench import (_display_path, _usable_cores, machine_info, positive, update_markdown,
-                                             write_json)
+from tokenmill.benchmarks.make_bench import (_display_path, _usable_cores, machine_info, positive,
+                                             publish_report)
 from tokenmill.benchmarks.shared_prefix import SharedPrefixSpec, build_shared_prefix_workload, ideal_cached_tokens
 from tokenmill.benchmarks.throughput import check_output_lengths, percentile, throughput_result, warm_up_llm
-from tokenmill.benchmarks.workloads import WorkloadRequest, repo_root, workload_summary
+from tokenmill.benchmarks.workloads import WorkloadRequest, workload_summary
 from tokenmill.benchmarks.tables import markdown_table, text_table
 
 SECTION = "prefix-cache"
@@ -103,12 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     report["ratios"] = ratios(report["results"])
     print()
     print(format_table(report))
-    root = repo_root()
-    json_path = Path(args.results_json) if args.results_json else root / "bench-results" / f"{SECTION}.json"
-    md_path = Path(args.output) if args.output else root / "docs" / "benchmarks.md"
-    write_json(json_path, report)
-    update_markdown(md_path, render_section(report, json_path), SECTION)
-    print(f"\nwrote {md_path} (section {SECTION}) and {json_path}")
+    publish_report(report, args, SECTION, render_section)
     return report
 
 
