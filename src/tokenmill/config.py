@@ -67,6 +67,8 @@ class EngineConfig:
     seed: int = 0
     max_logprobs: int = 20
     num_threads: Optional[int] = None
+    # auto: tokenmill's C++ paged kernels on CPU when they build, else torch; torch; cpu.
+    attention_backend: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory_bytes is not None:
@@ -88,6 +90,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidRequestError(f"{name} must be positive, got {value}", name)
+        if self.attention_backend not in ("auto", "torch", "cpu"):
+            raise InvalidRequestError("attention_backend must be auto, torch or cpu", "attention_backend")
         if self.preemption_mode not in (None, "swap", "recompute"):
             raise InvalidRequestError("preemption_mode must be 'swap' or 'recompute'", "preemption_mode")
         if self.swap_space < 0:

@@ -46,21 +46,41 @@ def check_against_hf(llm: LLM, hf_model, tokenizer, max_tokens: list[int]) -> No
         assert out.outputs[0].finish_reason == "length"
 
 
-def test_tiny_llama_matches_hf(tiny_llama_dir, smollm2_tokenizer):
+# Every attention backend must produce the same tokens; "cpu" (the C++ paged kernels) is skipped
+# with its build error where no compiler is available.
+BACKENDS = ["torch", "cpu"]
+
+
+def require_backend(name: str) -> None:
+    if name == "cpu":
+        from tokenmill.model.layers import cpu_kernels
+
+        if cpu_kernels.load() is None:
+            pytest.skip(f"cpu kernels unavailable: {cpu_kernels.build_error()}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tiny_llama_matches_hf(tiny_llama_dir, smollm2_tokenizer, backend):
     from transformers import AutoModelForCausalLM
 
+    require_backend(backend)
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    llm = LLM(str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64, max_model_len=512)
+    llm = LLM(str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64, max_model_len=512,
+              attention_backend=backend)
+    assert llm.llm_engine.core.runner.attention_backend.name == backend
     check_against_hf(llm, hf, smollm2_tokenizer, [12, 20, 5, 16, 24, 9, 30, 14, 22])
     assert llm.llm_engine.core.kv_cache.usage == 0.0
 
 
 @pytest.mark.slow
-def test_smollm2_gguf_matches_hf(smollm2_path, smollm2_tokenizer):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_smollm2_gguf_matches_hf(smollm2_path, smollm2_tokenizer, backend):
     from transformers import AutoModelForCausalLM
 
+    require_backend(backend)
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
                                               dtype=torch.float32).eval()
-    llm = LLM(max_num_batched_tokens=32, kv_cache_memory_bytes="256MiB", max_model_len=1024)
+    llm = LLM(max_num_batched_tokens=32, kv_cache_memory_bytes="256MiB", max_model_len=1024,
+              attention_backend=backend)
     check_against_hf(llm, hf, smollm2_tokenizer, [10, 16, 12, 20, 8, 12, 10, 16, 14])
     assert llm.llm_engine.core.kv_cache.usage == 0.0

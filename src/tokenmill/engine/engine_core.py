@@ -37,7 +37,8 @@ class EngineCore:
         device = resolve_device(config.device)
         max_model_len = derive_max_model_len(config, hf_config)
         self.runner = ModelRunner(hf_config, source.architecture, config.dtype, device, max_model_len,
-                                  config.block_size, config.seed, config.num_threads)
+                                  config.block_size, config.seed, config.num_threads,
+                                  config.attention_backend)
         self.runner.load_weights(source.iter_weights(self.runner.dtype))
         num_blocks = self._num_kv_blocks(device)
         self.runner.initialize_kv_cache(num_blocks)

@@ -72,6 +72,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--preemption-mode", default=None, choices=["swap", "recompute"])
     group.add_argument("--seed", type=int, default=0)
     group.add_argument("--num-threads", type=_positive_int, default=None, help="torch CPU threads")
+    group.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"],
+                       help="auto: tokenmill's C++ paged-attention kernels on CPU (built on first use) when a "
+                            "compiler is present, else the portable torch backend")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -102,4 +105,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         preemption_mode=args.preemption_mode,
         seed=args.seed,
         num_threads=args.num_threads,
+        attention_backend=args.attention_backend,
     )

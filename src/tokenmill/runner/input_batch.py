@@ -40,7 +40,9 @@ def _bucket_decodes(lengths: list[int]) -> list[tuple[int, int]]:
     return buckets
 
 
-def build_model_inputs(output: SchedulerOutput, block_size: int, device: torch.device) -> ModelInputs:
+def build_model_inputs(output: SchedulerOutput, block_size: int, device: torch.device,
+                       decode_buckets: bool = True) -> ModelInputs:
+    """Flat token tensors + attention metadata; decodes as padded buckets or as block tables."""
     indexed = list(enumerate(output.scheduled))
     decodes = sorted((p for p in indexed if p[1].num_new_tokens == 1),
                      key=lambda p: p[1].start_position)
@@ -60,8 +62,11 @@ def build_model_inputs(output: SchedulerOutput, block_size: int, device: torch.d
     meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
                              num_decodes=len(decodes))
     lengths = [item.start_position + 1 for _, item in decodes]
-    for lo, hi in _bucket_decodes(lengths):
-        meta.decode_buckets.append(_decode_bucket(decodes[lo:hi], lengths[lo:hi], lo, block_size, device))
+    if decode_buckets:
+        for lo, hi in _bucket_decodes(lengths):
+            meta.decode_buckets.append(_decode_bucket(decodes[lo:hi], lengths[lo:hi], lo, block_size, device))
+    elif decodes:
+        meta.decode_block_tables, meta.decode_context_lens = _block_tables(decodes, lengths, block_size, device)
 
     offset = len(decodes)
     for _, item in prefills:
@@ -78,6 +83,18 @@ def build_model_inputs(output: SchedulerOutput, block_size: int, device: torch.d
         meta=meta,
         last_token_index=last_index,
     )
+
+
+def _block_tables(members: list[tuple[int, ScheduledRequest]], lengths: list[int], block_size: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """[len(members), max_blocks] int32 block ids (padded with 0) and [len(members)] int32 lengths."""
+    max_blocks = _num_blocks(max(lengths), block_size)
+    rows = []
+    for (_, item), length in zip(members, lengths):
+        row = item.block_ids[:_num_blocks(length, block_size)]
+        rows.append(row + [0] * (max_blocks - len(row)))
+    return (torch.tensor(rows, dtype=torch.int32, device=device),
+            torch.tensor(lengths, dtype=torch.int32, device=device))
 
 
 def _decode_bucket(members: list[tuple[int, ScheduledRequest]], lengths: list[int], start: int, block_size: int,

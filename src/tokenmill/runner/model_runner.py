@@ -37,7 +37,8 @@ def resolve_device(name: Optional[str]) -> torch.device:
 
 class ModelRunner:
     def __init__(self, hf_config, architecture: str, dtype: str, device: torch.device, max_model_len: int,
-                 block_size: int, seed: int = 0, num_threads: Optional[int] = None) -> None:
+                 block_size: int, seed: int = 0, num_threads: Optional[int] = None,
+                 attention_backend: str = "auto") -> None:
         if device.type == "cpu":
             torch.set_num_threads(num_threads or os.cpu_count() or 1)
         self.device = device
@@ -46,8 +47,10 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.hf_config = hf_config
         model_class = get_model_class(architecture)
+        self.attention_backend = get_attention_backend(device, attention_backend)
+        logger.info("attention backend: %s", self.attention_backend.name)
         with torch.device(device):
-            self.model = model_class(hf_config, get_attention_backend(device), max_model_len, device)
+            self.model = model_class(hf_config, self.attention_backend, max_model_len, device)
         self.model.to(dtype=self.dtype)
         self.model.rotary.cos = self.model.rotary.cos.float()
         self.model.rotary.sin = self.model.rotary.sin.float()
@@ -93,7 +96,7 @@ class ModelRunner:
         self._copy_blocks(output.block_copies)
         if not output.scheduled:
             return result
-        inputs = build_model_inputs(output, self.block_size, self.device)
+        inputs = build_model_inputs(output, self.block_size, self.device, self.attention_backend.uses_decode_buckets)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
         sampling_rows, states = [], []

@@ -14,7 +14,10 @@ into one padded [batch, ctx, heads, dim] tensor (a masked tail hides the padding
 SDPA call. Bucketing bounds the padding; gathering whole blocks with index_select into a buffer
 reused by every layer keeps the copy at memory speed.
 
-A backend is picked once at startup; `TorchAttentionBackend` is portable (CPU or any GPU).
+A backend is picked once at startup: `TorchAttentionBackend` is portable (CPU or any GPU);
+`CpuPagedAttentionBackend` (the default on CPU when tokenmill's C++ kernels build) attends decodes
+straight from the paged cache through `block_tables` and `context_lens`, with no gather and no
+padding, and shares the torch backend's prefill path.
 """
 from __future__ import annotations
 
@@ -38,7 +41,10 @@ class DecodeBucket:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [num_tokens] long: cache slot of each new token
     num_decodes: int  # the first num_decodes tokens are single-token requests
-    decode_buckets: list[DecodeBucket] = field(default_factory=list)
+    decode_buckets: list[DecodeBucket] = field(default_factory=list)  # torch backend
+    # Paged-kernel backends: [num_decodes, max_blocks] int32 (padded with 0) and [num_decodes] int32.
+    decode_block_tables: torch.Tensor | None = None
+    decode_context_lens: torch.Tensor | None = None
     # Prefill chunks: one entry per request, host-side ints (few per step).
     prefill_query_ranges: list[tuple[int, int]] = field(default_factory=list)  # [start, end) in the flat batch
     prefill_context_lens: list[int] = field(default_factory=list)  # tokens of context incl. the chunk
@@ -48,6 +54,10 @@ class AttentionMetadata:
 
 
 class AttentionBackend(Protocol):
+    name: str
+    # True: decodes arrive as padded, masked buckets; False: as block tables + context lengths.
+    uses_decode_buckets: bool
+
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
 
@@ -56,22 +66,23 @@ class TorchAttentionBackend:
     """Gathers each request's blocks and runs scaled_dot_product_attention."""
 
     name = "torch"
+    uses_decode_buckets = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]
-        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-        slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-        slots[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-        slots[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
-
+        write_kv(k, v, kv_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         for bucket in meta.decode_buckets:
             out[bucket.start:bucket.end] = self._decode(q[bucket.start:bucket.end], kv_cache, bucket, meta, scale)
+        self.prefill_into(out, q, kv_cache, meta, scale)
+        return out
+
+    def prefill_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                     scale: float) -> None:
         for (start, end), ctx_len, block_ids in zip(meta.prefill_query_ranges, meta.prefill_context_lens,
                                                     meta.prefill_block_ids):
             out[start:end] = self._prefill(q[start:end], kv_cache, block_ids, ctx_len, scale)
-        return out
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -127,6 +138,55 @@ class TorchAttentionBackend:
         return blocks.index_select(1, block_ids).view(2, -1, num_kv_heads, head_dim)
 
 
-def get_attention_backend(device: torch.device) -> AttentionBackend:
-    # A CUDA-specific backend (FlashAttention/FlashInfer) plugs in here; the torch one runs everywhere.
-    return TorchAttentionBackend()
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Store the new tokens' K and V at their slots (slot = block_id * block_size + offset)."""
+    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+    slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+    slots[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    slots[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
+
+
+class CpuPagedAttentionBackend(TorchAttentionBackend):
+    """Decodes through the C++ paged kernel (cpu_kernels.cpp); prefill chunks as the torch backend."""
+
+    name = "cpu"
+    uses_decode_buckets = False
+
+    def __init__(self, kernels) -> None:
+        self.kernels = kernels
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, kv_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        if meta.num_decodes:
+            query = q[:meta.num_decodes].to(kv_cache.dtype).contiguous()
+            decoded = self.kernels.paged_decode_attention(query, kv_cache, meta.decode_block_tables,
+                                                          meta.decode_context_lens, scale)
+            out[:meta.num_decodes] = decoded
+        self.prefill_into(out, q, kv_cache, meta, scale)
+        return out
+
+
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+
+
+def get_attention_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
+    """`auto`: the C++ paged kernels on CPU when they build here, else the portable torch backend.
+
+    A CUDA-specific backend (FlashAttention/FlashInfer) would plug in here.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
+    if name == "torch" or device.type != "cpu":
+        if name == "cpu":
+            raise ValueError("the cpu attention backend runs only on the CPU device")
+        return TorchAttentionBackend()
+    from tokenmill.model.layers import cpu_kernels
+
+    kernels = cpu_kernels.load()
+    if kernels is None:
+        if name == "cpu":
+            raise RuntimeError(f"the cpu attention backend is unavailable: {cpu_kernels.build_error()}")
+        return TorchAttentionBackend()
+    return CpuPagedAttentionBackend(kernels)

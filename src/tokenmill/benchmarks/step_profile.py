@@ -1,0 +1,176 @@
+"""Where an engine step's time goes: wall-clock totals per phase over a whole offline workload.
+
+    python -m tokenmill.benchmarks.step_profile --workload ../shared/bench/workload-64.jsonl
+
+Phases are timed by wrapping the functions that implement them (CPU torch ops are synchronous,
+so wall time around a call is the call's cost; on CUDA the runner would need synchronisation and
+this tool says so). The phases partition the run:
+
+- schedule: Scheduler.schedule
+- prepare inputs: SchedulerOutput -> tensors (runner)
+- model: linear layers (every nn.Linear inside the decoder)
+- model: attention (KV writes + paged attention, the backend's forward)
+- model: other (embedding, norms, rotary, activation, residuals: forward minus the two above)
+- logits: the LM head over the rows that sample
+- sampling: the sampler
+- update: Scheduler.update_from_output (append tokens, stop checks, free blocks)
+- output processing: detokenization and RequestOutput assembly (LLMEngine.step minus the core step)
+- runner other: the rest of ModelRunner.execute (COW/swap copies, bookkeeping)
+- engine other: the rest of the wall time (LLM.generate's loop, tqdm)
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import time
+from collections import defaultdict
+from typing import Any, Callable, Iterator, Optional
+
+import torch
+
+PHASES = ("schedule", "prepare inputs", "model: linear", "model: attention", "model: other", "logits",
+          "sampling", "update", "output processing", "runner other", "engine other")
+
+
+class PhaseTimer:
+    """Accumulates seconds per phase; `wrap` times a callable and subtracts nested phases."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self._stack: list[list[float]] = []  # per open phase: [time spent in nested phases]
+
+    def wrap(self, phase: str, fn: Callable) -> Callable:
+        timer = self
+
+        def timed(*args, **kwargs):
+            timer._stack.append([0.0])
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                nested = timer._stack.pop()[0]
+                timer.seconds[phase] += elapsed - nested
+                timer.calls[phase] += 1
+                if timer._stack:
+                    timer._stack[-1][0] += elapsed
+
+        return timed
+
+
+@contextlib.contextmanager
+def _patched(obj: Any, name: str, replacement: Any) -> Iterator[None]:
+    original = getattr(obj, name)
+    setattr(obj, name, replacement)
+    try:
+        yield
+    finally:
+        setattr(obj, name, original)
+
+
+@contextlib.contextmanager
+def profile_phases(llm) -> Iterator[PhaseTimer]:
+    """Instrument one LLM's engine; the yielded timer fills while the block runs."""
+    from tokenmill.runner import model_runner as runner_module
+
+    engine = llm.llm_engine
+    core = engine.core
+    runner = core.runner
+    model = runner.model
+    timer = PhaseTimer()
+    with contextlib.ExitStack() as stack:
+        patch = lambda obj, name, phase: stack.enter_context(  # noqa: E731
+            _patched(obj, name, timer.wrap(phase, getattr(obj, name))))
+        patch(engine, "step", "output processing")
+        patch(core, "step", "engine core")
+        patch(core.scheduler, "schedule", "schedule")
+        patch(core.scheduler, "update_from_output", "update")
+        patch(runner, "execute", "runner other")
+        patch(runner_module, "build_model_inputs", "prepare inputs")
+        patch(runner.sampler, "__call__", "sampling")
+        patch(model, "compute_logits", "logits")
+        patch(model, "forward", "model: other")
+        backend = model.layers[0].self_attn.backend
+        patch(backend, "forward", "model: attention")
+        for module in model.modules():
+            if isinstance(module, torch.nn.Linear):
+                patch(module, "forward", "model: linear")
+        # Instance attributes shadow nn.Module.__call__'s lookup of `forward`; the sampler is called
+        # as sampler(...), which looks up __call__ on the type, so route it through the instance.
+        sampler = runner.sampler
+        runner.sampler = lambda *a, **k: sampler.__call__(*a, **k)  # type: ignore[assignment]
+        stack.callback(setattr, runner, "sampler", sampler)
+        yield timer
+    # engine core's own leftover is glue between schedule/execute/update: fold it into update.
+    timer.seconds["update"] += timer.seconds.pop("engine core", 0.0)
+
+
+def breakdown(timer: PhaseTimer, wall_s: float) -> list[dict[str, Any]]:
+    accounted = sum(timer.seconds.values())
+    seconds = dict(timer.seconds)
+    seconds["engine other"] = max(0.0, wall_s - accounted)
+    rows = []
+    for phase in PHASES:
+        s = seconds.get(phase, 0.0)
+        rows.append({"phase": phase, "seconds": round(s, 3), "share": round(s / wall_s, 4) if wall_s else 0.0})
+    return rows
+
+
+def markdown_table(rows: list[dict[str, Any]], wall_s: float, steps: int) -> str:
+    lines = ["| phase | seconds | share | ms / step |", "|---|---|---|---|"]
+    for row in rows:
+        lines.append(f"| {row['phase']} | {row['seconds']:.2f} | {100 * row['share']:.1f}% | "
+                     f"{1000 * row['seconds'] / max(steps, 1):.2f} |")
+    lines.append(f"| **total** | {wall_s:.2f} | 100% | {1000 * wall_s / max(steps, 1):.2f} |")
+    return "\n".join(lines)
+
+
+def run(llm, requests, use_tqdm: bool = False) -> dict[str, Any]:
+    from tokenmill.benchmarks.throughput import run_offline_throughput, warm_up_llm
+
+    if llm.llm_engine.core.runner.device.type != "cpu":
+        raise SystemExit("step_profile times CPU execution; on CUDA the phases would need synchronisation")
+    warm_up_llm(llm, requests)
+    with profile_phases(llm) as timer:
+        start = time.perf_counter()
+        result = run_offline_throughput(llm, requests, use_tqdm=use_tqdm, warmup=False)
+        wall = time.perf_counter() - start
+    steps = timer.calls.get("schedule", 0)
+    rows = breakdown(timer, wall)
+    return {"throughput": result, "steps": steps, "wall_s": round(wall, 3), "phases": rows,
+            "markdown": markdown_table(rows, wall, steps)}
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    from tokenmill.benchmarks.workloads import load_workload
+    from tokenmill.config import EngineConfig
+    from tokenmill.entrypoints.llm import LLM
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", default="../shared/bench/workload-64.jsonl",
+                        help="a workload JSONL file (prompt_token_ids, max_tokens per line)")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N requests")
+    parser.add_argument("--json", default=None, help="write the result here")
+    args = parser.parse_args(argv)
+
+    config = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM.from_config(config)
+    requests = load_workload(args.workload, args.num_prompts)
+    out = run(llm, requests)
+    tp = out["throughput"]
+    print(f"{tp['output_tok_s']:.1f} output tok/s, {out['steps']} steps, {out['wall_s']:.1f} s")
+    print(out["markdown"])
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(out, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()

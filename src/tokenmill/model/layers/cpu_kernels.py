@@ -1,0 +1,79 @@
+"""tokenmill's C++ CPU kernels, compiled on first use and cached (torch.utils.cpp_extension).
+
+The build needs a C++ compiler (g++ or clang) and takes about a minute on two cores; the result
+lives in torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), keyed
+by the source and this CPU's instruction-set flags, so later starts load it in well under a
+second. `make install` builds it ahead of time (`python -m tokenmill.model.layers.cpu_kernels`).
+When the build fails the engine logs why and falls back to the portable torch kernels.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from types import ModuleType
+from typing import Optional
+
+logger = logging.getLogger("tokenmill")
+
+_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+_lock = threading.Lock()
+_module: Optional[ModuleType] = None
+_error: Optional[str] = None
+
+
+def _cpu_flags() -> str:
+    """The instruction-set flags the kernels are compiled for (-march=native)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def _extension_name() -> str:
+    digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
+    return f"tokenmill_cpu_kernels_{digest}"
+
+
+def load(verbose: bool = False) -> Optional[ModuleType]:
+    """The compiled module, or None when it cannot be built here (the reason is in `build_error()`)."""
+    global _module, _error
+    with _lock:
+        if _module is not None or _error is not None:
+            return _module
+        if os.environ.get("TOKENMILL_DISABLE_CPU_KERNELS"):
+            _error = "disabled by TOKENMILL_DISABLE_CPU_KERNELS"
+            return None
+        try:
+            from torch.utils.cpp_extension import load as load_extension
+
+            _module = load_extension(
+                name=_extension_name(),
+                sources=[str(_SOURCE)],
+                extra_cflags=["-O3", "-march=native", "-fopenmp"],
+                extra_ldflags=["-fopenmp"],
+                verbose=verbose,
+            )
+        except Exception as exc:  # a missing compiler, headers or an unsupported platform
+            _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            logger.warning("CPU kernels unavailable (%s); using the torch attention backend", _error)
+        return _module
+
+
+def build_error() -> Optional[str]:
+    return _error
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    module = load(verbose=True)
+    if module is None:
+        raise SystemExit(f"could not build tokenmill's CPU kernels: {build_error()}")
+    print(f"built {_extension_name()}")

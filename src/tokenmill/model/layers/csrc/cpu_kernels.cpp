@@ -1,0 +1,216 @@
+// CPU kernels for tokenmill, built on first use with torch.utils.cpp_extension (see cpu_kernels.py).
+//
+// paged_decode_attention: one query token per request attends to its context straight from the
+// paged KV cache, without gathering the blocks into a contiguous copy first. The torch backend
+// copies every decode request's whole history once per layer per step; reading it in place
+// halves the memory traffic and removes the padding and mask of its buckets.
+//
+//   kv_cache     [2, num_blocks, block_size, num_kv_heads, head_dim]   (K = [0], V = [1])
+//   query        [batch, num_heads, head_dim]
+//   block_tables [batch, max_blocks] int32: request b's token t lives in block
+//                block_tables[b][t / block_size] at offset t % block_size
+//   context_lens [batch] int32 (including the token being decoded, already written)
+//
+// Work item = (request, kv head): the `group` query heads that share a KV head are scored together,
+// so each K/V row is loaded once per group. Softmax is exact (two passes over the scores in fp32).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define TOKENMILL_AVX2 1
+#endif
+
+namespace {
+
+#ifdef TOKENMILL_AVX2
+// exp(x) for 8 floats: x = n*ln2 + r with |r| <= ln2/2, e^r from a degree-5 minimax polynomial
+// (relative error ~1e-7, the accuracy of expf), 2^n assembled in the exponent bits.
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.3762626647949f)), _mm256_set1_ps(-88.3762626647949f));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+  // r = x - n*ln2, with ln2 split in two so the product stays exact.
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// In place: s[i] = exp(s[i] - max); returns the sum.
+inline float exp_shift_sum(float* s, int64_t n, float max_score) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#ifdef TOKENMILL_AVX2
+  __m256 vmax = _mm256_set1_ps(max_score), vsum = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmax));
+    _mm256_storeu_ps(s + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  sum = hsum256(vsum);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - max_score);
+    sum += s[i];
+  }
+  return sum;
+}
+
+// Scores of `group` queries (pre-scaled fp32 [group][head_dim]) against one key row.
+template <typename scalar_t>
+inline void score_row(const float* qf, const scalar_t* k, int64_t group, int64_t head_dim, float* out,
+                      int64_t out_stride) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = qf + g * head_dim;
+    float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+    for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(k[d]);
+    out[g * out_stride] = dot;
+  }
+}
+
+#ifdef TOKENMILL_AVX2
+template <>
+inline void score_row<float>(const float* qf, const float* k, int64_t group, int64_t head_dim, float* out,
+                             int64_t out_stride) {
+  if (head_dim % 8 != 0 || group > 16) {
+    for (int64_t g = 0; g < group; ++g) {
+      float dot = 0.0f;
+      for (int64_t d = 0; d < head_dim; ++d) dot += qf[g * head_dim + d] * k[d];
+      out[g * out_stride] = dot;
+    }
+    return;
+  }
+  __m256 acc[16];
+  for (int64_t g = 0; g < group; ++g) acc[g] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    const __m256 kv = _mm256_loadu_ps(k + d);  // each key chunk is loaded once for the whole group
+    for (int64_t g = 0; g < group; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * head_dim + d), kv, acc[g]);
+  }
+  for (int64_t g = 0; g < group; ++g) out[g * out_stride] = hsum256(acc[g]);
+}
+#endif
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+// One request, kv heads [h0, h1): its (h1 - h0) * group query heads against its context. Each
+// token's K (then V) row holds every kv head side by side, so walking the tokens of a block reads
+// one contiguous run of memory, which the hardware prefetcher follows.
+template <typename scalar_t>
+void decode_one(const scalar_t* __restrict__ q,          // [(h1 - h0) * group, head_dim]
+                const scalar_t* __restrict__ k_cache,    // K plane base
+                const scalar_t* __restrict__ v_cache,    // V plane base
+                const int32_t* __restrict__ blocks, int64_t ctx_len, int64_t block_size,
+                int64_t token_stride, int64_t h0, int64_t h1, int64_t group, int64_t head_dim, float scale,
+                scalar_t* __restrict__ out, std::vector<float>& scores, std::vector<float>& acc,
+                std::vector<float>& qf) {
+  const int64_t num_q = (h1 - h0) * group;
+  scores.resize(static_cast<size_t>(num_q * ctx_len));
+  acc.assign(static_cast<size_t>(num_q * head_dim), 0.0f);
+  qf.resize(static_cast<size_t>(num_q * head_dim));
+  for (int64_t i = 0; i < num_q * head_dim; ++i) qf[i] = to_float(q[i]) * scale;
+
+  // Pass 1: scores[j][t] = q_j . k_t (query j reads kv head h0 + j / group)
+  for (int64_t t = 0; t < ctx_len; ++t) {
+    const scalar_t* row = k_cache + (blocks[t / block_size] * block_size + t % block_size) * token_stride;
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t j = (h - h0) * group;
+      score_row<scalar_t>(qf.data() + j * head_dim, row + h * head_dim, group, head_dim,
+                          scores.data() + j * ctx_len + t, ctx_len);
+    }
+  }
+  // Pass 2: softmax per query head.
+  std::vector<float> inv_sum(num_q);
+  for (int64_t j = 0; j < num_q; ++j) {
+    float* s = scores.data() + j * ctx_len;
+    float max_score = -std::numeric_limits<float>::infinity();
+    for (int64_t t = 0; t < ctx_len; ++t) max_score = std::max(max_score, s[t]);
+    inv_sum[j] = 1.0f / exp_shift_sum(s, ctx_len, max_score);
+  }
+  // Pass 3: out_j = sum_t p[j][t] * v_t
+  for (int64_t t = 0; t < ctx_len; ++t) {
+    const scalar_t* row = v_cache + (blocks[t / block_size] * block_size + t % block_size) * token_stride;
+    for (int64_t j = 0; j < num_q; ++j) {
+      const scalar_t* v = row + (h0 + j / group) * head_dim;
+      const float p = scores[j * ctx_len + t];
+      float* a = acc.data() + j * head_dim;
+#pragma omp simd
+      for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
+    }
+  }
+  for (int64_t j = 0; j < num_q; ++j)
+    for (int64_t d = 0; d < head_dim; ++d)
+      out[j * head_dim + d] = static_cast<scalar_t>(acc[j * head_dim + d] * inv_sum[j]);
+}
+
+}  // namespace
+
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [batch, heads, dim]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-D");
+  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "query and kv_cache dtypes differ");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(), "block_tables int32");
+  TORCH_CHECK(context_lens.scalar_type() == torch::kInt32, "context_lens int32");
+  const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  TORCH_CHECK(kv_cache.size(4) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  auto out = torch::empty_like(query);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const int64_t plane = num_blocks * block_size * token_stride;
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
+    const scalar_t* q_base = query.data_ptr<scalar_t>();
+    const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
+    const scalar_t* v_base = k_base + plane;
+    scalar_t* out_base = out.data_ptr<scalar_t>();
+    // A work item is one request (all its kv heads: contiguous reads); with fewer requests than
+    // threads to keep busy, one (request, kv head) pair, so a single long request still spreads.
+    const int64_t heads_per_item = batch >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+    const int64_t items_per_request = num_kv_heads / heads_per_item;
+    at::parallel_for(0, batch * items_per_request, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, acc, qf;
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t b = item / items_per_request;
+        const int64_t h0 = (item % items_per_request) * heads_per_item, h1 = h0 + heads_per_item;
+        const int64_t ctx_len = lens[b];
+        TORCH_CHECK(ctx_len > 0 && ctx_len <= max_blocks * block_size, "context length out of range");
+        const int64_t q_offset = (b * num_heads + h0 * group) * head_dim;
+        decode_one<scalar_t>(q_base + q_offset, k_base, v_base, tables + b * max_blocks, ctx_len, block_size,
+                             token_stride, h0, h1, group, head_dim, static_cast<float>(scale),
+                             out_base + q_offset, scores, acc, qf);
+      }
+    });
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention,
+        "decode attention over a paged KV cache (one query token per request)");
+}
