@@ -59,15 +59,17 @@ def require_backend(name: str) -> None:
             pytest.skip(f"cpu kernels unavailable: {cpu_kernels.build_error()}")
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_tiny_llama_matches_hf(tiny_llama_dir, smollm2_tokenizer, backend):
+@pytest.mark.parametrize("backend,packed_linear", [("torch", False), ("torch", True), ("cpu", True)])
+def test_tiny_llama_matches_hf(tiny_llama_dir, smollm2_tokenizer, backend, packed_linear):
     from transformers import AutoModelForCausalLM
 
     require_backend(backend)
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     llm = LLM(str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64, max_model_len=512,
-              attention_backend=backend)
-    assert llm.llm_engine.core.runner.attention_backend.name == backend
+              attention_backend=backend, packed_linear=packed_linear)
+    runner = llm.llm_engine.core.runner
+    assert runner.attention_backend.name == backend
+    assert runner.packed_linear == (packed_linear and torch.backends.mkldnn.is_available())
     check_against_hf(llm, hf, smollm2_tokenizer, [12, 20, 5, 16, 24, 9, 30, 14, 22])
     assert llm.llm_engine.core.kv_cache.usage == 0.0
 

@@ -38,7 +38,8 @@ class EngineCore:
         max_model_len = derive_max_model_len(config, hf_config)
         self.runner = ModelRunner(hf_config, source.architecture, config.dtype, device, max_model_len,
                                   config.block_size, config.seed, config.num_threads,
-                                  config.attention_backend)
+                                  config.attention_backend,
+                                  packed_linear_rows=min(config.max_num_seqs, 256) if config.packed_linear else None)
         self.runner.load_weights(source.iter_weights(self.runner.dtype))
         num_blocks = self._num_kv_blocks(device)
         self.runner.initialize_kv_cache(num_blocks)

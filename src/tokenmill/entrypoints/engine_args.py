@@ -75,6 +75,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"],
                        help="auto: tokenmill's C++ paged-attention kernels on CPU (built on first use) when a "
                             "compiler is present, else the portable torch backend")
+    group.add_argument("--packed-linear", action=argparse.BooleanOptionalAction, default=True,
+                       help="CPU: keep projection weights in oneDNN's packed layout (faster matmuls at serving "
+                            "batch sizes)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -106,4 +109,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         seed=args.seed,
         num_threads=args.num_threads,
         attention_backend=args.attention_backend,
+        packed_linear=args.packed_linear,
     )

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.basic import RMSNorm, RotaryEmbedding
+from tokenmill.model.layers.linear import PackedLinear, pack_linear_layers
 
 
 class LlamaAttention(nn.Module):
@@ -96,8 +97,16 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def pack_linear_weights(self, rows_hint: int) -> None:
+        """After loading: every projection (and the LM head) in oneDNN's packed layout (CPU)."""
+        pack_linear_layers(self, rows_hint)
+        if self.lm_head is None:
+            # Tied head: the embedding keeps its plain weight for lookups; the head gets a packed copy.
+            self.lm_head = PackedLinear(self.embed_tokens.weight, None, rows_hint)
 
     # ---- weights -------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.model.layers.attention import get_attention_backend
+from tokenmill.model.layers.linear import onednn_packing_supported
 from tokenmill.model.registry import get_model_class
 from tokenmill.outputs import Logprob
 from tokenmill.runner.input_batch import build_model_inputs
@@ -38,7 +39,7 @@ def resolve_device(name: Optional[str]) -> torch.device:
 class ModelRunner:
     def __init__(self, hf_config, architecture: str, dtype: str, device: torch.device, max_model_len: int,
                  block_size: int, seed: int = 0, num_threads: Optional[int] = None,
-                 attention_backend: str = "auto") -> None:
+                 attention_backend: str = "auto", packed_linear_rows: Optional[int] = None) -> None:
         if device.type == "cpu":
             torch.set_num_threads(num_threads or os.cpu_count() or 1)
         self.device = device
@@ -61,9 +62,16 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.host_caches: list[torch.Tensor] = []
         self.sampler = Sampler(seed)
+        self.packed_linear_rows = packed_linear_rows
+        self.packed_linear = False
 
     def load_weights(self, weights) -> None:
         self.model.load_weights(weights)
+        if (self.packed_linear_rows and self.device.type == "cpu" and onednn_packing_supported(self.dtype)
+                and hasattr(self.model, "pack_linear_weights")):
+            self.model.pack_linear_weights(self.packed_linear_rows)
+            self.packed_linear = True
+        logger.info("linear layers: %s", "oneDNN packed weights" if self.packed_linear else "torch F.linear")
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
