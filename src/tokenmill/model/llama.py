@@ -12,7 +12,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
-from tokenmill.model.layers.basic import RMSNorm, RotaryEmbedding
+from tokenmill.model.layers.basic import RMSNorm, RotaryEmbedding, SiluAndMul
 from tokenmill.model.layers.linear import PackedLinear, pack_linear_layers
 
 
@@ -35,11 +35,13 @@ class LlamaAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         qkv = self.qkv_proj(x)
+        rotated = self.rotary.apply_inplace(positions, qkv, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        if not rotated:
+            q, k = self.rotary(positions, q, k)
         out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -53,10 +55,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=bias)
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported activation {config.hidden_act!r}")
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -67,9 +69,19 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions, x, kv_cache, meta):
-        x = x + self.self_attn(positions, self.input_layernorm(x), kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions, x, residual, kv_cache, meta):
+        """x: this layer's input delta (or the embeddings for the first layer); residual: the stream.
+
+        Returns (delta, residual); the stream after the layer is delta + residual. Carrying them apart
+        lets the next norm fuse the add (same fp32 sums as x = x + f(x)).
+        """
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h, kv_cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -91,10 +103,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(positions, x, kv_cache, meta)
-        return self.norm(x)
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

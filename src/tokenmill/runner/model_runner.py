@@ -10,6 +10,7 @@ import torch
 
 from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.model.layers.attention import get_attention_backend
+from tokenmill.model.layers.basic import use_cpu_kernels
 from tokenmill.model.layers.linear import onednn_packing_supported
 from tokenmill.model.registry import get_model_class
 from tokenmill.outputs import Logprob
@@ -56,6 +57,10 @@ class ModelRunner:
         self.model.rotary.cos = self.model.rotary.cos.float()
         self.model.rotary.sin = self.model.rotary.sin.float()
         self.model.eval().requires_grad_(False)
+        kernels = getattr(self.attention_backend, "kernels", None)
+        if kernels is not None:
+            # The backend built tokenmill's C++ CPU kernels: norms, rotary and activation use them too.
+            use_cpu_kernels(self.model, kernels)
         attn = self.model.layers[0].self_attn
         self.kv_spec = KVCacheSpec(hf_config.num_hidden_layers, block_size, attn.num_kv_heads, attn.head_dim,
                                    self.dtype)

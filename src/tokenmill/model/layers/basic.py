@@ -1,22 +1,61 @@
-"""Norm and rotary embedding layers shared by decoder models."""
+"""Norm, rotary embedding and activation layers shared by decoder models.
+
+Each layer has a torch implementation and, when the runner hands it tokenmill's C++ CPU kernels
+(`use_cpu_kernels`), a fused one that does the same arithmetic in one pass over memory.
+"""
 from __future__ import annotations
+
+from typing import Any, Optional
 
 import torch
 from torch import nn
+import torch.nn.functional as F
+
+_NO_RESIDUAL = torch.empty(0)
 
 
 class RMSNorm(nn.Module):
+    """RMSNorm; called with a residual, it first adds x into it (x + residual) and normalizes the sum.
+
+    The fused form returns (normed, new residual), so a decoder layer carries the residual stream
+    without a separate add op (the sums are the same fp32 adds as `x = x + f(x)`).
+    """
+
+    kernels: Optional[Any] = None
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if self.kernels is not None and x.dim() == 2:
+            out = self.kernels.rms_norm(x.contiguous(), _NO_RESIDUAL if residual is None else residual,
+                                        self.weight, self.eps)  # residual is updated in place
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         # Normalize in float32 as the reference implementations do, then return to the input dtype.
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(dtype)
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up for the fused [rows, 2 * intermediate] gate/up projection output."""
+
+    kernels: Optional[Any] = None
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.kernels is not None and gate_up.dim() == 2:
+            return self.kernels.silu_and_mul(gate_up.contiguous())
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 def rope_parameters(config) -> tuple[str, float]:
@@ -28,6 +67,8 @@ def rope_parameters(config) -> tuple[str, float]:
 
 class RotaryEmbedding(nn.Module):
     """Rotate-half rotary embedding with a precomputed cos/sin table indexed by position."""
+
+    kernels: Optional[Any] = None
 
     def __init__(self, config, head_dim: int, max_positions: int, device: torch.device) -> None:
         super().__init__()
@@ -46,6 +87,13 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
+    def apply_inplace(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, head_dim: int) -> bool:
+        """Rotate the first num_heads heads (q then k) of each [tokens, ...] row in place, if fused."""
+        if self.kernels is None or qkv.dim() != 2 or qkv.stride(1) != 1:
+            return False
+        self.kernels.rotary_inplace(qkv, positions, self.cos, self.sin, num_heads, head_dim)
+        return True
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # q: [T, Hq, D], k: [T, Hkv, D]
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
@@ -56,3 +104,16 @@ class RotaryEmbedding(nn.Module):
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def use_cpu_kernels(model: nn.Module, kernels: Any) -> int:
+    """Route every norm, activation and rotary layer of `model` through the fused CPU kernels."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
+            module.kernels = kernels
+            count += 1
+    if isinstance(getattr(model, "rotary", None), RotaryEmbedding):
+        model.rotary.cos = model.rotary.cos.float().contiguous()
+        model.rotary.sin = model.rotary.sin.float().contiguous()
+    return count
