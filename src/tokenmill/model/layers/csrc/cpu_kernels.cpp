@@ -115,6 +115,44 @@ inline void score_row<float>(const float* qf, const float* k, int64_t group, int
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
+// acc[d] += sum_i p[i] * rows[i * stride + d] for i < n.
+template <typename scalar_t>
+inline void accumulate_weighted_rows(const float* p, const scalar_t* rows, int64_t n, int64_t stride,
+                                     int64_t head_dim, float* acc) {
+  for (int64_t i = 0; i < n; ++i) {
+    const scalar_t* v = rows + i * stride;
+#pragma omp simd
+    for (int64_t d = 0; d < head_dim; ++d) acc[d] += p[i] * to_float(v[d]);
+  }
+}
+
+#ifdef TOKENMILL_AVX2
+template <>
+inline void accumulate_weighted_rows<float>(const float* p, const float* rows, int64_t n, int64_t stride,
+                                            int64_t head_dim, float* acc) {
+  int64_t d = 0;
+  // 32 output lanes in registers at a time, every row of the block accumulated before storing.
+  for (; d + 32 <= head_dim; d += 32) {
+    __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
+    __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* v = rows + i * stride + d;
+      const __m256 w = _mm256_set1_ps(p[i]);
+      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
+      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
+      a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
+      a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
+    }
+    _mm256_storeu_ps(acc + d, a0);
+    _mm256_storeu_ps(acc + d + 8, a1);
+    _mm256_storeu_ps(acc + d + 16, a2);
+    _mm256_storeu_ps(acc + d + 24, a3);
+  }
+  for (; d < head_dim; ++d)
+    for (int64_t i = 0; i < n; ++i) acc[d] += p[i] * rows[i * stride + d];
+}
+#endif
+
 // One request, kv heads [h0, h1): its (h1 - h0) * group query heads against its context. Each
 // token's K (then V) row holds every kv head side by side, so walking the tokens of a block reads
 // one contiguous run of memory, which the hardware prefetcher follows.
@@ -149,15 +187,15 @@ void decode_one(const scalar_t* __restrict__ q,          // [(h1 - h0) * group, 
     for (int64_t t = 0; t < ctx_len; ++t) max_score = std::max(max_score, s[t]);
     inv_sum[j] = 1.0f / exp_shift_sum(s, ctx_len, max_score);
   }
-  // Pass 3: out_j = sum_t p[j][t] * v_t
-  for (int64_t t = 0; t < ctx_len; ++t) {
-    const scalar_t* row = v_cache + (blocks[t / block_size] * block_size + t % block_size) * token_stride;
+  // Pass 3: out_j = sum_t p[j][t] * v_t, a block of tokens at a time (its V rows stay in L1 while
+  // each query sweeps them).
+  for (int64_t t0 = 0; t0 < ctx_len; t0 += block_size) {
+    const int64_t t1 = std::min(ctx_len, t0 + block_size);
+    const scalar_t* block_rows = v_cache + blocks[t0 / block_size] * block_size * token_stride;
     for (int64_t j = 0; j < num_q; ++j) {
-      const scalar_t* v = row + (h0 + j / group) * head_dim;
-      const float p = scores[j * ctx_len + t];
-      float* a = acc.data() + j * head_dim;
-#pragma omp simd
-      for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(v[d]);
+      const scalar_t* v0 = block_rows + (h0 + j / group) * head_dim;
+      accumulate_weighted_rows<scalar_t>(scores.data() + j * ctx_len + t0, v0, t1 - t0, token_stride, head_dim,
+                                         acc.data() + j * head_dim);
     }
   }
   for (int64_t j = 0; j < num_q; ++j)
