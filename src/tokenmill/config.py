@@ -71,6 +71,8 @@ class EngineConfig:
     attention_backend: str = "auto"
     # CPU: projections with weights pre-packed for oneDNN (faster at serving batch sizes).
     packed_linear: bool = True
+    # Weight-only quantization applied at load: None or "q8_0" (CPU, float32; see docs/performance.md).
+    quantization: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory_bytes is not None:
@@ -92,6 +94,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidRequestError(f"{name} must be positive, got {value}", name)
+        if self.quantization not in (None, "q8_0"):
+            raise InvalidRequestError("quantization must be q8_0 (or unset)", "quantization")
         if self.attention_backend not in ("auto", "torch", "cpu"):
             raise InvalidRequestError("attention_backend must be auto, torch or cpu", "attention_backend")
         if self.preemption_mode not in (None, "swap", "recompute"):

@@ -49,6 +49,9 @@ class ServeConfig:
     sample_interval_s: float = 0.25
     disable_tqdm: bool = False
     label: Optional[str] = None
+    # Extra JSON fields merged into every request body (engine-specific knobs such as
+    # llama.cpp's {"cache_prompt": false}).
+    extra_body: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.base_url = self.base_url.rstrip("/")
@@ -108,6 +111,7 @@ def build_payload(request: BenchRequest, cfg: ServeConfig, model: str,
         ids = request.prompt_token_ids
         payload["prompt"] = list(ids) if ids is not None else request.prompt
         payload["max_tokens"] = tokens
+    payload.update(cfg.extra_body)
     return payload
 
 

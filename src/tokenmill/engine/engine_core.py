@@ -39,7 +39,8 @@ class EngineCore:
         self.runner = ModelRunner(hf_config, source.architecture, config.dtype, device, max_model_len,
                                   config.block_size, config.seed, config.num_threads,
                                   config.attention_backend,
-                                  packed_linear_rows=min(config.max_num_seqs, 256) if config.packed_linear else None)
+                                  packed_linear_rows=min(config.max_num_seqs, 256) if config.packed_linear else None,
+                                  quantization=config.quantization)
         self.runner.load_weights(source.iter_weights(self.runner.dtype))
         num_blocks = self._num_kv_blocks(device)
         self.runner.initialize_kv_cache(num_blocks)

@@ -103,6 +103,8 @@ def _add_client_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                        help="let requests stop at EOS (default: always generate max_tokens)")
     group.add_argument("--temperature", type=float, default=0.0)
+    group.add_argument("--extra-body", type=_json_object, default={},
+                       help='JSON object merged into every request body, e.g. \'{"cache_prompt": false}\'')
     group.add_argument("--timeout-s", type=float, default=600.0, help="seconds a request may wait for data before it fails")
     group.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT limit")
     group.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT limit")
@@ -118,6 +120,16 @@ def _add_client_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--result-json", default=None, help="write the full result here")
 
 
+def _json_object(value: str) -> dict[str, Any]:
+    try:
+        parsed = json.loads(value)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc.msg}") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return parsed
+
+
 def _serve_config(args: argparse.Namespace, max_concurrency: Optional[int]):
     from tokenmill.benchmarks.serve import ServeConfig
 
@@ -127,7 +139,8 @@ def _serve_config(args: argparse.Namespace, max_concurrency: Optional[int]):
                        ignore_eos=args.ignore_eos, temperature=args.temperature, timeout_s=args.timeout_s,
                        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, slo_e2el_ms=args.slo_e2el_ms,
                        percentiles=tuple(args.metric_percentiles), server_pid=args.server_pid,
-                       sample_server=args.sample_server, disable_tqdm=args.disable_tqdm, label=args.label)
+                       sample_server=args.sample_server, disable_tqdm=args.disable_tqdm, label=args.label,
+                       extra_body=args.extra_body)
 
 
 def _api_key(args: argparse.Namespace) -> Optional[str]:

@@ -75,6 +75,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"],
                        help="auto: tokenmill's C++ paged-attention kernels on CPU (built on first use) when a "
                             "compiler is present, else the portable torch backend")
+    group.add_argument("--quantization", "-q", default=None, choices=["q8_0"],
+                       help="q8_0: round projection and LM-head weights to GGUF's Q8_0 at load (int8 blocks of 32 "
+                            "with one scale); steps of up to 8 rows read the int8 copy (CPU, float32)")
     group.add_argument("--packed-linear", action=argparse.BooleanOptionalAction, default=True,
                        help="CPU: keep projection weights in oneDNN's packed layout (faster matmuls at serving "
                             "batch sizes)")
@@ -110,4 +113,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         num_threads=args.num_threads,
         attention_backend=args.attention_backend,
         packed_linear=args.packed_linear,
+        quantization=args.quantization,
     )

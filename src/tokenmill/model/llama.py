@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.basic import RMSNorm, RotaryEmbedding, SiluAndMul
-from tokenmill.model.layers.linear import PackedLinear, pack_linear_layers
+from tokenmill.model.layers.linear import PackedLinear, Q8_0Linear, pack_linear_layers, quantize_linear_layers
 
 
 class LlamaAttention(nn.Module):
@@ -119,6 +119,15 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None:
             # Tied head: the embedding keeps its plain weight for lookups; the head gets a packed copy.
             self.lm_head = PackedLinear(self.embed_tokens.weight, None, rows_hint)
+
+    def quantize_q8_0(self, rows_hint: int, kernels) -> None:
+        """After loading: every projection and the LM head rounded to Q8_0 (CPU, float32).
+
+        A tied head gets its own quantized copy; the embedding lookup keeps the exact weights.
+        """
+        quantize_linear_layers(self, rows_hint, kernels)
+        if self.lm_head is None:
+            self.lm_head = Q8_0Linear(self.embed_tokens.weight, None, rows_hint, kernels)
 
     # ---- weights -------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

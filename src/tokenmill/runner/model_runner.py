@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from tokenmill.core.sched_output import SchedulerOutput
+from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import get_attention_backend
 from tokenmill.model.layers.basic import use_cpu_kernels
 from tokenmill.model.layers.linear import onednn_packing_supported
@@ -40,7 +41,8 @@ def resolve_device(name: Optional[str]) -> torch.device:
 class ModelRunner:
     def __init__(self, hf_config, architecture: str, dtype: str, device: torch.device, max_model_len: int,
                  block_size: int, seed: int = 0, num_threads: Optional[int] = None,
-                 attention_backend: str = "auto", packed_linear_rows: Optional[int] = None) -> None:
+                 attention_backend: str = "auto", packed_linear_rows: Optional[int] = None,
+                 quantization: Optional[str] = None) -> None:
         if device.type == "cpu":
             torch.set_num_threads(num_threads or os.cpu_count() or 1)
         self.device = device
@@ -69,14 +71,28 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.packed_linear_rows = packed_linear_rows
         self.packed_linear = False
+        self.quantization = quantization
+        if quantization not in (None, "q8_0"):
+            raise ModelLoadError(f"unsupported quantization {quantization!r} (supported: q8_0)")
 
     def load_weights(self, weights) -> None:
         self.model.load_weights(weights)
+        logger.info("linear layers: %s", self._prepare_linear_layers())
+
+    def _prepare_linear_layers(self) -> str:
+        if self.quantization == "q8_0":
+            kernels = getattr(self.attention_backend, "kernels", None)
+            if kernels is None or self.dtype != torch.float32 or not hasattr(self.model, "quantize_q8_0"):
+                raise ModelLoadError("--quantization q8_0 needs the CPU device, dtype float32 and tokenmill's CPU "
+                                     "kernels (attention backend 'cpu')")
+            self.model.quantize_q8_0(self.packed_linear_rows or 64, kernels)
+            return "Q8_0 weights (int8 kernel for steps of up to 8 rows, dense dequantized copy above)"
         if (self.packed_linear_rows and self.device.type == "cpu" and onednn_packing_supported(self.dtype)
                 and hasattr(self.model, "pack_linear_weights")):
             self.model.pack_linear_weights(self.packed_linear_rows)
             self.packed_linear = True
-        logger.info("linear layers: %s", "oneDNN packed weights" if self.packed_linear else "torch F.linear")
+            return "oneDNN packed weights"
+        return "torch F.linear"
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)

@@ -42,6 +42,16 @@ def _extension_name() -> str:
     return f"tokenmill_cpu_kernels_{digest}"
 
 
+def _put_venv_scripts_on_path() -> None:
+    """torch looks for `ninja` on PATH; the pip-installed one sits next to this interpreter."""
+    import sysconfig
+
+    scripts = sysconfig.get_path("scripts")
+    path = os.environ.get("PATH", "")
+    if scripts and scripts not in path.split(os.pathsep):
+        os.environ["PATH"] = scripts + os.pathsep + path if path else scripts
+
+
 def load(verbose: bool = False) -> Optional[ModuleType]:
     """The compiled module, or None when it cannot be built here (the reason is in `build_error()`)."""
     global _module, _error
@@ -54,6 +64,7 @@ def load(verbose: bool = False) -> Optional[ModuleType]:
         try:
             from torch.utils.cpp_extension import load as load_extension
 
+            _put_venv_scripts_on_path()
             _module = load_extension(
                 name=_extension_name(),
                 sources=[str(_SOURCE)],

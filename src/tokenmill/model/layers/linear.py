@@ -50,3 +50,70 @@ def pack_linear_layers(model: nn.Module, rows_hint: int) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, PackedLinear(linear.weight, linear.bias, rows_hint))
     return len(targets)
+
+
+# ---- Q8_0 weight-only quantization ------------------------------------------------------------
+Q8_0_BLOCK = 32
+# Up to this many rows (the kernel's limit) a Q8_0 layer reads its int8 copy (bandwidth-bound decode steps); above it
+# the dense copy of the same dequantized values (compute-bound steps, where oneDNN is faster).
+Q8_0_MAX_KERNEL_ROWS = 8
+
+
+def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """GGUF's Q8_0: per block of 32 inputs, scale = max|w| / 127 and q = round(w / scale)."""
+    out_features, in_features = weight.shape
+    if in_features % Q8_0_BLOCK:
+        raise ValueError(f"Q8_0 needs in_features divisible by {Q8_0_BLOCK}, got {in_features}")
+    blocks = weight.detach().float().reshape(out_features, in_features // Q8_0_BLOCK, Q8_0_BLOCK)
+    scales = blocks.abs().amax(dim=-1) / 127.0
+    safe = torch.where(scales == 0, torch.ones_like(scales), scales)
+    q = torch.round(blocks / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q.reshape(out_features, in_features).contiguous(), scales.contiguous()
+
+
+def dequantize_q8_0(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    out_features, in_features = q.shape
+    blocks = q.float().reshape(out_features, in_features // Q8_0_BLOCK, Q8_0_BLOCK) * scales.unsqueeze(-1)
+    return blocks.reshape(out_features, in_features)
+
+
+class Q8_0Linear(nn.Module):
+    """A float32 linear whose weights are rounded to Q8_0 once at load.
+
+    Steps with few rows run tokenmill's int8 kernel (a quarter of the weight bytes); larger steps
+    run a dense (oneDNN-packed when available) copy of the very same dequantized values, so a
+    request's numbers do not depend on which path its step took beyond float summation order.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int, kernels) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.q, self.scales = quantize_q8_0(weight)
+        self.bias = None if bias is None else bias.detach().float()
+        dense = dequantize_q8_0(self.q, self.scales)
+        if onednn_packing_supported(torch.float32):
+            self.dense: nn.Module = PackedLinear(dense, self.bias, rows_hint)
+        else:
+            self.dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
+            self.dense.weight.data = dense
+            if self.bias is not None:
+                self.dense.bias.data = self.bias
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and x.shape[0] <= Q8_0_MAX_KERNEL_ROWS:
+            return self.kernels.q8_0_linear(x.contiguous(), self.q, self.scales, self.bias)
+        return self.dense(x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, q8_0"
+
+
+def quantize_linear_layers(model: nn.Module, rows_hint: int, kernels) -> int:
+    """Replace every nn.Linear in `model` by a Q8_0Linear; returns how many were replaced."""
+    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
+    for name, linear in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Q8_0Linear(linear.weight, linear.bias, rows_hint, kernels))
+    return len(targets)

