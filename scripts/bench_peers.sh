@@ -60,12 +60,16 @@ hf_copy() {  # an HF-format directory of the embedded model (vLLM and the F32 GG
   echo "$BENCH/smollm2-hf"
 }
 
-run_tokenmill() {
-  "$TM" serve --port 8201 --disable-log-stats > "$OUT_DIR/tokenmill-server.log" 2>&1 &
-  local pid=$!
-  wait_healthy http://127.0.0.1:8201/health "$pid"
-  sweep tokenmill http://127.0.0.1:8201 "$pid"
-  stop "$pid"
+run_tokenmill() {  # float32 weights, then Q8_0 weights (the closest match to llama.cpp's quantized runs)
+  for variant in "tokenmill:" "tokenmill-q8_0:--quantization q8_0"; do
+    local label=${variant%%:*} flags=${variant#*:}
+    # shellcheck disable=SC2086
+    "$TM" serve --port 8201 --disable-log-stats $flags > "$OUT_DIR/$label-server.log" 2>&1 &
+    local pid=$!
+    wait_healthy http://127.0.0.1:8201/health "$pid"
+    sweep "$label" http://127.0.0.1:8201 "$pid"
+    stop "$pid"
+  done
 }
 
 build_llama_cpp() {
@@ -88,7 +92,7 @@ llama_cpp_f32_gguf() {
   if [ ! -f "$out" ]; then
     # llama.cpp's own converter, run with tokenmill's venv (it needs gguf, transformers, torch, numpy).
     "$PY" -m pip install --quiet sentencepiece >/dev/null 2>&1 || true
-    "$PY" "$BENCH/llama.cpp/convert_hf_to_gguf.py" "$(hf_copy)" --outtype f32 --outfile "$out" \
+    PYTHONPATH="$BENCH/llama.cpp/gguf-py" "$PY" "$BENCH/llama.cpp/convert_hf_to_gguf.py" "$(hf_copy)" --outtype f32 --outfile "$out" \
       > "$BENCH/convert.log" 2>&1
   fi
   echo "$out"
