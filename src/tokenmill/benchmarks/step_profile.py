@@ -62,18 +62,23 @@ class PhaseTimer:
 
 @contextlib.contextmanager
 def _patched(obj: Any, name: str, replacement: Any) -> Iterator[None]:
+    """Shadow obj.name; afterwards restore it, or drop the shadow if it came from the class."""
+    own = name in getattr(obj, "__dict__", {})
     original = getattr(obj, name)
     setattr(obj, name, replacement)
     try:
         yield
     finally:
-        setattr(obj, name, original)
+        if own:
+            setattr(obj, name, original)
+        else:
+            delattr(obj, name)
 
 
 @contextlib.contextmanager
 def profile_phases(llm) -> Iterator[PhaseTimer]:
     """Instrument one LLM's engine; the yielded timer fills while the block runs."""
-    from tokenmill.model.layers.linear import PackedLinear
+    from tokenmill.model.layers.linear import PackedLinear, Q8_0Linear
     from tokenmill.runner import model_runner as runner_module
 
     engine = llm.llm_engine
@@ -96,7 +101,7 @@ def profile_phases(llm) -> Iterator[PhaseTimer]:
         backend = model.layers[0].self_attn.backend
         patch(backend, "forward", "model: attention")
         for module in model.layers.modules():  # the LM head is timed as "logits"
-            if isinstance(module, (torch.nn.Linear, PackedLinear)):
+            if isinstance(module, (torch.nn.Linear, PackedLinear, Q8_0Linear)):
                 patch(module, "forward", "model: linear")
         # Instance attributes shadow nn.Module.__call__'s lookup of `forward`; the sampler is called
         # as sampler(...), which looks up __call__ on the type, so route it through the instance.
@@ -158,13 +163,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--no-packed-linear", dest="packed_linear", action="store_false")
+    parser.add_argument("--quantization", default=None, choices=["q8_0"])
     parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N requests")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
 
     config = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
-                          attention_backend=args.attention_backend, packed_linear=args.packed_linear)
+                          attention_backend=args.attention_backend, packed_linear=args.packed_linear,
+                          quantization=args.quantization)
     llm = LLM.from_config(config)
     requests = load_workload(args.workload, args.num_prompts)
     out = run(llm, requests)

@@ -1,0 +1,30 @@
+"""The per-phase step profiler: phases partition the wall time and the instrumentation comes off."""
+from __future__ import annotations
+
+import torch
+
+from tokenmill import LLM
+from tokenmill.benchmarks import step_profile
+from tokenmill.benchmarks.workloads import WorkloadRequest
+
+
+def test_phases_partition_the_run_and_unpatch(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=16)
+    requests = [WorkloadRequest(id=i, prompt_token_ids=list(range(5, 5 + n)), max_tokens=m)
+                for i, (n, m) in enumerate([(20, 6), (9, 4), (33, 3)])]
+    runner = llm.llm_engine.core.runner
+    forward_before = runner.model.forward
+    out = step_profile.run(llm, requests)
+
+    assert out["throughput"]["output_tokens"] == 13
+    phases = {row["phase"]: row for row in out["phases"]}
+    assert list(phases) == list(step_profile.PHASES)
+    assert abs(sum(row["seconds"] for row in out["phases"]) - out["wall_s"]) < 0.01 + 0.005 * len(phases)
+    for busy in ("model: linear", "model: attention", "logits", "sampling", "schedule"):
+        assert phases[busy]["seconds"] > 0, busy
+    # prefill chunks of <= 16 tokens: 62 prompt tokens need >= 4 steps, plus the decodes
+    assert out["steps"] >= 4 + 5
+    assert "| model: linear |" in out["markdown"]
+    # every wrapper is gone: a second, unprofiled run behaves as before
+    assert runner.model.forward == forward_before
+    assert not any("forward" in vars(m) for m in runner.model.modules() if isinstance(m, torch.nn.Module))
