@@ -9,6 +9,7 @@ Results differ from F.linear only by float summation order.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 from torch import nn
@@ -42,14 +43,19 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
-def pack_linear_layers(model: nn.Module, rows_hint: int) -> int:
-    """Replace every nn.Linear in `model` by a PackedLinear; returns how many were packed."""
+def replace_linear_layers(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
+    """Swap every nn.Linear in `model` for make(linear); returns how many were replaced."""
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, PackedLinear(linear.weight, linear.bias, rows_hint))
+        setattr(parent, child, make(linear))
     return len(targets)
+
+
+def pack_linear_layers(model: nn.Module, rows_hint: int) -> int:
+    """Every nn.Linear in `model` as a PackedLinear."""
+    return replace_linear_layers(model, lambda linear: PackedLinear(linear.weight, linear.bias, rows_hint))
 
 
 # ---- Q8_0 weight-only quantization ------------------------------------------------------------
@@ -110,10 +116,5 @@ class Q8_0Linear(nn.Module):
 
 
 def quantize_linear_layers(model: nn.Module, rows_hint: int, kernels) -> int:
-    """Replace every nn.Linear in `model` by a Q8_0Linear; returns how many were replaced."""
-    targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
-    for name, linear in targets:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Q8_0Linear(linear.weight, linear.bias, rows_hint, kernels))
-    return len(targets)
+    """Every nn.Linear in `model` as a Q8_0Linear."""
+    return replace_linear_layers(model, lambda linear: Q8_0Linear(linear.weight, linear.bias, rows_hint, kernels))
