@@ -120,7 +120,7 @@ def breakdown(timer: PhaseTimer, wall_s: float) -> list[dict[str, Any]]:
     rows = []
     for phase in PHASES:
         s = seconds.get(phase, 0.0)
-        rows.append({"phase": phase, "seconds": round(s, 3), "share": round(s / wall_s, 4) if wall_s else 0.0})
+        rows.append({"phase": phase, "seconds": round(s, 6), "share": round(s / wall_s, 5) if wall_s else 0.0})
     return rows
 
 
