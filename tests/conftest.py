@@ -29,3 +29,14 @@ def smollm2_tokenizer(smollm2_path):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def kernels():
+    """tokenmill's compiled CPU kernels; tests that need them skip, with the build error, without them."""
+    from tokenmill.model.layers import cpu_kernels
+
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip(f"cpu kernels unavailable: {cpu_kernels.build_error()}")
+    return module

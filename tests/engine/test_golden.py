@@ -25,19 +25,16 @@ def check_against_hf(llm: LLM, hf_model, tokenizer, max_tokens: list[int]) -> No
 BACKENDS = ["torch", "cpu"]
 
 
-def require_backend(name: str) -> None:
+def require_backend(request, name: str) -> None:
     if name == "cpu":
-        from tokenmill.model.layers import cpu_kernels
-
-        if cpu_kernels.load() is None:
-            pytest.skip(f"cpu kernels unavailable: {cpu_kernels.build_error()}")
+        request.getfixturevalue("kernels")  # skips when the kernels cannot be built
 
 
 @pytest.mark.parametrize("backend,packed_linear", [("torch", False), ("torch", True), ("cpu", True)])
-def test_tiny_llama_matches_hf(tiny_llama_dir, smollm2_tokenizer, backend, packed_linear):
+def test_tiny_llama_matches_hf(request, tiny_llama_dir, smollm2_tokenizer, backend, packed_linear):
     from transformers import AutoModelForCausalLM
 
-    require_backend(backend)
+    require_backend(request, backend)
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     llm = LLM(str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64, max_model_len=512,
               attention_backend=backend, packed_linear=packed_linear)
@@ -50,10 +47,10 @@ def test_tiny_llama_matches_hf(tiny_llama_dir, smollm2_tokenizer, backend, packe
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_smollm2_gguf_matches_hf(smollm2_path, smollm2_tokenizer, backend):
+def test_smollm2_gguf_matches_hf(request, smollm2_path, smollm2_tokenizer, backend):
     from transformers import AutoModelForCausalLM
 
-    require_backend(backend)
+    require_backend(request, backend)
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
                                               dtype=torch.float32).eval()
     llm = LLM(max_num_batched_tokens=32, kv_cache_memory_bytes="256MiB", max_model_len=1024,

@@ -7,20 +7,11 @@ import torch
 
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput
-from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.attention import CpuPagedAttentionBackend, TorchAttentionBackend, get_attention_backend
 from tokenmill.runner.input_batch import build_model_inputs
 from tokenmill.sampling_params import SamplingParams
 
 BLOCK = 4
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = cpu_kernels.load()
-    if module is None:
-        pytest.skip(f"cpu kernels unavailable: {cpu_kernels.build_error()}")
-    return module
 
 
 def reference(q, keys, values, scale, causal_offset=None):

@@ -5,16 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.basic import RMSNorm, RotaryEmbedding, SiluAndMul
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = cpu_kernels.load()
-    if module is None:
-        pytest.skip(f"cpu kernels unavailable: {cpu_kernels.build_error()}")
-    return module
 
 
 def tol(dtype):

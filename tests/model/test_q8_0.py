@@ -8,16 +8,7 @@ import torch
 from model_factory import GOLDEN_PROMPTS, hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import TokenmillError
-from tokenmill.model.layers import cpu_kernels
 from tokenmill.model.layers.linear import Q8_0_MAX_KERNEL_ROWS, Q8_0Linear, dequantize_q8_0, quantize_q8_0
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    module = cpu_kernels.load()
-    if module is None:
-        pytest.skip(f"cpu kernels unavailable: {cpu_kernels.build_error()}")
-    return module
 
 
 def test_quantize_q8_0_format():
@@ -44,6 +35,10 @@ def test_q8_0_linear_both_paths_compute_the_dequantized_weights(kernels, rows):
     x = torch.randn(rows, 128, generator=gen)
     expected = x @ dequantize_q8_0(layer.q, layer.scales).T + bias
     torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
+    # routing: few rows take the int8 kernel, more rows the dense copy
+    path = kernels.q8_0_linear(x, layer.q, layer.scales, layer.bias) if rows <= Q8_0_MAX_KERNEL_ROWS \
+        else layer.dense(x)
+    assert torch.equal(layer(x), path)
 
 
 def test_q8_0_kernel_rejects_bad_shapes(kernels):

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.basic import RMSNorm, RotaryEmbedding, SiluAndMul
-from tokenmill.model.layers.linear import PackedLinear, Q8_0Linear, pack_linear_layers, quantize_linear_layers
+from tokenmill.model.layers.linear import LinearFactory, replace_linear_layers
 
 
 class LlamaAttention(nn.Module):
@@ -113,21 +113,14 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
-    def pack_linear_weights(self, rows_hint: int) -> None:
-        """After loading: every projection (and the LM head) in oneDNN's packed layout (CPU)."""
-        pack_linear_layers(self, rows_hint)
-        if self.lm_head is None:
-            # Tied head: the embedding keeps its plain weight for lookups; the head gets a packed copy.
-            self.lm_head = PackedLinear(self.embed_tokens.weight, None, rows_hint)
+    def convert_linear_layers(self, make: LinearFactory) -> None:
+        """After loading: every projection and the LM head rebuilt by make(weight, bias) (packed, Q8_0).
 
-    def quantize_q8_0(self, rows_hint: int, kernels) -> None:
-        """After loading: every projection and the LM head rounded to Q8_0 (CPU, float32).
-
-        A tied head gets its own quantized copy; the embedding lookup keeps the exact weights.
+        A tied head gets its own converted copy; the embedding lookup keeps its plain weights.
         """
-        quantize_linear_layers(self, rows_hint, kernels)
+        replace_linear_layers(self, make)
         if self.lm_head is None:
-            self.lm_head = Q8_0Linear(self.embed_tokens.weight, None, rows_hint, kernels)
+            self.lm_head = make(self.embed_tokens.weight, None)
 
     # ---- weights -------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

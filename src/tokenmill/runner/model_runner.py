@@ -12,7 +12,7 @@ from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import get_attention_backend
 from tokenmill.model.layers.basic import use_cpu_kernels
-from tokenmill.model.layers.linear import onednn_packing_supported
+from tokenmill.model.layers.linear import PackedLinear, Q8_0Linear, onednn_packing_supported
 from tokenmill.model.registry import get_model_class
 from tokenmill.outputs import Logprob
 from tokenmill.runner.input_batch import build_model_inputs
@@ -80,16 +80,18 @@ class ModelRunner:
         logger.info("linear layers: %s", self._prepare_linear_layers())
 
     def _prepare_linear_layers(self) -> str:
+        convertible = hasattr(self.model, "convert_linear_layers")
+        rows = self.packed_linear_rows or 64
         if self.quantization == "q8_0":
             kernels = getattr(self.attention_backend, "kernels", None)
-            if kernels is None or self.dtype != torch.float32 or not hasattr(self.model, "quantize_q8_0"):
+            if kernels is None or self.dtype != torch.float32 or not convertible:
                 raise ModelLoadError("--quantization q8_0 needs the CPU device, dtype float32 and tokenmill's CPU "
                                      "kernels (attention backend 'cpu')")
-            self.model.quantize_q8_0(self.packed_linear_rows or 64, kernels)
+            self.model.convert_linear_layers(lambda weight, bias: Q8_0Linear(weight, bias, rows, kernels))
             return "Q8_0 weights (int8 kernel for steps of up to 8 rows, dense dequantized copy above)"
         if (self.packed_linear_rows and self.device.type == "cpu" and onednn_packing_supported(self.dtype)
-                and hasattr(self.model, "pack_linear_weights")):
-            self.model.pack_linear_weights(self.packed_linear_rows)
+                and convertible):
+            self.model.convert_linear_layers(lambda weight, bias: PackedLinear(weight, bias, rows))
             self.packed_linear = True
             return "oneDNN packed weights"
         return "torch F.linear"

@@ -71,12 +71,20 @@ class TorchAttentionBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata, scale: float) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]
-        write_kv(k, v, kv_cache, meta.slot_mapping)
+        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
+        slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
+        slots[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
+        slots[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
+
         out = torch.empty_like(q)
-        for bucket in meta.decode_buckets:
-            out[bucket.start:bucket.end] = self._decode(q[bucket.start:bucket.end], kv_cache, bucket, meta, scale)
+        self.decode_into(out, q, kv_cache, meta, scale)
         self.prefill_into(out, q, kv_cache, meta, scale)
         return out
+
+    def decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> None:
+        for bucket in meta.decode_buckets:
+            out[bucket.start:bucket.end] = self._decode(q[bucket.start:bucket.end], kv_cache, bucket, meta, scale)
 
     def prefill_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float) -> None:
@@ -138,16 +146,8 @@ class TorchAttentionBackend:
         return blocks.index_select(1, block_ids).view(2, -1, num_kv_heads, head_dim)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """Store the new tokens' K and V at their slots (slot = block_id * block_size + offset)."""
-    num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-    slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-    slots[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    slots[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
-
-
 class CpuPagedAttentionBackend(TorchAttentionBackend):
-    """Decodes through the C++ paged kernel (cpu_kernels.cpp); prefill chunks as the torch backend."""
+    """Decodes through the C++ paged kernel (cpu_kernels.cpp); KV writes and prefill chunks as the torch backend."""
 
     name = "cpu"
     uses_decode_buckets = False
@@ -155,17 +155,12 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     def __init__(self, kernels) -> None:
         self.kernels = kernels
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, kv_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+    def decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> None:
         if meta.num_decodes:
             query = q[:meta.num_decodes].to(kv_cache.dtype).contiguous()
-            decoded = self.kernels.paged_decode_attention(query, kv_cache, meta.decode_block_tables,
-                                                          meta.decode_context_lens, scale)
-            out[:meta.num_decodes] = decoded
-        self.prefill_into(out, q, kv_cache, meta, scale)
-        return out
+            out[:meta.num_decodes] = self.kernels.paged_decode_attention(
+                query, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
 
 
 ATTENTION_BACKENDS = ("auto", "torch", "cpu")

@@ -9,7 +9,7 @@ Results differ from F.linear only by float summation order.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -43,19 +43,18 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
-def replace_linear_layers(model: nn.Module, make: Callable[[nn.Linear], nn.Module]) -> int:
-    """Swap every nn.Linear in `model` for make(linear); returns how many were replaced."""
+# Builds a replacement layer from a loaded (weight, bias).
+LinearFactory = Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module]
+
+
+def replace_linear_layers(model: nn.Module, make: LinearFactory) -> int:
+    """Swap every nn.Linear in `model` for make(weight, bias); returns how many were replaced."""
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, make(linear))
+        setattr(parent, child, make(linear.weight, linear.bias))
     return len(targets)
-
-
-def pack_linear_layers(model: nn.Module, rows_hint: int) -> int:
-    """Every nn.Linear in `model` as a PackedLinear."""
-    return replace_linear_layers(model, lambda linear: PackedLinear(linear.weight, linear.bias, rows_hint))
 
 
 # ---- Q8_0 weight-only quantization ------------------------------------------------------------
@@ -113,8 +112,3 @@ class Q8_0Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, q8_0"
-
-
-def quantize_linear_layers(model: nn.Module, rows_hint: int, kernels) -> int:
-    """Every nn.Linear in `model` as a Q8_0Linear."""
-    return replace_linear_layers(model, lambda linear: Q8_0Linear(linear.weight, linear.bias, rows_hint, kernels))
