@@ -63,8 +63,10 @@ hf_copy() {  # an HF-format directory of the embedded model (vLLM and the F32 GG
 run_tokenmill() {  # float32 weights, then Q8_0 weights (the closest match to llama.cpp's quantized runs)
   for variant in "tokenmill:" "tokenmill-q8_0:--quantization q8_0"; do
     local label=${variant%%:*} flags=${variant#*:}
+    # Prefix caching off, as for the peers (llama.cpp: cache_prompt false; vLLM: --no-enable-prefix-caching):
+    # the sweep sends the same prompts at every concurrency, and cached prefixes would skip their prefills.
     # shellcheck disable=SC2086
-    "$TM" serve --port 8201 --disable-log-stats $flags > "$OUT_DIR/$label-server.log" 2>&1 &
+    "$TM" serve --port 8201 --disable-log-stats --no-enable-prefix-caching $flags > "$OUT_DIR/$label-server.log" 2>&1 &
     local pid=$!
     wait_healthy http://127.0.0.1:8201/health "$pid"
     sweep "$label" http://127.0.0.1:8201 "$pid"

@@ -41,6 +41,20 @@ def test_q8_0_linear_both_paths_compute_the_dequantized_weights(kernels, rows):
     assert torch.equal(layer(x), path)
 
 
+@pytest.mark.parametrize("rows", range(1, Q8_0_MAX_KERNEL_ROWS + 1))
+def test_q8_0_kernel_tiles_do_not_change_results(kernels, rows):
+    """The kernel tiles (rows x output features) by row count; 99 features leave a remainder for every
+    tile width. Each output must be the same bits as computing its row alone, and match x @ W^T."""
+    gen = torch.Generator().manual_seed(100 + rows)
+    q, scales = quantize_q8_0(torch.randn(99, 96, generator=gen))
+    bias = torch.randn(99, generator=gen)
+    x = torch.randn(rows, 96, generator=gen)
+    y = kernels.q8_0_linear(x, q, scales, bias)
+    for r in range(rows):
+        assert torch.equal(y[r:r + 1], kernels.q8_0_linear(x[r:r + 1].contiguous(), q, scales, bias))
+    torch.testing.assert_close(y, x @ dequantize_q8_0(q, scales).T + bias, atol=1e-4, rtol=1e-5)
+
+
 def test_q8_0_kernel_rejects_bad_shapes(kernels):
     q, scales = quantize_q8_0(torch.randn(8, 64))
     with pytest.raises(RuntimeError):
@@ -73,3 +87,41 @@ def test_q8_0_engine_matches_hf_on_the_dequantized_weights(kernels, tiny_llama_d
 def test_q8_0_needs_cpu_kernels(tiny_llama_dir):
     with pytest.raises(TokenmillError, match="q8_0"):
         LLM(str(tiny_llama_dir), num_kv_blocks=16, quantization="q8_0", attention_backend="torch")
+
+
+def test_q8_0_fused_decode_stack_is_bit_identical_to_the_layers(kernels, tiny_llama_dir, smollm2_tokenizer):
+    """Decode-only steps of <= 8 rows run the whole decoder stack in one C++ call; it must produce the
+    very same hidden states as the per-layer modules (same kernels, same order), here on a decode
+    step of three requests whose contexts end mid-block."""
+    from unittest import mock
+
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, quantization="q8_0")
+    model = llm.llm_engine.core.runner.model
+    assert model._q8_0_decode is not None
+    captured = []
+    original = model.forward
+
+    def capture(*args, **kwargs):
+        captured.append((args, kwargs))
+        return original(*args, **kwargs)
+
+    prompts = [smollm2_tokenizer.encode(p) for p in GOLDEN_PROMPTS[:3]]
+    with mock.patch.object(model, "forward", capture), \
+            mock.patch.object(model, "_forward_q8_0_decode", wraps=model._forward_q8_0_decode) as fused:
+        llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                     SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    assert fused.call_count >= 5  # every decode step after the prefills
+    args, kwargs = next((a, k) for a, k in reversed(captured) if a[0].numel() == 3 and a[3].num_decodes == 3)
+    kv_before = [cache.clone() for cache in args[2]]
+    with torch.inference_mode():
+        fused_hidden = model(*args, **kwargs)
+        kv_fused = [cache.clone() for cache in args[2]]
+        for cache, saved in zip(args[2], kv_before):
+            cache.copy_(saved)
+        saved_path, model._q8_0_decode = model._q8_0_decode, None
+        try:
+            layered_hidden = model(*args, **kwargs)
+        finally:
+            model._q8_0_decode = saved_path
+    assert torch.equal(fused_hidden, layered_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(kv_fused, args[2]))  # the same K/V written to the same slots

@@ -4,6 +4,11 @@ The engine loop runs in a dedicated thread. The HTTP event loop only enqueues co
 per-request queues; torch releases the GIL during kernels, so tokenization and HTTP work proceed
 while the model runs. (DESIGN.md's target is a separate engine-core process; the thread keeps one
 copy of the weights and no serialization, and its cost is measured in docs/benchmarks.md.)
+
+The engine is built on the thread that runs it. On CPU, torch's OpenMP runtime (libgomp) gives every
+thread that enters a parallel region its own worker team, and once the process holds more OpenMP
+threads than cores it stops spinning between regions and puts workers to sleep instead: a model
+loaded on the main thread and run on another decoded 1.75x slower per token (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt
@@ -36,25 +41,33 @@ class _Stream:
 
 
 class AsyncLLM:
-    def __init__(self, engine: LLMEngine) -> None:
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self.input_processor: InputProcessor = engine.input_processor
-        self.served_model_name = engine.served_model_name
-        self.max_model_len = engine.max_model_len
-        self.config = engine.config
+    def __init__(self, engine: Union[LLMEngine, Callable[[], LLMEngine]]) -> None:
+        """engine: a built LLMEngine, or a factory that the engine thread calls to build it (preferred:
+        then one thread does all of the engine's torch work; see the module docstring)."""
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, _Stream] = {}
         self._streams_lock = threading.Lock()
         self._stop = threading.Event()
         self._dead: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._loop, name="tokenmill-engine", daemon=True)
+        factory = (lambda: engine) if isinstance(engine, LLMEngine) else engine
+        built: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(factory, built), name="tokenmill-engine",
+                                        daemon=True)
         self._thread.start()
+        error = built.get()
+        if error is not None:
+            self._thread.join()
+            raise error
+        self.tokenizer = self.engine.tokenizer
+        self.input_processor: InputProcessor = self.engine.input_processor
+        self.served_model_name = self.engine.served_model_name
+        self.max_model_len = self.engine.max_model_len
+        self.config = self.engine.config
 
     @classmethod
     def from_config(cls, config: EngineConfig) -> "AsyncLLM":
-        return cls(LLMEngine(config))
+        return cls(lambda: LLMEngine(config))
 
     # ---- public API ----------------------------------------------------------------------
     @property
@@ -145,6 +158,15 @@ class AsyncLLM:
     def _send(self, command: tuple) -> None:
         self._commands.put(command)
         self._wakeup.set()
+
+    def _run(self, factory: Callable[[], LLMEngine], built: queue.SimpleQueue) -> None:
+        try:
+            self.engine: LLMEngine = factory()
+        except BaseException as exc:  # reported to the constructor, which raises it
+            built.put(exc)
+            return
+        built.put(None)
+        self._loop()
 
     def _loop(self) -> None:
         try:

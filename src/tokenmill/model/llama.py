@@ -5,7 +5,7 @@ attention reads/writes the paged KV cache through AttentionMetadata.
 """
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable, Optional
 
 import torch
 from torch import nn
@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.basic import RMSNorm, RotaryEmbedding, SiluAndMul
-from tokenmill.model.layers.linear import LinearFactory, replace_linear_layers
+from tokenmill.model.layers.linear import Q8_0_MAX_KERNEL_ROWS, LinearFactory, Q8_0Linear, replace_linear_layers
 
 
 class LlamaAttention(nn.Module):
@@ -100,13 +100,47 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self._q8_0_decode: Optional[tuple[Any, list[torch.Tensor]]] = None  # (kernels, per-layer tensors)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
+        rows = input_ids.numel()
+        if (self._q8_0_decode is not None and meta.num_decodes == rows <= Q8_0_MAX_KERNEL_ROWS
+                and meta.decode_block_tables is not None):
+            return self._forward_q8_0_decode(input_ids, positions, kv_caches, meta)
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
+
+    def enable_q8_0_decode(self, kernels: Any) -> bool:
+        """Run decode-only steps of up to 8 rows as one C++ call over the whole stack (`llama_decode_q8_0`).
+
+        Same kernels in the same order as the layers, so the same bits; it skips ~0.2 ms of Python and
+        dispatch per layer, most of a small decode step's non-matmul time. Needs every projection in
+        Q8_0 and the rotary/norm kernels (use_cpu_kernels); returns whether it was enabled.
+        """
+        params: list[torch.Tensor] = []
+        none = torch.empty(0)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(linear, Q8_0Linear) for linear in linears) or layer.input_layernorm.kernels is None:
+                return False
+            qkv, o, gate_up, down = ([linear.q, linear.scales, none if linear.bias is None else linear.bias]
+                                     for linear in linears)
+            params += [layer.input_layernorm.weight, *qkv, *o, layer.post_attention_layernorm.weight, *gate_up, *down]
+        self._q8_0_decode = (kernels, params)
+        return True
+
+    def _forward_q8_0_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                             meta: AttentionMetadata) -> torch.Tensor:
+        kernels, params = self._q8_0_decode
+        attn = self.layers[0].self_attn
+        return kernels.llama_decode_q8_0(
+            self.embed_tokens(input_ids), positions, meta.slot_mapping, meta.decode_block_tables,
+            meta.decode_context_lens, kv_caches, params, self.norm.weight, self.rotary.cos, self.rotary.sin,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norm.eps, attn.scale)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:

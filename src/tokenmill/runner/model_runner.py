@@ -88,7 +88,9 @@ class ModelRunner:
                 raise ModelLoadError("--quantization q8_0 needs the CPU device, dtype float32 and tokenmill's CPU "
                                      "kernels (attention backend 'cpu')")
             self.model.convert_linear_layers(lambda weight, bias: Q8_0Linear(weight, bias, rows, kernels))
-            return "Q8_0 weights (int8 kernel for steps of up to 8 rows, dense dequantized copy above)"
+            fused = getattr(self.model, "enable_q8_0_decode", lambda _: False)(kernels)
+            return ("Q8_0 weights (int8 kernel for steps of up to 8 rows, dense dequantized copy above"
+                    + ("; decode steps of up to 8 rows run the decoder stack in one C++ call)" if fused else ")"))
         if (self.packed_linear_rows and self.device.type == "cpu" and onednn_packing_supported(self.dtype)
                 and convertible):
             self.model.convert_linear_layers(lambda weight, bias: PackedLinear(weight, bias, rows))

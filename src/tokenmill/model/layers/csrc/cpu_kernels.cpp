@@ -395,47 +395,90 @@ namespace {
 
 constexpr int64_t kQ8Block = 32;
 constexpr int64_t kMaxQ8Rows = 8;
+constexpr int64_t kQ8PrefetchBytes = 1024;
+
+#ifdef TOKENMILL_AVX2
+// R rows of x against NB consecutive output features n0..n0+NB-1. Each (row, feature) pair owns an
+// 8-lane accumulator: with R * NB of them in flight the FMA latency is hidden (one row alone
+// against one feature is a single dependency chain, a third of the load ports' pace). Every
+// accumulator sees the same operations in the same order whatever the tile shape, so the result
+// does not depend on R or NB.
+template <int R, int NB>
+inline void q8_0_tile(const float* x, int64_t in_features, const int8_t* q, const float* scales, int64_t n0,
+                      const float* bias, float* y, int64_t out_features) {
+  const int64_t blocks = in_features / kQ8Block;
+  __m256 acc[R][NB];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int j = 0; j < NB; ++j) {
+      const int8_t* qb = q + (n0 + j) * in_features + b * kQ8Block;
+      const __m256 scale = _mm256_broadcast_ss(scales + (n0 + j) * blocks + b);
+      // The weights stream from DRAM once per step; ask for them well ahead of use.
+      _mm_prefetch(reinterpret_cast<const char*>(qb + kQ8PrefetchBytes), _MM_HINT_T0);
+      __m256 w[4];
+      for (int c = 0; c < 4; ++c) {
+        const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * c));
+        w[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale);
+      }
+      for (int r = 0; r < R; ++r) {
+        const float* xb = x + r * in_features + b * kQ8Block;
+        acc[r][j] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[r][j]);
+        acc[r][j] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), acc[r][j]);
+        acc[r][j] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), acc[r][j]);
+        acc[r][j] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), acc[r][j]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const float b = bias == nullptr ? 0.0f : bias[n0 + j];
+    for (int r = 0; r < R; ++r) y[r * out_features + n0 + j] = hsum256(acc[r][j]) + b;
+  }
+}
+
+// Tiles of NB features split between the threads; the last out_features % NB features one at a time.
+template <int R, int NB>
+void q8_0_linear_tiled(const float* x, int64_t in_features, const int8_t* q, const float* scales,
+                       int64_t out_features, const float* bias, float* y) {
+  const int64_t tiles = out_features / NB;
+  at::parallel_for(0, tiles, std::max<int64_t>(1, 64 / NB), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) q8_0_tile<R, NB>(x, in_features, q, scales, t * NB, bias, y, out_features);
+  });
+  for (int64_t n = tiles * NB; n < out_features; ++n) q8_0_tile<R, 1>(x, in_features, q, scales, n, bias, y, out_features);
+}
+#endif
 
 void q8_0_linear_rows(const float* x, int64_t rows, int64_t in_features, const int8_t* q, const float* scales,
                       int64_t out_features, const float* bias, float* y) {
+  if (rows == 0) return;
+#ifdef TOKENMILL_AVX2
+  // Accumulators per tile = rows * features: at most 8, leaving registers for the widened weights.
+  switch (rows) {
+    case 1: return q8_0_linear_tiled<1, 8>(x, in_features, q, scales, out_features, bias, y);
+    case 2: return q8_0_linear_tiled<2, 4>(x, in_features, q, scales, out_features, bias, y);
+    case 3: return q8_0_linear_tiled<3, 2>(x, in_features, q, scales, out_features, bias, y);
+    case 4: return q8_0_linear_tiled<4, 2>(x, in_features, q, scales, out_features, bias, y);
+    case 5: return q8_0_linear_tiled<5, 1>(x, in_features, q, scales, out_features, bias, y);
+    case 6: return q8_0_linear_tiled<6, 1>(x, in_features, q, scales, out_features, bias, y);
+    case 7: return q8_0_linear_tiled<7, 1>(x, in_features, q, scales, out_features, bias, y);
+    default: return q8_0_linear_tiled<8, 1>(x, in_features, q, scales, out_features, bias, y);
+  }
+#else
   const int64_t blocks = in_features / kQ8Block;
   at::parallel_for(0, out_features, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n) {
       const int8_t* qn = q + n * in_features;
       const float* sn = scales + n * blocks;
-      float out[kMaxQ8Rows];
-#ifdef TOKENMILL_AVX2
-      __m256 acc[kMaxQ8Rows];
-      for (int64_t m = 0; m < rows; ++m) acc[m] = _mm256_setzero_ps();
-      for (int64_t b = 0; b < blocks; ++b) {
-        const int8_t* qb = qn + b * kQ8Block;
-        __m256 w[4];
-        const __m256 scale = _mm256_set1_ps(sn[b]);
-        for (int c = 0; c < 4; ++c) {
-          const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qb + 8 * c));
-          w[c] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), scale);
-        }
-        for (int64_t m = 0; m < rows; ++m) {
-          const float* xb = x + m * in_features + b * kQ8Block;
-          acc[m] = _mm256_fmadd_ps(w[0], _mm256_loadu_ps(xb), acc[m]);
-          acc[m] = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb + 8), acc[m]);
-          acc[m] = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb + 16), acc[m]);
-          acc[m] = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb + 24), acc[m]);
-        }
-      }
-      for (int64_t m = 0; m < rows; ++m) out[m] = hsum256(acc[m]);
-#else
+      const float b = bias == nullptr ? 0.0f : bias[n];
       for (int64_t m = 0; m < rows; ++m) {
         float sum = 0.0f;
         for (int64_t k = 0; k < in_features; ++k)
           sum += x[m * in_features + k] * (static_cast<float>(qn[k]) * sn[k / kQ8Block]);
-        out[m] = sum;
+        y[m * out_features + n] = sum + b;
       }
-#endif
-      const float b = bias == nullptr ? 0.0f : bias[n];
-      for (int64_t m = 0; m < rows; ++m) y[m * out_features + n] = out[m] + b;
     }
   });
+#endif
 }
 
 }  // namespace
@@ -458,11 +501,87 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales
   return y;
 }
 
+// ---- A whole Llama decoder stack for a decode-only step with Q8_0 weights --------------------
+// The same kernels, in the same order, as the Python layers (so the result is bit-identical), called
+// from one C++ loop: a decode step of a few rows spends most of its non-matmul time in Python and in
+// per-op dispatch (~0.2 ms per layer on 2 cores), not in the kernels themselves.
+//
+// layer_params holds kQ8LayerParams tensors per layer: input norm weight; qkv q, scales, bias;
+// o q, scales, bias; post-attention norm weight; gate_up q, scales, bias; down q, scales, bias.
+// An undefined (None) bias means none. Returns the final norm of the residual stream, [rows, hidden].
+namespace {
+constexpr size_t kQ8LayerParams = 14;
+
+c10::optional<torch::Tensor> optional_bias(const torch::Tensor& bias) {
+  return bias.defined() && bias.numel() > 0 ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
+}
+
+// K and V of each new token into its cache slot (the Python backend's index_copy_).
+void write_kv(const torch::Tensor& qkv, int64_t q_size, int64_t kv_size, torch::Tensor& kv_cache,
+              const int64_t* slots) {
+  float* cache = kv_cache.data_ptr<float>();
+  const int64_t plane = kv_cache.numel() / 2;  // K slots, then V slots
+  const float* rows = qkv.data_ptr<float>();
+  const int64_t stride = qkv.stride(0);
+  for (int64_t t = 0; t < qkv.size(0); ++t) {
+    const float* k = rows + t * stride + q_size;
+    std::copy(k, k + kv_size, cache + slots[t] * kv_size);
+    std::copy(k + kv_size, k + 2 * kv_size, cache + plane + slots[t] * kv_size);
+  }
+}
+}  // namespace
+
+torch::Tensor llama_decode_q8_0(torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
+                                torch::Tensor block_tables, torch::Tensor context_lens,
+                                std::vector<torch::Tensor> kv_caches, std::vector<torch::Tensor> layer_params,
+                                torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
+                                int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == torch::kFloat,
+              "hidden: contiguous float32 [rows, hidden]");
+  TORCH_CHECK(hidden.size(0) <= kMaxQ8Rows, "at most 8 rows");
+  TORCH_CHECK(layer_params.size() == kv_caches.size() * kQ8LayerParams, "14 parameters per layer");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == hidden.size(0), "slot_mapping: int64 [rows]");
+  const int64_t rows = hidden.size(0);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  torch::Tensor x = hidden, residual;
+  for (size_t l = 0; l < kv_caches.size(); ++l) {
+    const torch::Tensor* w = layer_params.data() + l * kQ8LayerParams;
+    torch::Tensor& cache = kv_caches[l];
+    TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == torch::kFloat &&
+                cache.size(3) * cache.size(4) == kv_size, "kv cache: contiguous float32 with matching heads");
+    torch::Tensor h;
+    if (l == 0) {
+      residual = x;
+      h = rms_norm(x, torch::empty({0}, x.options()), w[0], eps);
+    } else {
+      h = rms_norm(x, residual, w[0], eps);  // residual += x, in place
+    }
+    torch::Tensor qkv = q8_0_linear(h, w[1], w[2], optional_bias(w[3]));
+    rotary_inplace(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim);
+    write_kv(qkv, q_size, kv_size, cache, slots);
+    torch::Tensor query = qkv.narrow(1, 0, q_size).contiguous().view({rows, num_heads, head_dim});
+    torch::Tensor attn = paged_decode_attention(query, cache, block_tables, context_lens, scale);
+    h = q8_0_linear(attn.view({rows, q_size}), w[4], w[5], optional_bias(w[6]));
+    h = rms_norm(h, residual, w[7], eps);
+    h = silu_and_mul(q8_0_linear(h, w[8], w[9], optional_bias(w[10])));
+    x = q8_0_linear(h, w[11], w[12], optional_bias(w[13]));
+  }
+  return rms_norm(x, residual, final_norm, eps);
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q8_0_linear", &q8_0_linear, "x @ dequant(Q8_0 weights)^T for up to 8 rows of float32 x");
+  // Every kernel runs without the GIL (arguments are converted before, results after), so the
+  // server's HTTP thread can stream and tokenize while the engine thread is inside one.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("q8_0_linear", &q8_0_linear, "x @ dequant(Q8_0 weights)^T for up to 8 rows of float32 x", nogil);
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache (one query token per request)");
-  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:]");
-  m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (residual updated in place)");
-  m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding in place on the first heads of each row");
+        "decode attention over a paged KV cache (one query token per request)", nogil);
+  m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:]", nogil);
+  m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (residual updated in place)", nogil);
+  m.def("llama_decode_q8_0", &llama_decode_q8_0, "a Llama decoder stack (Q8_0 weights) for a decode-only step",
+        nogil);
+  m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding in place on the first heads of each row",
+        nogil);
 }
