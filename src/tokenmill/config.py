@@ -79,8 +79,8 @@ class EngineConfig:
             self.kv_cache_memory_bytes = parse_memory_size(self.kv_cache_memory_bytes)
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise InvalidRequestError(f"dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}", "dtype")
-        if self.dtype == "auto":
-            self.dtype = "float32"
+        if self.dtype == "auto" and self.quantization is not None:
+            self.dtype = "float32"  # the quantized path computes in float32
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}", name)

@@ -39,7 +39,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     group.add_argument("--tokenizer", default=None, help="tokenizer directory (default: the model's)")
     group.add_argument("--served-model-name", default=None, help="name the model is served under")
-    group.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    group.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"],
+                       help="weights and activations; auto: bfloat16 where the hardware has it natively (CUDA, "
+                       "CPUs with AVX-512 BF16 or AMX), else float32. float32 (the default) matches HF "
+                       "transformers' float32 outputs token for token")
     group.add_argument("--device", default=None, choices=["cpu", "cuda"], help="default: cuda when available")
     group.add_argument("--max-model-len", type=_positive_int, default=None)
     group.add_argument("--block-size", type=_positive_int, default=16)
