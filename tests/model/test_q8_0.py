@@ -8,7 +8,8 @@ import torch
 from model_factory import GOLDEN_PROMPTS, hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import TokenmillError
-from tokenmill.model.layers.linear import Q8_0_MAX_KERNEL_ROWS, Q8_0Linear, dequantize_q8_0, quantize_q8_0
+from tokenmill.model.layers.linear import (Q8_0_MAX_KERNEL_ROWS, Q8_0Linear, dequantize_q8_0, pack_q8_0,
+                                          quantize_q8_0)
 
 
 def test_quantize_q8_0_format():
@@ -27,13 +28,28 @@ def test_quantize_q8_0_format():
         quantize_q8_0(torch.randn(4, 48))
 
 
+def test_pack_q8_0_interleaves_groups_of_eight_features():
+    q = torch.arange(11 * 64).reshape(11, 64).to(torch.int32)  # distinct values (packing is dtype-agnostic)
+    scales = torch.arange(11 * 2, dtype=torch.float32).reshape(11, 2)
+    packed_q, packed_scales = pack_q8_0(q, scales)
+    assert packed_q.shape == q.shape and packed_scales.shape == scales.shape
+    for start, width in ((0, 8), (8, 3)):  # a full group, then the last 3 features
+        group = packed_q[start:start + width].flatten()
+        group_scales = packed_scales[start:start + width].flatten()
+        for block in range(2):
+            for j in range(width):
+                offset = (block * width + j) * 32
+                assert torch.equal(group[offset:offset + 32], q[start + j, block * 32:(block + 1) * 32])
+                assert group_scales[block * width + j] == scales[start + j, block]
+
+
 @pytest.mark.parametrize("rows", [1, 3, Q8_0_MAX_KERNEL_ROWS, Q8_0_MAX_KERNEL_ROWS + 1, 40])
 def test_q8_0_linear_both_paths_compute_the_dequantized_weights(kernels, rows):
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(96, 128, generator=gen), torch.randn(96, generator=gen)
     layer = Q8_0Linear(weight, bias, rows_hint=16, kernels=kernels)
     x = torch.randn(rows, 128, generator=gen)
-    expected = x @ dequantize_q8_0(layer.q, layer.scales).T + bias
+    expected = x @ dequantize_q8_0(*quantize_q8_0(weight)).T + bias
     torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
     # routing: few rows take the int8 kernel, more rows the dense copy
     path = kernels.q8_0_linear(x, layer.q, layer.scales, layer.bias) if rows <= Q8_0_MAX_KERNEL_ROWS \
@@ -47,11 +63,12 @@ def test_q8_0_kernel_tiles_do_not_change_results(kernels, rows):
     tile width. Each output must be the same bits as computing its row alone, and match x @ W^T."""
     gen = torch.Generator().manual_seed(100 + rows)
     q, scales = quantize_q8_0(torch.randn(99, 96, generator=gen))
+    packed = pack_q8_0(q, scales)
     bias = torch.randn(99, generator=gen)
     x = torch.randn(rows, 96, generator=gen)
-    y = kernels.q8_0_linear(x, q, scales, bias)
+    y = kernels.q8_0_linear(x, *packed, bias)
     for r in range(rows):
-        assert torch.equal(y[r:r + 1], kernels.q8_0_linear(x[r:r + 1].contiguous(), q, scales, bias))
+        assert torch.equal(y[r:r + 1], kernels.q8_0_linear(x[r:r + 1].contiguous(), *packed, bias))
     torch.testing.assert_close(y, x @ dequantize_q8_0(q, scales).T + bias, atol=1e-4, rtol=1e-5)
 
 

@@ -76,6 +76,27 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q.reshape(out_features, in_features).contiguous(), scales.contiguous()
 
 
+Q8_0_GROUP = 8
+
+
+def pack_q8_0(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The int8 kernel's layout: output features interleaved in groups of 8, [block][feature][32] per
+    group (scales [block][feature]), so a group is one sequential stream through memory. Shapes are
+    kept; a last group of fewer than 8 features is interleaved the same way at its own width."""
+    out_features, in_features = q.shape
+    blocks = in_features // Q8_0_BLOCK
+    packed_q, packed_scales = torch.empty_like(q), torch.empty_like(scales)
+    full = out_features - out_features % Q8_0_GROUP
+    for start, end, width in ((0, full, Q8_0_GROUP), (full, out_features, out_features - full)):
+        if end > start:
+            groups = (end - start) // width
+            packed_q[start:end] = (q[start:end].reshape(groups, width, blocks, Q8_0_BLOCK).transpose(1, 2)
+                                   .reshape(end - start, in_features))
+            packed_scales[start:end] = scales[start:end].reshape(groups, width, blocks).transpose(1, 2).reshape(
+                end - start, blocks)
+    return packed_q, packed_scales
+
+
 def dequantize_q8_0(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     out_features, in_features = q.shape
     blocks = q.float().reshape(out_features, in_features // Q8_0_BLOCK, Q8_0_BLOCK) * scales.unsqueeze(-1)
@@ -93,9 +114,10 @@ class Q8_0Linear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int, kernels) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.q, self.scales = quantize_q8_0(weight)
+        q, scales = quantize_q8_0(weight)
+        self.q, self.scales = pack_q8_0(q, scales)  # the int8 kernel's layout
         self.bias = None if bias is None else bias.detach().float()
-        dense = dequantize_q8_0(self.q, self.scales)
+        dense = dequantize_q8_0(q, scales)
         if onednn_packing_supported(torch.float32):
             self.dense: nn.Module = PackedLinear(dense, self.bias, rows_hint)
         else:
