@@ -57,6 +57,21 @@ inline float hsum256(__m256 v) {
 }
 #endif
 
+// The largest of n floats (max is exact in any order, so lanes are free to split the work).
+inline float max_of(const float* s, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#ifdef TOKENMILL_AVX2
+  __m256 vbest = _mm256_set1_ps(best);
+  for (; i + 8 <= n; i += 8) vbest = _mm256_max_ps(vbest, _mm256_loadu_ps(s + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vbest);
+  for (float lane : lanes) best = std::max(best, lane);
+#endif
+  for (; i < n; ++i) best = std::max(best, s[i]);
+  return best;
+}
+
 // In place: s[i] = exp(s[i] - max); returns the sum.
 inline float exp_shift_sum(float* s, int64_t n, float max_score) {
   int64_t i = 0;
@@ -131,7 +146,18 @@ template <>
 inline void accumulate_weighted_rows<float>(const float* p, const float* rows, int64_t n, int64_t stride,
                                             int64_t head_dim, float* acc) {
   int64_t d = 0;
-  // 32 output lanes in registers at a time, every row of the block accumulated before storing.
+  // 64 output lanes in registers at a time (8 independent FMA chains keep both FMA units busy),
+  // every row of the block accumulated before storing; then 32 at a time.
+  for (; d + 64 <= head_dim; d += 64) {
+    __m256 a[8];
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(acc + d + 8 * c);
+    for (int64_t i = 0; i < n; ++i) {
+      const float* v = rows + i * stride + d;
+      const __m256 w = _mm256_set1_ps(p[i]);
+      for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), a[c]);
+    }
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + d + 8 * c, a[c]);
+  }
   for (; d + 32 <= head_dim; d += 32) {
     __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
     __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
@@ -153,6 +179,41 @@ inline void accumulate_weighted_rows<float>(const float* p, const float* rows, i
 }
 #endif
 
+#ifdef TOKENMILL_AVX2
+// Pass 1 for fp32 caches, two tokens at a time: 2 * G independent accumulator chains, held in
+// registers because G is a compile-time constant. Each dot product is summed in the same order as
+// score_row's, so the scores are the same bits. Returns the first token not scored (ctx_len & ~1).
+template <int G>
+int64_t score_token_pairs(const float* qf, const float* k_cache, const int32_t* blocks, int64_t ctx_len,
+                          int64_t block_size, int64_t token_stride, int64_t h0, int64_t h1, int64_t head_dim,
+                          float* scores) {
+  int64_t t = 0;
+  for (; t + 2 <= ctx_len; t += 2) {
+    const float* row0 = k_cache + (blocks[t / block_size] * block_size + t % block_size) * token_stride;
+    const float* row1 = k_cache + (blocks[(t + 1) / block_size] * block_size + (t + 1) % block_size) * token_stride;
+    for (int64_t h = h0; h < h1; ++h) {
+      const int64_t j = (h - h0) * G;
+      const float* qh = qf + j * head_dim;
+      __m256 acc0[G], acc1[G];
+      for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < head_dim; d += 8) {
+        const __m256 k0 = _mm256_loadu_ps(row0 + h * head_dim + d), k1 = _mm256_loadu_ps(row1 + h * head_dim + d);
+        for (int g = 0; g < G; ++g) {
+          const __m256 qv = _mm256_loadu_ps(qh + g * head_dim + d);
+          acc0[g] = _mm256_fmadd_ps(qv, k0, acc0[g]);
+          acc1[g] = _mm256_fmadd_ps(qv, k1, acc1[g]);
+        }
+      }
+      for (int g = 0; g < G; ++g) {
+        scores[(j + g) * ctx_len + t] = hsum256(acc0[g]);
+        scores[(j + g) * ctx_len + t + 1] = hsum256(acc1[g]);
+      }
+    }
+  }
+  return t;
+}
+#endif
+
 // One request, kv heads [h0, h1): its (h1 - h0) * group query heads against its context. Each
 // token's K (then V) row holds every kv head side by side, so walking the tokens of a block reads
 // one contiguous run of memory, which the hardware prefetcher follows.
@@ -171,7 +232,21 @@ void decode_one(const scalar_t* __restrict__ q,          // [(h1 - h0) * group, 
   for (int64_t i = 0; i < num_q * head_dim; ++i) qf[i] = to_float(q[i]) * scale;
 
   // Pass 1: scores[j][t] = q_j . k_t (query j reads kv head h0 + j / group)
-  for (int64_t t = 0; t < ctx_len; ++t) {
+  int64_t t = 0;
+#ifdef TOKENMILL_AVX2
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (head_dim % 8 == 0) {
+      switch (group) {
+        case 1: t = score_token_pairs<1>(qf.data(), k_cache, blocks, ctx_len, block_size, token_stride, h0, h1, head_dim, scores.data()); break;
+        case 2: t = score_token_pairs<2>(qf.data(), k_cache, blocks, ctx_len, block_size, token_stride, h0, h1, head_dim, scores.data()); break;
+        case 3: t = score_token_pairs<3>(qf.data(), k_cache, blocks, ctx_len, block_size, token_stride, h0, h1, head_dim, scores.data()); break;
+        case 4: t = score_token_pairs<4>(qf.data(), k_cache, blocks, ctx_len, block_size, token_stride, h0, h1, head_dim, scores.data()); break;
+        default: break;
+      }
+    }
+  }
+#endif
+  for (; t < ctx_len; ++t) {
     const scalar_t* row = k_cache + (blocks[t / block_size] * block_size + t % block_size) * token_stride;
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t j = (h - h0) * group;
@@ -183,8 +258,7 @@ void decode_one(const scalar_t* __restrict__ q,          // [(h1 - h0) * group, 
   std::vector<float> inv_sum(num_q);
   for (int64_t j = 0; j < num_q; ++j) {
     float* s = scores.data() + j * ctx_len;
-    float max_score = -std::numeric_limits<float>::infinity();
-    for (int64_t t = 0; t < ctx_len; ++t) max_score = std::max(max_score, s[t]);
+    float max_score = max_of(s, ctx_len);
     inv_sum[j] = 1.0f / exp_shift_sum(s, ctx_len, max_score);
   }
   // Pass 3: out_j = sum_t p[j][t] * v_t, a block of tokens at a time (its V rows stay in L1 while
