@@ -236,13 +236,13 @@ void decode_one(const scalar_t* __restrict__ q,          // [(h1 - h0) * group, 
 #ifdef TOKENMILL_AVX2
   if constexpr (std::is_same_v<scalar_t, float>) {
     if (head_dim % 8 == 0) {
-      switch (group) {
-        case 1: t = score_token_pairs<1>(qf.data(), k_cache, blocks, ctx_len, block_size, token_stride, h0, h1, head_dim, scores.data()); break;
-        case 2: t = score_token_pairs<2>(qf.data(), k_cache, blocks, ctx_len, block_size, token_stride, h0, h1, head_dim, scores.data()); break;
-        case 3: t = score_token_pairs<3>(qf.data(), k_cache, blocks, ctx_len, block_size, token_stride, h0, h1, head_dim, scores.data()); break;
-        case 4: t = score_token_pairs<4>(qf.data(), k_cache, blocks, ctx_len, block_size, token_stride, h0, h1, head_dim, scores.data()); break;
-        default: break;
-      }
+      using PairFn = int64_t (*)(const float*, const float*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                                 int64_t, int64_t, float*);
+      constexpr PairFn by_group[4] = {score_token_pairs<1>, score_token_pairs<2>, score_token_pairs<3>,
+                                      score_token_pairs<4>};
+      if (group <= 4)
+        t = by_group[group - 1](qf.data(), k_cache, blocks, ctx_len, block_size, token_stride, h0, h1, head_dim,
+                                scores.data());
     }
   }
 #endif
@@ -521,33 +521,21 @@ inline void q8_0_group(const float* x, int64_t in_features, const int8_t* qg, co
   }
 }
 
-// One group against up to 8 rows; accumulators in flight = rows * SW <= 8, leaving registers for the
-// widened weights.
-inline void q8_0_group_rows(int64_t rows, const float* x, int64_t in_features, const int8_t* qg, const float* sg,
-                            int64_t width, int64_t n0, const float* bias, float* y, int64_t out_features) {
-  if (width < kQ8Group) {  // the last, narrower group: one feature at a time
-    switch (rows) {
-      case 1: return q8_0_group<1, 1>(x, in_features, qg, sg, width, n0, bias, y, out_features);
-      case 2: return q8_0_group<2, 1>(x, in_features, qg, sg, width, n0, bias, y, out_features);
-      case 3: return q8_0_group<3, 1>(x, in_features, qg, sg, width, n0, bias, y, out_features);
-      case 4: return q8_0_group<4, 1>(x, in_features, qg, sg, width, n0, bias, y, out_features);
-      case 5: return q8_0_group<5, 1>(x, in_features, qg, sg, width, n0, bias, y, out_features);
-      case 6: return q8_0_group<6, 1>(x, in_features, qg, sg, width, n0, bias, y, out_features);
-      case 7: return q8_0_group<7, 1>(x, in_features, qg, sg, width, n0, bias, y, out_features);
-      default: return q8_0_group<8, 1>(x, in_features, qg, sg, width, n0, bias, y, out_features);
-    }
-  }
-  switch (rows) {
-    case 1: return q8_0_group<1, 8>(x, in_features, qg, sg, width, n0, bias, y, out_features);
-    case 2: return q8_0_group<2, 4>(x, in_features, qg, sg, width, n0, bias, y, out_features);
-    case 3: return q8_0_group<3, 2>(x, in_features, qg, sg, width, n0, bias, y, out_features);
-    case 4: return q8_0_group<4, 2>(x, in_features, qg, sg, width, n0, bias, y, out_features);
-    case 5: return q8_0_group<5, 1>(x, in_features, qg, sg, width, n0, bias, y, out_features);
-    case 6: return q8_0_group<6, 1>(x, in_features, qg, sg, width, n0, bias, y, out_features);
-    case 7: return q8_0_group<7, 1>(x, in_features, qg, sg, width, n0, bias, y, out_features);
-    default: return q8_0_group<8, 1>(x, in_features, qg, sg, width, n0, bias, y, out_features);
-  }
+// One group against R <= 8 rows, SW features at a time: accumulators in flight = R * SW <= 8,
+// leaving registers for the widened weights. A last, narrower group goes one feature at a time.
+template <int R>
+inline void q8_0_group_rows(const float* x, int64_t in_features, const int8_t* qg, const float* sg, int64_t width,
+                            int64_t n0, const float* bias, float* y, int64_t out_features) {
+  constexpr int SW = R == 1 ? 8 : R == 2 ? 4 : R <= 4 ? 2 : 1;
+  if (width == kQ8Group) q8_0_group<R, SW>(x, in_features, qg, sg, width, n0, bias, y, out_features);
+  else q8_0_group<R, 1>(x, in_features, qg, sg, width, n0, bias, y, out_features);
 }
+
+using Q8GroupFn = void (*)(const float*, int64_t, const int8_t*, const float*, int64_t, int64_t, const float*, float*,
+                           int64_t);
+constexpr Q8GroupFn kQ8GroupByRows[kMaxQ8Rows] = {
+    q8_0_group_rows<1>, q8_0_group_rows<2>, q8_0_group_rows<3>, q8_0_group_rows<4>,
+    q8_0_group_rows<5>, q8_0_group_rows<6>, q8_0_group_rows<7>, q8_0_group_rows<8>};
 #endif
 
 void q8_0_linear_rows(const float* x, int64_t rows, int64_t in_features, const int8_t* q, const float* scales,
@@ -561,9 +549,10 @@ void q8_0_linear_rows(const float* x, int64_t rows, int64_t in_features, const i
   at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * kQ8Group, width = std::min(kQ8Group, out_features - n0);
-      for (int64_t m0 = 0; m0 < rows; m0 += 8)
-        q8_0_group_rows(std::min<int64_t>(8, rows - m0), x + m0 * in_features, in_features, q + n0 * in_features,
-                        scales + n0 * blocks, width, n0, bias, y + m0 * out_features, out_features);
+      for (int64_t m0 = 0; m0 < rows; m0 += kMaxQ8Rows)
+        kQ8GroupByRows[std::min(kMaxQ8Rows, rows - m0) - 1](x + m0 * in_features, in_features, q + n0 * in_features,
+                                                            scales + n0 * blocks, width, n0, bias,
+                                                            y + m0 * out_features, out_features);
     }
   });
 #else
