@@ -542,17 +542,15 @@ void q8_0_linear_rows(const float* x, int64_t rows, int64_t in_features, const i
                       int64_t out_features, const float* bias, float* y) {
   if (rows == 0) return;
 #ifdef TOKENMILL_AVX2
-  // Groups split between the threads. (Rows are taken 8 at a time while the group is hot in L1, so
-  // the loop would serve more rows; past 8 rows the dense oneDNN path measured as fast or faster.)
+  // Groups split between the threads (rows <= kMaxQ8Rows: past 8 rows the dense oneDNN path measured
+  // as fast or faster).
   const int64_t blocks = in_features / kQ8Block;
   const int64_t groups = (out_features + kQ8Group - 1) / kQ8Group;
+  const Q8GroupFn group_fn = kQ8GroupByRows[rows - 1];
   at::parallel_for(0, groups, 8, [&](int64_t begin, int64_t end) {
     for (int64_t g = begin; g < end; ++g) {
       const int64_t n0 = g * kQ8Group, width = std::min(kQ8Group, out_features - n0);
-      for (int64_t m0 = 0; m0 < rows; m0 += kMaxQ8Rows)
-        kQ8GroupByRows[std::min(kMaxQ8Rows, rows - m0) - 1](x + m0 * in_features, in_features, q + n0 * in_features,
-                                                            scales + n0 * blocks, width, n0, bias,
-                                                            y + m0 * out_features, out_features);
+      group_fn(x, in_features, q + n0 * in_features, scales + n0 * blocks, width, n0, bias, y, out_features);
     }
   });
 #else
@@ -606,7 +604,7 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales
 //
 // layer_params holds kQ8LayerParams tensors per layer: input norm weight; qkv q, scales, bias;
 // o q, scales, bias; post-attention norm weight; gate_up q, scales, bias; down q, scales, bias.
-// An undefined (None) bias means none. Returns the final norm of the residual stream, [rows, hidden].
+// An empty (or undefined) bias tensor means no bias. Returns the final norm of the residual stream, [rows, hidden].
 namespace {
 constexpr size_t kQ8LayerParams = 14;
 
