@@ -20,7 +20,8 @@ def test_phases_partition_the_run_and_unpatch(tiny_llama_dir):
     phases = {row["phase"]: row for row in out["phases"]}
     assert list(phases) == list(step_profile.PHASES)
     assert abs(sum(row["seconds"] for row in out["phases"]) - out["wall_s"]) < 0.01 + 0.005 * len(phases)
-    for busy in ("model: linear", "model: attention", "logits", "sampling", "schedule"):
+    for busy in ("model: linear", "model: attention (decode)", "model: attention (prefill)", "model: attention (other)",
+                 "logits", "sampling", "schedule"):
         assert phases[busy]["seconds"] > 0, busy
     # 62 prompt tokens at <= 16 a step need >= 4 steps; the 20-token prompt alone needs 2 chunks,
     # then its 6 tokens come one a step (the first with the last chunk): >= 2 + 5 steps

@@ -28,22 +28,23 @@ def test_quantize_q8_0_format():
         quantize_q8_0(torch.randn(4, 48))
 
 
-def test_pack_q8_0_interleaves_groups_of_eight_features():
-    q = torch.arange(11 * 64).reshape(11, 64).to(torch.int32)  # distinct values (packing is dtype-agnostic)
-    scales = torch.arange(11 * 2, dtype=torch.float32).reshape(11, 2)
+def test_pack_q8_0_panels_of_sixteen_features():
+    q = (torch.arange(21 * 64) % 255 - 127).reshape(21, 64).to(torch.int8)  # distinct rows
+    scales = torch.arange(1, 21 * 2 + 1, dtype=torch.float32).reshape(21, 2)
     packed_q, packed_scales = pack_q8_0(q, scales)
-    assert packed_q.shape == q.shape and packed_scales.shape == scales.shape
-    for start, width in ((0, 8), (8, 3)):  # a full group, then the last 3 features
-        group = packed_q[start:start + width].flatten()
-        group_scales = packed_scales[start:start + width].flatten()
+    assert packed_q.shape == (2, 2, 32, 16) and packed_scales.shape == (2, 2, 16)  # 21 features -> 2 panels
+    for n in range(32):
+        panel, j = divmod(n, 16)
         for block in range(2):
-            for j in range(width):
-                offset = (block * width + j) * 32
-                assert torch.equal(group[offset:offset + 32], q[start + j, block * 32:(block + 1) * 32])
-                assert group_scales[block * width + j] == scales[start + j, block]
+            column = packed_q[panel, block, :, j]
+            if n < 21:  # input k of feature n sits at [panel][block][k % 32][n % 16]
+                assert torch.equal(column, q[n, block * 32:(block + 1) * 32])
+                assert packed_scales[panel, block, j] == scales[n, block]
+            else:  # the last panel is zero-padded
+                assert not column.any() and packed_scales[panel, block, j] == 0
 
 
-@pytest.mark.parametrize("rows", [1, 3, Q8_0_MAX_KERNEL_ROWS, Q8_0_MAX_KERNEL_ROWS + 1, 40])
+@pytest.mark.parametrize("rows", [1, 3, 16, Q8_0_MAX_KERNEL_ROWS, Q8_0_MAX_KERNEL_ROWS + 1])
 def test_q8_0_linear_both_paths_compute_the_dequantized_weights(kernels, rows):
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(96, 128, generator=gen), torch.randn(96, generator=gen)
@@ -51,33 +52,38 @@ def test_q8_0_linear_both_paths_compute_the_dequantized_weights(kernels, rows):
     x = torch.randn(rows, 128, generator=gen)
     expected = x @ dequantize_q8_0(*quantize_q8_0(weight)).T + bias
     torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
-    # routing: few rows take the int8 kernel, more rows the dense copy
-    path = kernels.q8_0_linear(x, layer.q, layer.scales, layer.bias) if rows <= Q8_0_MAX_KERNEL_ROWS \
+    # routing: up to the limit the int8 kernel, more rows the dense copy
+    path = kernels.q8_0_linear(x, layer.q, layer.scales, layer.bias, 96) if rows <= Q8_0_MAX_KERNEL_ROWS \
         else layer.dense(x)
     assert torch.equal(layer(x), path)
 
 
-@pytest.mark.parametrize("rows", range(1, Q8_0_MAX_KERNEL_ROWS + 1))
+# Tiles of 1-4 rows, chunks of 64 rows: every remainder, and both sides of a chunk boundary.
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, 63, 64, 65, 70])
 def test_q8_0_kernel_tiles_do_not_change_results(kernels, rows):
-    """The kernel tiles (rows x output features) by row count; 99 features leave a remainder for every
-    tile width. Each output must be the same bits as computing its row alone, and match x @ W^T."""
+    """The kernel tiles rows by 4 within chunks of 64; 99 features leave a partial last panel. Each
+    output must be the same bits as computing its row alone, and match x @ W^T."""
     gen = torch.Generator().manual_seed(100 + rows)
     q, scales = quantize_q8_0(torch.randn(99, 96, generator=gen))
     packed = pack_q8_0(q, scales)
     bias = torch.randn(99, generator=gen)
     x = torch.randn(rows, 96, generator=gen)
-    y = kernels.q8_0_linear(x, *packed, bias)
+    y = kernels.q8_0_linear(x, *packed, bias, 99)
     for r in range(rows):
-        assert torch.equal(y[r:r + 1], kernels.q8_0_linear(x[r:r + 1].contiguous(), *packed, bias))
+        assert torch.equal(y[r:r + 1], kernels.q8_0_linear(x[r:r + 1].contiguous(), *packed, bias, 99))
     torch.testing.assert_close(y, x @ dequantize_q8_0(q, scales).T + bias, atol=1e-4, rtol=1e-5)
+    no_bias = kernels.q8_0_linear(x, *packed, None, 99)
+    torch.testing.assert_close(no_bias, x @ dequantize_q8_0(q, scales).T, atol=1e-4, rtol=1e-5)
 
 
 def test_q8_0_kernel_rejects_bad_shapes(kernels):
-    q, scales = quantize_q8_0(torch.randn(8, 64))
-    with pytest.raises(RuntimeError):
-        kernels.q8_0_linear(torch.randn(Q8_0_MAX_KERNEL_ROWS + 1, 64), q, scales, None)
-    with pytest.raises(RuntimeError):
-        kernels.q8_0_linear(torch.randn(1, 32), q, scales, None)
+    packed = pack_q8_0(*quantize_q8_0(torch.randn(8, 64)))
+    with pytest.raises(RuntimeError):  # K of x does not match the weights
+        kernels.q8_0_linear(torch.randn(1, 32), *packed, None, 8)
+    with pytest.raises(RuntimeError):  # more features than the packed panels hold
+        kernels.q8_0_linear(torch.randn(1, 64), *packed, None, 17)
+    with pytest.raises(RuntimeError):  # bias of the wrong length
+        kernels.q8_0_linear(torch.randn(1, 64), *packed, torch.zeros(9), 8)
 
 
 def test_q8_0_engine_matches_hf_on_the_dequantized_weights(kernels, tiny_llama_dir, smollm2_tokenizer):

@@ -9,7 +9,8 @@ this tool says so). The phases partition the run:
 - schedule: Scheduler.schedule
 - prepare inputs: SchedulerOutput -> tensors (runner)
 - model: linear layers (every nn.Linear inside the decoder)
-- model: attention (KV writes + paged attention, the backend's forward)
+- model: attention (decode / prefill / other): the backend's attention over decoding requests, over
+  prefill chunks, and the rest of its forward (KV cache writes)
 - model: other (embedding, norms, rotary, activation, residuals: forward minus the two above)
 - logits: the LM head over the rows that sample
 - sampling: the sampler
@@ -29,7 +30,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import torch
 
-PHASES = ("schedule", "prepare inputs", "model: linear", "model: attention", "model: other", "logits",
+PHASES = ("schedule", "prepare inputs", "model: linear", "model: attention (decode)", "model: attention (prefill)",
+          "model: attention (other)", "model: other", "logits",
           "sampling", "update", "output processing", "runner other", "engine other")
 
 
@@ -99,7 +101,9 @@ def profile_phases(llm) -> Iterator[PhaseTimer]:
         patch(model, "compute_logits", "logits")
         patch(model, "forward", "model: other")
         backend = model.layers[0].self_attn.backend
-        patch(backend, "forward", "model: attention")
+        patch(backend, "forward", "model: attention (other)")
+        patch(backend, "decode_into", "model: attention (decode)")
+        patch(backend, "prefill_into", "model: attention (prefill)")
         for module in model.layers.modules():  # the LM head is timed as "logits"
             if isinstance(module, (torch.nn.Linear, PackedLinear, Q8_0Linear)):
                 patch(module, "forward", "model: linear")

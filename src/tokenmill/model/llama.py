@@ -114,7 +114,8 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def enable_q8_0_decode(self, kernels: Any) -> bool:
-        """Run decode-only steps of up to 8 rows as one C++ call over the whole stack (`llama_decode_q8_0`).
+        """Run decode-only steps of up to Q8_0_MAX_KERNEL_ROWS rows as one C++ call over the whole stack
+        (`llama_decode_q8_0`).
 
         Same kernels in the same order as the layers, so the same bits; it skips ~0.2 ms of Python and
         dispatch per layer, most of a small decode step's non-matmul time. Needs every projection in

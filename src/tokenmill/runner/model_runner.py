@@ -12,7 +12,7 @@ from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import get_attention_backend
 from tokenmill.model.layers.basic import use_cpu_kernels
-from tokenmill.model.layers.linear import PackedLinear, Q8_0Linear, onednn_packing_supported
+from tokenmill.model.layers.linear import Q8_0_MAX_KERNEL_ROWS, PackedLinear, Q8_0Linear, onednn_packing_supported
 from tokenmill.model.registry import get_model_class
 from tokenmill.outputs import Logprob
 from tokenmill.runner.input_batch import build_model_inputs
@@ -104,8 +104,9 @@ class ModelRunner:
                                      "kernels (attention backend 'cpu')")
             self.model.convert_linear_layers(lambda weight, bias: Q8_0Linear(weight, bias, rows, kernels))
             fused = getattr(self.model, "enable_q8_0_decode", lambda _: False)(kernels)
-            return ("Q8_0 weights (int8 kernel for steps of up to 8 rows, dense dequantized copy above"
-                    + ("; decode steps of up to 8 rows run the decoder stack in one C++ call)" if fused else ")"))
+            limit = Q8_0_MAX_KERNEL_ROWS
+            return (f"Q8_0 weights (int8 kernel for steps of up to {limit} rows, dense dequantized copy above"
+                    + (f"; decode steps of up to {limit} rows run the decoder stack in one C++ call)" if fused else ")"))
         if (self.packed_linear_rows and self.device.type == "cpu" and onednn_packing_supported(self.dtype)
                 and convertible):
             self.model.convert_linear_layers(lambda weight, bias: PackedLinear(weight, bias, rows))
