@@ -30,6 +30,8 @@ def parse_memory_size(value: str | int | float) -> int:
 
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 
 
 @dataclass
@@ -73,6 +75,9 @@ class EngineConfig:
     packed_linear: bool = True
     # Weight-only quantization applied at load: None or "q8_0" (CPU, float32; see docs/performance.md).
     quantization: Optional[str] = None
+    # KV cache storage: auto (the model's dtype), float32, float16 or bfloat16. A 16-bit cache under a
+    # float32 model halves the cache's memory and the bytes each decode step reads (vLLM: --kv-cache-dtype).
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory_bytes is not None:
@@ -96,6 +101,10 @@ class EngineConfig:
                 raise InvalidRequestError(f"{name} must be positive, got {value}", name)
         if self.quantization not in (None, "q8_0"):
             raise InvalidRequestError("quantization must be q8_0 (or unset)", "quantization")
+        self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
+                                      f"{self.kv_cache_dtype!r}", "kv_cache_dtype")
         if self.attention_backend not in ("auto", "torch", "cpu"):
             raise InvalidRequestError("attention_backend must be auto, torch or cpu", "attention_backend")
         if self.preemption_mode not in (None, "swap", "recompute"):

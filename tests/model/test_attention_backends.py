@@ -53,17 +53,40 @@ def test_paged_decode_kernel_matches_reference(kernels, dtype, num_heads, num_kv
         torch.testing.assert_close(out[row].float(), expected, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (8, 1, 24), (16, 2, 128)])
+def test_paged_decode_kernel_reads_a_16_bit_cache_as_its_float32_values(kernels, cache_dtype, num_heads,
+                                                                        num_kv_heads, head_dim):
+    """A float32 query over a float16/bfloat16 cache gives the same bits as over that cache widened to
+    float32 (the kernel widens 8 values at a time, exactly), and the output stays float32."""
+    gen = torch.Generator().manual_seed(2)
+    num_blocks = 48
+    cache = torch.randn(2, num_blocks, BLOCK, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
+    lengths = [1, 2, 7, 16, 29]  # odd lengths leave a last token for the one-at-a-time path
+    max_blocks = -(-max(lengths) // BLOCK)
+    tables = torch.randperm(num_blocks, generator=gen)[:len(lengths) * max_blocks].int().view(len(lengths), -1)
+    q = torch.randn(len(lengths), num_heads, head_dim, generator=gen)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    out = kernels.paged_decode_attention(q, cache, tables, lens, 0.2)
+    assert out.dtype == torch.float32
+    assert torch.equal(out, kernels.paged_decode_attention(q, cache.float(), tables, lens, 0.2))
+    with pytest.raises(RuntimeError):  # a 16-bit query over a float32 cache is not a supported mix
+        kernels.paged_decode_attention(q.to(cache_dtype), cache.float(), tables, lens, 0.2)
+
+
 def _scheduled(rid: str, prompt_len: int, start: int, count: int, blocks: list[int]) -> ScheduledRequest:
     request = Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=4))
     return ScheduledRequest(request, start, count, blocks)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
-def test_backends_agree_on_a_mixed_batch(kernels, backend_name):
-    """Two decodes and two prefill chunks (one continuing a cached prefix) in one flat batch."""
+def test_backends_agree_on_a_mixed_batch(kernels, backend_name, cache_dtype):
+    """Two decodes and two prefill chunks (one continuing a cached prefix) in one flat batch, with
+    float32 activations over a float32 or float16 cache."""
     gen = torch.Generator().manual_seed(1)
     num_heads, num_kv_heads, head_dim, num_blocks = 6, 2, 8, 32
-    cache = torch.randn(2, num_blocks, BLOCK, num_kv_heads, head_dim, generator=gen)
+    cache = torch.randn(2, num_blocks, BLOCK, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
     items = [
         _scheduled("d0", 10, 9, 1, [5, 9, 2]),  # decode at position 9: context 10
         _scheduled("p0", 7, 0, 7, [11, 12]),  # whole prompt
@@ -79,6 +102,8 @@ def test_backends_agree_on_a_mixed_batch(kernels, backend_name):
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     out = backend.forward(q, k, v, cache, inputs.meta, 0.5)
+    assert out.dtype == torch.float32
+    tol = 1e-5 if cache_dtype == torch.float32 else 2e-3
 
     flat = 0
     order = [2, 0, 1, 3]  # decodes first, shortest context first (d1, d0), then prefills in order
@@ -90,8 +115,9 @@ def test_backends_agree_on_a_mixed_batch(kernels, backend_name):
         values = cache[1].reshape(-1, num_kv_heads, head_dim)[slots]
         n = item.num_new_tokens
         expected = reference(q[flat:flat + n], keys, values, 0.5, causal_offset=item.start_position)
-        torch.testing.assert_close(out[flat:flat + n], expected, atol=1e-5, rtol=1e-5)
-        # The new tokens' K/V were written to their slots before attending.
-        torch.testing.assert_close(keys[item.start_position:], k[flat:flat + n])
+        torch.testing.assert_close(out[flat:flat + n], expected, atol=1e-5, rtol=1e-5)  # over the cached values
+        # The new tokens' K/V were written to their slots (rounded to the cache's dtype) before attending.
+        torch.testing.assert_close(keys[item.start_position:].float(), k[flat:flat + n], atol=tol, rtol=tol)
+        assert torch.equal(keys[item.start_position:], k[flat:flat + n].to(cache_dtype))
         flat += n
         assert inputs.last_token_index[index] == flat - 1

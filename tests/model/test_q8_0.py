@@ -112,15 +112,21 @@ def test_q8_0_needs_cpu_kernels(tiny_llama_dir):
         LLM(str(tiny_llama_dir), num_kv_blocks=16, quantization="q8_0", attention_backend="torch")
 
 
-def test_q8_0_fused_decode_stack_is_bit_identical_to_the_layers(kernels, tiny_llama_dir, smollm2_tokenizer):
-    """Decode-only steps of <= 8 rows run the whole decoder stack in one C++ call; it must produce the
-    very same hidden states as the per-layer modules (same kernels, same order), here on a decode
-    step of three requests whose contexts end mid-block."""
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16", "bfloat16"])
+def test_q8_0_fused_decode_stack_is_bit_identical_to_the_layers(kernels, tiny_llama_dir, smollm2_tokenizer,
+                                                                kv_cache_dtype):
+    """Decode-only steps of up to Q8_0_MAX_KERNEL_ROWS rows run the whole decoder stack in one C++ call;
+    it must produce the very same hidden states and cache writes as the per-layer modules (same
+    kernels, same order), here on a decode step of three requests whose contexts end mid-block, with
+    a float32 cache and with 16-bit ones (rounded as torch rounds)."""
     from unittest import mock
 
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, quantization="q8_0")
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, quantization="q8_0",
+              kv_cache_dtype=kv_cache_dtype)
     model = llm.llm_engine.core.runner.model
     assert model._q8_0_decode is not None
+    expected_dtype = torch.float32 if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+    assert all(cache.dtype == expected_dtype for cache in llm.llm_engine.core.runner.kv_caches)
     captured = []
     original = model.forward
 

@@ -168,6 +168,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--no-packed-linear", dest="packed_linear", action="store_false")
     parser.add_argument("--quantization", default=None, choices=["q8_0"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N requests")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
@@ -175,7 +176,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     config = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           attention_backend=args.attention_backend, packed_linear=args.packed_linear,
-                          quantization=args.quantization)
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     llm = LLM.from_config(config)
     requests = load_workload(args.workload, args.num_prompts)
     out = run(llm, requests)

@@ -40,7 +40,7 @@ class EngineCore:
                                   config.block_size, config.seed, config.num_threads,
                                   config.attention_backend,
                                   packed_linear_rows=min(config.max_num_seqs, 256) if config.packed_linear else None,
-                                  quantization=config.quantization)
+                                  quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
         self.runner.load_weights(source.iter_weights(self.runner.dtype))
         num_blocks = self._num_kv_blocks(device)
         self.runner.initialize_kv_cache(num_blocks)

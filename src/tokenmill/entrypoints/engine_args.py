@@ -80,7 +80,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                             "compiler is present, else the portable torch backend")
     group.add_argument("--quantization", "-q", default=None, choices=["q8_0"],
                        help="q8_0: round projection and LM-head weights to GGUF's Q8_0 at load (int8 blocks of 32 "
-                            "with one scale); steps of up to 8 rows read the int8 copy (CPU, float32)")
+                            "with one scale); steps of up to 64 rows read the int8 copy (CPU, float32)")
+    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+                       help="KV cache storage; auto: the model's dtype. float16/bfloat16 under a float32 model "
+                            "halve the cache's memory and the bytes a decode step reads (attention still computes "
+                            "in float32)")
     group.add_argument("--packed-linear", action=argparse.BooleanOptionalAction, default=True,
                        help="CPU: keep projection weights in oneDNN's packed layout (faster matmuls at serving "
                             "batch sizes)")
@@ -117,4 +121,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         attention_backend=args.attention_backend,
         packed_linear=args.packed_linear,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )

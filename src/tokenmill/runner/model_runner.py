@@ -56,7 +56,7 @@ class ModelRunner:
     def __init__(self, hf_config, architecture: str, dtype: str, device: torch.device, max_model_len: int,
                  block_size: int, seed: int = 0, num_threads: Optional[int] = None,
                  attention_backend: str = "auto", packed_linear_rows: Optional[int] = None,
-                 quantization: Optional[str] = None) -> None:
+                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto") -> None:
         if device.type == "cpu":
             torch.set_num_threads(num_threads or os.cpu_count() or 1)
         self.device = device
@@ -79,8 +79,11 @@ class ModelRunner:
             # The backend built tokenmill's C++ CPU kernels: norms, rotary and activation use them too.
             use_cpu_kernels(self.model, kernels)
         attn = self.model.layers[0].self_attn
+        cache_dtype = self.dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+        if cache_dtype != self.dtype:
+            logger.info("KV cache dtype: %s", str(cache_dtype).removeprefix("torch."))
         self.kv_spec = KVCacheSpec(hf_config.num_hidden_layers, block_size, attn.num_kv_heads, attn.head_dim,
-                                   self.dtype)
+                                   cache_dtype)
         self.kv_caches: list[torch.Tensor] = []
         self.host_caches: list[torch.Tensor] = []
         self.sampler = Sampler(seed)

@@ -158,7 +158,9 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
     def decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> None:
         if meta.num_decodes:
-            query = q[:meta.num_decodes].to(kv_cache.dtype).contiguous()
+            # The kernel reads a 16-bit cache under a float32 query directly; other mixes meet in the cache's dtype.
+            mixed = q.dtype == torch.float32 and kv_cache.dtype in (torch.float16, torch.bfloat16)
+            query = q[:meta.num_decodes].to(q.dtype if mixed else kv_cache.dtype).contiguous()
             out[:meta.num_decodes] = self.kernels.paged_decode_attention(
                 query, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
 

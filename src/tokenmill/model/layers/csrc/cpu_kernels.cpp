@@ -92,48 +92,105 @@ inline float exp_shift_sum(float* s, int64_t n, float max_score) {
   return sum;
 }
 
+#ifdef TOKENMILL_AVX2
+// 8 cache values widened to fp32: float as is, bfloat16 by moving its bits to the top half, float16
+// through F16C. The same conversions as torch's .float(), so a 16-bit cache reads as the same values.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+#ifdef __F16C__
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+template <typename T>
+constexpr bool kVectorCache = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>
+#ifdef __F16C__
+                              || std::is_same_v<T, at::Half>
+#endif
+    ;
+#endif
+
 // Scores of `group` queries (pre-scaled fp32 [group][head_dim]) against one key row.
 template <typename scalar_t>
 inline void score_row(const float* qf, const scalar_t* k, int64_t group, int64_t head_dim, float* out,
                       int64_t out_stride) {
+#ifdef TOKENMILL_AVX2
+  if constexpr (kVectorCache<scalar_t>) {
+    if (head_dim % 8 == 0 && group <= 16) {
+      __m256 acc[16];
+      for (int64_t g = 0; g < group; ++g) acc[g] = _mm256_setzero_ps();
+      for (int64_t d = 0; d < head_dim; d += 8) {
+        const __m256 kv = load8(k + d);  // each key chunk is loaded once for the whole group
+        for (int64_t g = 0; g < group; ++g)
+          acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * head_dim + d), kv, acc[g]);
+      }
+      for (int64_t g = 0; g < group; ++g) out[g * out_stride] = hsum256(acc[g]);
+      return;
+    }
+  }
+#endif
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = qf + g * head_dim;
     float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
     for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(k[d]);
     out[g * out_stride] = dot;
   }
 }
 
-#ifdef TOKENMILL_AVX2
-template <>
-inline void score_row<float>(const float* qf, const float* k, int64_t group, int64_t head_dim, float* out,
-                             int64_t out_stride) {
-  if (head_dim % 8 != 0 || group > 16) {
-    for (int64_t g = 0; g < group; ++g) {
-      float dot = 0.0f;
-      for (int64_t d = 0; d < head_dim; ++d) dot += qf[g * head_dim + d] * k[d];
-      out[g * out_stride] = dot;
-    }
-    return;
-  }
-  __m256 acc[16];
-  for (int64_t g = 0; g < group; ++g) acc[g] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < head_dim; d += 8) {
-    const __m256 kv = _mm256_loadu_ps(k + d);  // each key chunk is loaded once for the whole group
-    for (int64_t g = 0; g < group; ++g) acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * head_dim + d), kv, acc[g]);
-  }
-  for (int64_t g = 0; g < group; ++g) out[g * out_stride] = hsum256(acc[g]);
-}
-#endif
-
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
+
+#ifdef TOKENMILL_AVX2
+
+// acc[d] += sum_i p[i] * rows[i * stride + d] for i < n: 64 output lanes in registers at a time (8
+// independent FMA chains keep both FMA units busy), every row of the block accumulated before
+// storing; then 32 at a time.
+template <typename T>
+inline void accumulate_weighted_rows_avx2(const float* p, const T* rows, int64_t n, int64_t stride, int64_t head_dim,
+                                          float* acc) {
+  int64_t d = 0;
+  for (; d + 64 <= head_dim; d += 64) {
+    __m256 a[8];
+    for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(acc + d + 8 * c);
+    for (int64_t i = 0; i < n; ++i) {
+      const T* v = rows + i * stride + d;
+      const __m256 w = _mm256_set1_ps(p[i]);
+      for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(w, load8(v + 8 * c), a[c]);
+    }
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + d + 8 * c, a[c]);
+  }
+  for (; d + 32 <= head_dim; d += 32) {
+    __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
+    __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
+    for (int64_t i = 0; i < n; ++i) {
+      const T* v = rows + i * stride + d;
+      const __m256 w = _mm256_set1_ps(p[i]);
+      a0 = _mm256_fmadd_ps(w, load8(v), a0);
+      a1 = _mm256_fmadd_ps(w, load8(v + 8), a1);
+      a2 = _mm256_fmadd_ps(w, load8(v + 16), a2);
+      a3 = _mm256_fmadd_ps(w, load8(v + 24), a3);
+    }
+    _mm256_storeu_ps(acc + d, a0);
+    _mm256_storeu_ps(acc + d + 8, a1);
+    _mm256_storeu_ps(acc + d + 16, a2);
+    _mm256_storeu_ps(acc + d + 24, a3);
+  }
+  for (; d < head_dim; ++d)
+    for (int64_t i = 0; i < n; ++i) acc[d] += p[i] * to_float(rows[i * stride + d]);
+}
+#endif
 
 // acc[d] += sum_i p[i] * rows[i * stride + d] for i < n.
 template <typename scalar_t>
 inline void accumulate_weighted_rows(const float* p, const scalar_t* rows, int64_t n, int64_t stride,
                                      int64_t head_dim, float* acc) {
+#ifdef TOKENMILL_AVX2
+  if constexpr (kVectorCache<scalar_t>) {
+    accumulate_weighted_rows_avx2(p, rows, n, stride, head_dim, acc);
+    return;
+  }
+#endif
   for (int64_t i = 0; i < n; ++i) {
     const scalar_t* v = rows + i * stride;
 #pragma omp simd
@@ -142,62 +199,24 @@ inline void accumulate_weighted_rows(const float* p, const scalar_t* rows, int64
 }
 
 #ifdef TOKENMILL_AVX2
-template <>
-inline void accumulate_weighted_rows<float>(const float* p, const float* rows, int64_t n, int64_t stride,
-                                            int64_t head_dim, float* acc) {
-  int64_t d = 0;
-  // 64 output lanes in registers at a time (8 independent FMA chains keep both FMA units busy),
-  // every row of the block accumulated before storing; then 32 at a time.
-  for (; d + 64 <= head_dim; d += 64) {
-    __m256 a[8];
-    for (int c = 0; c < 8; ++c) a[c] = _mm256_loadu_ps(acc + d + 8 * c);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* v = rows + i * stride + d;
-      const __m256 w = _mm256_set1_ps(p[i]);
-      for (int c = 0; c < 8; ++c) a[c] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8 * c), a[c]);
-    }
-    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(acc + d + 8 * c, a[c]);
-  }
-  for (; d + 32 <= head_dim; d += 32) {
-    __m256 a0 = _mm256_loadu_ps(acc + d), a1 = _mm256_loadu_ps(acc + d + 8);
-    __m256 a2 = _mm256_loadu_ps(acc + d + 16), a3 = _mm256_loadu_ps(acc + d + 24);
-    for (int64_t i = 0; i < n; ++i) {
-      const float* v = rows + i * stride + d;
-      const __m256 w = _mm256_set1_ps(p[i]);
-      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
-      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
-      a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
-      a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
-    }
-    _mm256_storeu_ps(acc + d, a0);
-    _mm256_storeu_ps(acc + d + 8, a1);
-    _mm256_storeu_ps(acc + d + 16, a2);
-    _mm256_storeu_ps(acc + d + 24, a3);
-  }
-  for (; d < head_dim; ++d)
-    for (int64_t i = 0; i < n; ++i) acc[d] += p[i] * rows[i * stride + d];
-}
-#endif
-
-#ifdef TOKENMILL_AVX2
-// Pass 1 for fp32 caches, two tokens at a time: 2 * G independent accumulator chains, held in
-// registers because G is a compile-time constant. Each dot product is summed in the same order as
-// score_row's, so the scores are the same bits. Returns the first token not scored (ctx_len & ~1).
-template <int G>
-int64_t score_token_pairs(const float* qf, const float* k_cache, const int32_t* blocks, int64_t ctx_len,
+// Pass 1, two tokens at a time: 2 * G independent accumulator chains, held in registers because G is
+// a compile-time constant. Each dot product is summed in the same order as score_row's, so the
+// scores are the same bits. Returns the first token not scored (ctx_len & ~1).
+template <int G, typename T>
+int64_t score_token_pairs(const float* qf, const T* k_cache, const int32_t* blocks, int64_t ctx_len,
                           int64_t block_size, int64_t token_stride, int64_t h0, int64_t h1, int64_t head_dim,
                           float* scores) {
   int64_t t = 0;
   for (; t + 2 <= ctx_len; t += 2) {
-    const float* row0 = k_cache + (blocks[t / block_size] * block_size + t % block_size) * token_stride;
-    const float* row1 = k_cache + (blocks[(t + 1) / block_size] * block_size + (t + 1) % block_size) * token_stride;
+    const T* row0 = k_cache + (blocks[t / block_size] * block_size + t % block_size) * token_stride;
+    const T* row1 = k_cache + (blocks[(t + 1) / block_size] * block_size + (t + 1) % block_size) * token_stride;
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t j = (h - h0) * G;
       const float* qh = qf + j * head_dim;
       __m256 acc0[G], acc1[G];
       for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
       for (int64_t d = 0; d < head_dim; d += 8) {
-        const __m256 k0 = _mm256_loadu_ps(row0 + h * head_dim + d), k1 = _mm256_loadu_ps(row1 + h * head_dim + d);
+        const __m256 k0 = load8(row0 + h * head_dim + d), k1 = load8(row1 + h * head_dim + d);
         for (int g = 0; g < G; ++g) {
           const __m256 qv = _mm256_loadu_ps(qh + g * head_dim + d);
           acc0[g] = _mm256_fmadd_ps(qv, k0, acc0[g]);
@@ -217,13 +236,15 @@ int64_t score_token_pairs(const float* qf, const float* k_cache, const int32_t* 
 // One request, kv heads [h0, h1): its (h1 - h0) * group query heads against its context. Each
 // token's K (then V) row holds every kv head side by side, so walking the tokens of a block reads
 // one contiguous run of memory, which the hardware prefetcher follows.
-template <typename scalar_t>
-void decode_one(const scalar_t* __restrict__ q,          // [(h1 - h0) * group, head_dim]
+// The query and output have the activations' dtype (q_t), the cache its own (cache_t): a float32
+// model may keep a 16-bit cache, which halves the bytes each decode step reads.
+template <typename q_t, typename scalar_t>
+void decode_one(const q_t* __restrict__ q,               // [(h1 - h0) * group, head_dim]
                 const scalar_t* __restrict__ k_cache,    // K plane base
                 const scalar_t* __restrict__ v_cache,    // V plane base
                 const int32_t* __restrict__ blocks, int64_t ctx_len, int64_t block_size,
                 int64_t token_stride, int64_t h0, int64_t h1, int64_t group, int64_t head_dim, float scale,
-                scalar_t* __restrict__ out, std::vector<float>& scores, std::vector<float>& acc,
+                q_t* __restrict__ out, std::vector<float>& scores, std::vector<float>& acc,
                 std::vector<float>& qf) {
   const int64_t num_q = (h1 - h0) * group;
   scores.resize(static_cast<size_t>(num_q * ctx_len));
@@ -234,12 +255,12 @@ void decode_one(const scalar_t* __restrict__ q,          // [(h1 - h0) * group, 
   // Pass 1: scores[j][t] = q_j . k_t (query j reads kv head h0 + j / group)
   int64_t t = 0;
 #ifdef TOKENMILL_AVX2
-  if constexpr (std::is_same_v<scalar_t, float>) {
+  if constexpr (kVectorCache<scalar_t>) {
     if (head_dim % 8 == 0) {
-      using PairFn = int64_t (*)(const float*, const float*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+      using PairFn = int64_t (*)(const float*, const scalar_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
                                  int64_t, int64_t, float*);
-      constexpr PairFn by_group[4] = {score_token_pairs<1>, score_token_pairs<2>, score_token_pairs<3>,
-                                      score_token_pairs<4>};
+      constexpr PairFn by_group[4] = {score_token_pairs<1, scalar_t>, score_token_pairs<2, scalar_t>,
+                                      score_token_pairs<3, scalar_t>, score_token_pairs<4, scalar_t>};
       if (group <= 4)
         t = by_group[group - 1](qf.data(), k_cache, blocks, ctx_len, block_size, token_stride, h0, h1, head_dim,
                                 scores.data());
@@ -274,52 +295,71 @@ void decode_one(const scalar_t* __restrict__ q,          // [(h1 - h0) * group, 
   }
   for (int64_t j = 0; j < num_q; ++j)
     for (int64_t d = 0; d < head_dim; ++d)
-      out[j * head_dim + d] = static_cast<scalar_t>(acc[j * head_dim + d] * inv_sum[j]);
+      out[j * head_dim + d] = static_cast<q_t>(acc[j * head_dim + d] * inv_sum[j]);
 }
 
 }  // namespace
 
-torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [batch, heads, dim]");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-D");
-  TORCH_CHECK(kv_cache.scalar_type() == query.scalar_type(), "query and kv_cache dtypes differ");
-  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(), "block_tables int32");
-  TORCH_CHECK(context_lens.scalar_type() == torch::kInt32, "context_lens int32");
+namespace {
+template <typename q_t, typename cache_t>
+void run_paged_decode(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                      const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  TORCH_CHECK(kv_cache.size(4) == head_dim && num_heads % num_kv_heads == 0, "head shapes do not match");
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
-  auto out = torch::empty_like(query);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const int64_t token_stride = num_kv_heads * head_dim;
   const int64_t plane = num_blocks * block_size * token_stride;
-
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-    const scalar_t* q_base = query.data_ptr<scalar_t>();
-    const scalar_t* k_base = kv_cache.data_ptr<scalar_t>();
-    const scalar_t* v_base = k_base + plane;
-    scalar_t* out_base = out.data_ptr<scalar_t>();
-    // A work item is one request (all its kv heads: contiguous reads); with fewer requests than
-    // threads to keep busy, one (request, kv head) pair, so a single long request still spreads.
-    const int64_t heads_per_item = batch >= 4 * at::get_num_threads() ? num_kv_heads : 1;
-    const int64_t items_per_request = num_kv_heads / heads_per_item;
-    at::parallel_for(0, batch * items_per_request, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, acc, qf;
-      for (int64_t item = begin; item < end; ++item) {
-        const int64_t b = item / items_per_request;
-        const int64_t h0 = (item % items_per_request) * heads_per_item, h1 = h0 + heads_per_item;
-        const int64_t ctx_len = lens[b];
-        TORCH_CHECK(ctx_len > 0 && ctx_len <= max_blocks * block_size, "context length out of range");
-        const int64_t q_offset = (b * num_heads + h0 * group) * head_dim;
-        decode_one<scalar_t>(q_base + q_offset, k_base, v_base, tables + b * max_blocks, ctx_len, block_size,
-                             token_stride, h0, h1, group, head_dim, static_cast<float>(scale),
-                             out_base + q_offset, scores, acc, qf);
-      }
-    });
+  const q_t* q_base = query.data_ptr<q_t>();
+  const cache_t* k_base = kv_cache.data_ptr<cache_t>();
+  const cache_t* v_base = k_base + plane;
+  q_t* out_base = out.data_ptr<q_t>();
+  // A work item is one request (all its kv heads: contiguous reads); with fewer requests than
+  // threads to keep busy, one (request, kv head) pair, so a single long request still spreads.
+  const int64_t heads_per_item = batch >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_request = num_kv_heads / heads_per_item;
+  at::parallel_for(0, batch * items_per_request, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores, acc, qf;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / items_per_request;
+      const int64_t h0 = (item % items_per_request) * heads_per_item, h1 = h0 + heads_per_item;
+      const int64_t ctx_len = lens[b];
+      TORCH_CHECK(ctx_len > 0 && ctx_len <= max_blocks * block_size, "context length out of range");
+      const int64_t q_offset = (b * num_heads + h0 * group) * head_dim;
+      decode_one<q_t, cache_t>(q_base + q_offset, k_base, v_base, tables + b * max_blocks, ctx_len, block_size,
+                               token_stride, h0, h1, group, head_dim, static_cast<float>(scale),
+                               out_base + q_offset, scores, acc, qf);
+    }
   });
+}
+}  // namespace
+
+// query and kv_cache of one dtype (float32, bfloat16, float16), or a float32 query over a bfloat16 or
+// float16 cache. The output has the query's dtype.
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [batch, heads, dim]");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-D");
+  const auto cache_type = kv_cache.scalar_type();
+  const bool mixed = query.scalar_type() == torch::kFloat && (cache_type == torch::kHalf ||
+                                                              cache_type == torch::kBFloat16);
+  TORCH_CHECK(cache_type == query.scalar_type() || mixed,
+              "kv_cache must have the query's dtype, or be float16/bfloat16 under a float32 query");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(), "block_tables int32");
+  TORCH_CHECK(context_lens.scalar_type() == torch::kInt32, "context_lens int32");
+  TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0, "head shapes do not match");
+  auto out = torch::empty_like(query);
+  if (cache_type == torch::kHalf && mixed) {
+    run_paged_decode<float, at::Half>(query, kv_cache, block_tables, context_lens, scale, out);
+  } else if (mixed) {
+    run_paged_decode<float, at::BFloat16>(query, kv_cache, block_tables, context_lens, scale, out);
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
+      run_paged_decode<scalar_t, scalar_t>(query, kv_cache, block_tables, context_lens, scale, out);
+    });
+  }
   return out;
 }
 
@@ -621,16 +661,31 @@ c10::optional<torch::Tensor> optional_bias(const torch::Tensor& bias) {
 }
 
 // K and V of each new token into its cache slot (the Python backend's index_copy_).
-void write_kv(const torch::Tensor& qkv, int64_t q_size, int64_t kv_size, torch::Tensor& kv_cache,
-              const int64_t* slots) {
-  float* cache = kv_cache.data_ptr<float>();
+// A 16-bit cache stores each value rounded to nearest even, as torch's .to() does.
+template <typename cache_t>
+void write_kv_rows(const torch::Tensor& qkv, int64_t q_size, int64_t kv_size, torch::Tensor& kv_cache,
+                   const int64_t* slots) {
+  cache_t* cache = kv_cache.data_ptr<cache_t>();
   const int64_t plane = kv_cache.numel() / 2;  // K slots, then V slots
   const float* rows = qkv.data_ptr<float>();
   const int64_t stride = qkv.stride(0);
   for (int64_t t = 0; t < qkv.size(0); ++t) {
     const float* k = rows + t * stride + q_size;
-    std::copy(k, k + kv_size, cache + slots[t] * kv_size);
-    std::copy(k + kv_size, k + 2 * kv_size, cache + plane + slots[t] * kv_size);
+    cache_t* k_slot = cache + slots[t] * kv_size;
+    cache_t* v_slot = cache + plane + slots[t] * kv_size;
+    for (int64_t i = 0; i < kv_size; ++i) {
+      k_slot[i] = static_cast<cache_t>(k[i]);
+      v_slot[i] = static_cast<cache_t>(k[kv_size + i]);
+    }
+  }
+}
+
+void write_kv(const torch::Tensor& qkv, int64_t q_size, int64_t kv_size, torch::Tensor& kv_cache,
+              const int64_t* slots) {
+  switch (kv_cache.scalar_type()) {
+    case torch::kHalf: return write_kv_rows<at::Half>(qkv, q_size, kv_size, kv_cache, slots);
+    case torch::kBFloat16: return write_kv_rows<at::BFloat16>(qkv, q_size, kv_size, kv_cache, slots);
+    default: return write_kv_rows<float>(qkv, q_size, kv_size, kv_cache, slots);
   }
 }
 }  // namespace
@@ -652,8 +707,11 @@ torch::Tensor llama_decode_q8_0(torch::Tensor hidden, torch::Tensor positions, t
   for (size_t l = 0; l < kv_caches.size(); ++l) {
     const torch::Tensor* w = layer_params.data() + l * kQ8LayerParams;
     torch::Tensor& cache = kv_caches[l];
-    TORCH_CHECK(cache.is_contiguous() && cache.scalar_type() == torch::kFloat &&
-                cache.size(3) * cache.size(4) == kv_size, "kv cache: contiguous float32 with matching heads");
+    const auto cache_type = cache.scalar_type();
+    TORCH_CHECK(cache.is_contiguous() &&
+                (cache_type == torch::kFloat || cache_type == torch::kHalf || cache_type == torch::kBFloat16) &&
+                cache.size(3) * cache.size(4) == kv_size,
+                "kv cache: contiguous float32, float16 or bfloat16 with matching heads");
     torch::Tensor h;
     if (l == 0) {
       residual = x;
