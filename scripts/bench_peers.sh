@@ -63,8 +63,10 @@ hf_copy() {  # an HF-format directory of the embedded model (vLLM and the F32 GG
   echo "$BENCH/smollm2-hf"
 }
 
-run_tokenmill() {  # float32 weights, then Q8_0 weights (the closest match to llama.cpp's quantized runs)
-  for variant in "tokenmill:" "tokenmill-q8_0:--quantization q8_0"; do
+run_tokenmill() {
+  # float32 weights and cache (HF-exact), then Q8_0 weights with a float16 KV cache: the closest match
+  # to llama.cpp's quantized runs, whose server keeps K/V in f16 by default.
+  for variant in "tokenmill:" "tokenmill-q8_0-f16kv:--quantization q8_0 --kv-cache-dtype float16"; do
     local label=${variant%%:*} flags=${variant#*:}
     # Prefix caching off, as for the peers (llama.cpp: cache_prompt false; vLLM: --no-enable-prefix-caching):
     # the sweep sends the same prompts at every concurrency, and cached prefixes would skip their prefills.
