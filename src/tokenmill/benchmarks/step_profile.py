@@ -155,7 +155,7 @@ def run(llm, requests, use_tqdm: bool = False) -> dict[str, Any]:
 
 def main(argv: Optional[list[str]] = None) -> None:
     from tokenmill.benchmarks.workloads import load_workload
-    from tokenmill.config import EngineConfig
+    from tokenmill.config import KV_CACHE_DTYPES, EngineConfig
     from tokenmill.entrypoints.llm import LLM
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -168,7 +168,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--no-packed-linear", dest="packed_linear", action="store_false")
     parser.add_argument("--quantization", default=None, choices=["q8_0"])
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N requests")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)

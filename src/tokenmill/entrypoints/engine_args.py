@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from tokenmill.config import EngineConfig, parse_memory_size
+from tokenmill.config import KV_CACHE_DTYPES, EngineConfig, parse_memory_size
 
 
 def _memory(value: str) -> int:
@@ -81,7 +81,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--quantization", "-q", default=None, choices=["q8_0"],
                        help="q8_0: round projection and LM-head weights to GGUF's Q8_0 at load (int8 blocks of 32 "
                             "with one scale); steps of up to 64 rows read the int8 copy (CPU, float32)")
-    group.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"],
+    group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="KV cache storage; auto: the model's dtype. float16/bfloat16 under a float32 model "
                             "halve the cache's memory and the bytes a decode step reads (attention still computes "
                             "in float32)")

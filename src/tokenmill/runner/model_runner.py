@@ -79,7 +79,7 @@ class ModelRunner:
             # The backend built tokenmill's C++ CPU kernels: norms, rotary and activation use them too.
             use_cpu_kernels(self.model, kernels)
         attn = self.model.layers[0].self_attn
-        cache_dtype = self.dtype if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+        cache_dtype = self.dtype if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
         if cache_dtype != self.dtype:
             logger.info("KV cache dtype: %s", str(cache_dtype).removeprefix("torch."))
         self.kv_spec = KVCacheSpec(hf_config.num_hidden_layers, block_size, attn.num_kv_heads, attn.head_dim,

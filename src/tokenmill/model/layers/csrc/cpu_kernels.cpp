@@ -133,6 +133,7 @@ inline void score_row(const float* qf, const scalar_t* k, int64_t group, int64_t
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = qf + g * head_dim;
     float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
     for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * static_cast<float>(k[d]);
     out[g * out_stride] = dot;
   }
@@ -504,8 +505,8 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
 // y[m, n] = sum_k x[m, k] * w[n, k] + bias[n] with w[n, k] = q[n, k] * scale[n, k / 32] (GGUF's
 // Q8_0: blocks of 32 int8 values sharing one fp32 scale). A decode step with few rows is bound by
 // reading the weights, and int8 reads a quarter of fp32's bytes; with more rows the widened weights
-// are reused across rows and the kernel runs at ~80% of the FMA peak, well ahead of oneDNN's fp32
-// GEMM at 8-64 rows on a 2-core AVX2 machine (docs/performance.md).
+// are reused across rows and the kernel reaches ~105-150 GFLOP/s (60-80% of the FMA peak) at 8-64 rows
+// on a 2-core AVX2 machine, ahead of oneDNN's fp32 GEMM up to ~64 rows (docs/performance.md).
 //
 // Layout (tokenmill.model.layers.linear.pack_q8_0): output features in panels of 16; panel p holds
 // features 16p..16p+15 as q[p][block][k in 0..32][16] (int8) and scale[p][block][16] (fp32), so for
@@ -521,7 +522,9 @@ namespace {
 
 constexpr int64_t kQ8Block = 32;
 constexpr int64_t kQ8Panel = 16;
-constexpr int64_t kQ8TileRows = 4;  // rows per tile: 8 block + 8 running accumulators + 2 weights + 1 x
+// Rows per tile: 8 block accumulators, 2 widened weight vectors and the broadcast x stay in registers;
+// the 8 running sums are touched once per 32 inputs, so the compiler may keep them on the stack.
+constexpr int64_t kQ8TileRows = 4;
 constexpr int64_t kQ8PrefetchBytes = 1024;
 // Rows of x per work item for larger steps: the panel stays in L1/L2 while a chunk of x streams past.
 constexpr int64_t kQ8RowChunk = 64;
