@@ -45,14 +45,17 @@ def test_make_bench_runs_every_engine(tiny_llama_dir, workload_file, tmp_path):
     report = make_bench.main(argv)
 
     wanted = sum(r["max_tokens"] for r in REQUESTS)
-    assert set(report["results"]) == {"tokenmill", "hf-static", "hf-naive"}
+    assert set(report["results"]) == {"tokenmill", "tokenmill-q8_0", "hf-static", "hf-naive"}
+    assert report["results"]["tokenmill-q8_0"]["engine_options"] == {"quantization": "q8_0",
+                                                                      "kv_cache_dtype": "float16"}
     for result in report["results"].values():
         assert result["num_requests"] == 2
         assert result["output_tokens"] == wanted
         assert result["output_tok_s"] > 0
     # The static batch pads the short request up to the batch's longest max_tokens: waste, not output.
     assert report["results"]["hf-static"]["generated_tokens_incl_waste"] == 2 * 5
-    assert set(report["ratios"]) == {"tokenmill/hf-naive", "tokenmill/hf-static", "hf-static/hf-naive"}
+    assert set(report["ratios"]) == {"tokenmill/hf-naive", "tokenmill/hf-static", "hf-static/hf-naive",
+                                     "tokenmill-q8_0/hf-naive", "tokenmill-q8_0/hf-static", "tokenmill-q8_0/tokenmill"}
 
     assert json.loads(raw.read_text())["results"]["tokenmill"]["output_tokens"] == wanted
     make_bench.update_markdown(md, make_bench.render_section(report, raw))  # a refresh replaces, never appends
@@ -60,3 +63,12 @@ def test_make_bench_runs_every_engine(tiny_llama_dir, workload_file, tmp_path):
     assert "keep me" in text
     assert text.count(make_bench.START_MARK) == 1 and text.count(make_bench.END_MARK) == 1
     assert "| tokenmill `LLM.generate`" in text and "max_num_batched_tokens 2048" in text
+    assert "| tokenmill `LLM.generate`, Q8_0 weights + float16 KV cache |" in text
+    assert "With Q8_0 weights and a float16 KV cache" in text  # its ratios are kept apart from same-dtype ones
+
+
+def test_make_bench_without_quantized_run(tiny_llama_dir, workload_file, tmp_path):
+    argv = ["--model", str(tiny_llama_dir), "--workload", str(workload_file), "--output", str(tmp_path / "b.md"),
+            "--results-json", str(tmp_path / "b.json"), "--skip-baselines", "--no-quantized", "--no-tqdm"]
+    report = make_bench.main(argv)
+    assert set(report["results"]) == {"tokenmill"} and report["settings"]["quantized_run"] is None

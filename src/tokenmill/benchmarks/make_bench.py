@@ -2,9 +2,10 @@
 
 The fixed workload (../shared/bench/workload-64.jsonl) runs through tokenmill's `LLM.generate`, a
 naive one-at-a-time `generate` loop and static left-padded batches of 16, all on the same weights,
-dtype and threads, in one process, one after another. Prints a table, refreshes the
-`bench:engine-core` section of docs/benchmarks.md and writes the raw numbers to
-bench-results/engine-core.json.
+dtype and threads, in one process, one after another; with float32, tokenmill also runs once more
+with Q8_0 weights and a float16 KV cache (`--no-quantized` to skip), reported apart. Prints a
+table, refreshes the `bench:engine-core` section of docs/benchmarks.md and writes the raw numbers
+to bench-results/engine-core.json.
 
     .venv/bin/python -m tokenmill.benchmarks.make_bench [--dtype bfloat16] [--naive-limit 16] ...
 """
@@ -29,6 +30,7 @@ START_MARK = f"<!-- bench:{SECTION}:start -->"
 END_MARK = f"<!-- bench:{SECTION}:end -->"
 ENGINE_LABELS = {
     "tokenmill": "tokenmill `LLM.generate` (continuous batching)",
+    "tokenmill-q8_0": "tokenmill `LLM.generate`, Q8_0 weights + float16 KV cache",
     "hf-static": "transformers static batches",
     "hf-naive": "transformers naive sequential `generate`",
 }
@@ -51,6 +53,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for all three engines")
     p.add_argument("--limit", type=positive, default=None, help="first N requests only (smoke runs)")
     p.add_argument("--skip-baselines", action="store_true", help="run tokenmill only")
+    p.add_argument("--quantized", action=argparse.BooleanOptionalAction, default=True,
+                   help="also run tokenmill with --quantization q8_0 --kv-cache-dtype float16 (float32 only)")
     p.add_argument("--naive-limit", type=positive, default=None,
                    help="run the naive baseline on the first N requests only (tok/s over those)")
     p.add_argument("--batch-size", type=positive, default=16, help="static-batch baseline batch size")
@@ -86,6 +90,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "results": {},
     }
     report["results"]["tokenmill"] = run_tokenmill(args, requests, threads)
+    if args.quantized and args.dtype == "float32":
+        report["results"]["tokenmill-q8_0"] = run_tokenmill(args, requests, threads, QUANTIZED)
     if not args.skip_baselines:
         report["results"].update(run_baselines(args, requests))
     report["ratios"] = ratios(report["results"])
@@ -95,21 +101,31 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     return report
 
 
-def run_tokenmill(args: argparse.Namespace, requests, threads: int) -> dict[str, Any]:
+# The quantized configuration: llama.cpp's usual serving setup (8-bit weights, 16-bit KV cache) in
+# tokenmill's terms. Its weights are not the baselines' float32 weights, so its ratios are reported apart.
+QUANTIZED = {"quantization": "q8_0", "kv_cache_dtype": "float16"}
+
+
+def run_tokenmill(args: argparse.Namespace, requests, threads: int,
+                  engine_options: Optional[dict[str, str]] = None) -> dict[str, Any]:
     from tokenmill import LLM
     from tokenmill.benchmarks.throughput import run_offline_throughput
 
+    engine_options = engine_options or {}
+    extra = "".join(f", {k}={v}" for k, v in engine_options.items())
     print(f"tokenmill: {len(requests)} requests, dtype={args.dtype}, max_num_seqs={args.max_num_seqs}, "
-          f"max_num_batched_tokens={args.max_num_batched_tokens}", flush=True)
+          f"max_num_batched_tokens={args.max_num_batched_tokens}{extra}", flush=True)
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-              enable_prefix_caching=args.enable_prefix_caching, num_threads=threads, device="cpu")
+              enable_prefix_caching=args.enable_prefix_caching, num_threads=threads, device="cpu",
+              **engine_options)
     try:
         result = run_offline_throughput(llm, requests, use_tqdm=not args.no_tqdm)
     finally:
         del llm
         gc.collect()  # release the KV cache before the baselines load their model
     result["concurrency"] = min(args.max_num_seqs, len(requests))
+    result["engine_options"] = engine_options
     _print_result(result)
     return result
 
@@ -139,7 +155,8 @@ def _print_result(r: dict[str, Any]) -> None:
 
 def ratios(results: dict[str, Any]) -> dict[str, float]:
     tok = {name: r["output_tok_s"] for name, r in results.items()}
-    pairs = [("tokenmill", "hf-naive"), ("tokenmill", "hf-static"), ("hf-static", "hf-naive")]
+    pairs = [("tokenmill", "hf-naive"), ("tokenmill", "hf-static"), ("hf-static", "hf-naive"),
+             ("tokenmill-q8_0", "hf-naive"), ("tokenmill-q8_0", "hf-static"), ("tokenmill-q8_0", "tokenmill")]
     return {f"{a}/{b}": round(tok[a] / tok[b], 3) for a, b in pairs if a in tok and tok.get(b)}
 
 
@@ -189,6 +206,7 @@ def settings_of(args: argparse.Namespace, threads: int) -> dict[str, Any]:
         "static_batch_size": args.batch_size,
         "naive_limit": args.naive_limit,
         "skip_baselines": args.skip_baselines,
+        "quantized_run": QUANTIZED if args.quantized and args.dtype == "float32" else None,
         "threads": threads,
         "sampling": "greedy, ignore_eos, exactly max_tokens per request",
     }
@@ -212,7 +230,7 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
     results = report["results"]
     naive = results.get("hf-naive", {}).get("output_tok_s")
     rows = []
-    for name in ("tokenmill", "hf-static", "hf-naive"):
+    for name in ("tokenmill", "tokenmill-q8_0", "hf-static", "hf-naive"):
         r = results.get(name)
         if r is None:
             continue
@@ -253,7 +271,9 @@ def render_section(report: dict[str, Any], json_path: Path) -> str:
         "",
         f"Settings: model {s['model']}, dtype {s['dtype']} for all engines, max_num_seqs {s['max_num_seqs']}, "
         f"max_num_batched_tokens {s['max_num_batched_tokens']}, block size {s['block_size']}, prefix caching "
-        f"{'on' if s['enable_prefix_caching'] else 'off'}.",
+        f"{'on' if s['enable_prefix_caching'] else 'off'}."
+        + (" The Q8_0 row rounds the decoder projections and the LM head to GGUF's Q8_0 at load and keeps K/V in "
+           "float16 (`--quantization q8_0 --kv-cache-dtype float16`)." if s.get("quantized_run") else ""),
         "",
         *md_rows,
         "",
@@ -267,14 +287,22 @@ def render_section(report: dict[str, Any], json_path: Path) -> str:
 
 def _notes(report: dict[str, Any]) -> list[str]:
     results, notes = report["results"], []
-    if report.get("ratios"):
-        notes.append("Ratios of output tok/s: " + ", ".join(f"{k} **{v:.2f}x**" for k, v in report["ratios"].items())
-                     + ".")
-    tm = results.get("tokenmill", {})
-    if tm.get("ttft_p50_s") is not None:
-        notes.append(f"tokenmill TTFT p50 / p95: {tm['ttft_p50_s']:.2f} / {tm['ttft_p95_s']:.2f} s; "
-                     f"{tm.get('num_cached_prompt_tokens', 0)} prompt tokens served from the prefix cache, "
-                     f"{tm.get('num_preemptions', 0)} preemptions.")
+    ratios_ = report.get("ratios") or {}
+    same_dtype = {k: v for k, v in ratios_.items() if "q8_0" not in k}
+    quantized = {k: v for k, v in ratios_.items() if "q8_0" in k}
+    if same_dtype:
+        notes.append("Ratios of output tok/s, same weights and dtype: "
+                     + ", ".join(f"{k} **{v:.2f}x**" for k, v in same_dtype.items()) + ".")
+    if quantized:
+        notes.append("With Q8_0 weights and a float16 KV cache (weights rounded to 8 bits at load, so not the "
+                     "baselines' numbers; accuracy cost in docs/performance.md): "
+                     + ", ".join(f"{k} **{v:.2f}x**" for k, v in quantized.items()) + ".")
+    for name in ("tokenmill", "tokenmill-q8_0"):
+        tm = results.get(name, {})
+        if tm.get("ttft_p50_s") is not None:
+            notes.append(f"{name} TTFT p50 / p95: {tm['ttft_p50_s']:.2f} / {tm['ttft_p95_s']:.2f} s; "
+                         f"{tm.get('num_cached_prompt_tokens', 0)} prompt tokens served from the prefix cache, "
+                         f"{tm.get('num_preemptions', 0)} preemptions.")
     static = results.get("hf-static")
     if static:
         notes.append(f"Static batches: requests in workload order, left-padded, {static['batch_size']} a batch; each "
