@@ -133,3 +133,26 @@ def test_lpm_wait_bound_reaches_the_policy(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=32, max_model_len=128, scheduling_policy="lpm", lpm_max_wait=0.5)
     policy = llm.llm_engine.core.scheduler.policy
     assert policy.name == "lpm" and policy.max_wait_s == 0.5
+
+
+def test_step_budget_defaults_by_device_and_fits_unchunked_prompts(tiny_llama_dir, tmp_path, tokenizer):
+    from model_factory import build_tiny_llama
+    from tokenmill.errors import ModelLoadError
+
+    cpu = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
+    assert cpu.llm_engine.core.scheduler.config.max_num_batched_tokens == 1024
+    explicit = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, max_num_batched_tokens=96)
+    assert explicit.llm_engine.core.scheduler.config.max_num_batched_tokens == 96
+
+    # Without chunked prefill a prompt must fit one step: the default budget grows to the model length ...
+    long_model = build_tiny_llama(tmp_path / "long", tokenizer, max_position_embeddings=1536)
+    unchunked = LLM(str(long_model), device="cpu", num_kv_blocks=100, enable_chunked_prefill=False)
+    assert unchunked.llm_engine.core.max_model_len == 1536
+    assert unchunked.llm_engine.core.scheduler.config.max_num_batched_tokens == 1536
+    long_prompt = {"prompt_token_ids": [5 + i % 300 for i in range(1400)]}
+    out = unchunked.generate([long_prompt], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 2
+    # ... and an explicit budget that could never hold a full prompt is refused at startup.
+    with pytest.raises(ModelLoadError, match=r"max_num_batched_tokens \(1024\) is smaller than max_model_len \(1536\)"):
+        LLM(str(long_model), device="cpu", num_kv_blocks=100, enable_chunked_prefill=False,
+            max_num_batched_tokens=1024)

@@ -6,7 +6,7 @@ from typing import Iterable
 
 import torch
 
-from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, default_max_num_batched_tokens
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.scheduler import Scheduler, SchedulerConfig, SchedulerStats
@@ -35,6 +35,9 @@ class EngineCore:
         self.config = config
         hf_config = source.hf_config
         device = resolve_device(config.device)
+        budget_was_defaulted = config.max_num_batched_tokens is None
+        if budget_was_defaulted:
+            config.max_num_batched_tokens = default_max_num_batched_tokens(device.type)
         max_model_len = derive_max_model_len(config, hf_config)
         self.runner = ModelRunner(hf_config, source.architecture, config.dtype, device, max_model_len,
                                   config.block_size, config.seed, config.num_threads,
@@ -47,6 +50,15 @@ class EngineCore:
         # A request must fit in the cache on its own, or preemption could never make room for it.
         self.max_model_len = min(max_model_len, num_blocks * config.block_size)
         self.runner.max_model_len = self.max_model_len
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+            # Without chunking a prompt must fit one step, or a long one would wait forever.
+            if budget_was_defaulted:
+                config.max_num_batched_tokens = self.max_model_len
+            else:
+                raise ModelLoadError(
+                    f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
+                    f"({self.max_model_len}) with chunked prefill disabled: raise --max-num-batched-tokens, lower "
+                    "--max-model-len or enable chunked prefill")
         preemption_mode = config.preemption_mode or ("swap" if config.swap_space > 0 and device.type != "cpu"
                                                      else "recompute")
         num_host_blocks = 0

@@ -47,7 +47,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-model-len", type=_positive_int, default=None)
     group.add_argument("--block-size", type=_positive_int, default=16)
     group.add_argument("--max-num-seqs", type=_positive_int, default=64)
-    group.add_argument("--max-num-batched-tokens", type=_positive_int, default=2048)
+    group.add_argument("--max-num-batched-tokens", type=_positive_int, default=None,
+                       help="tokens per step, prefill chunks and decodes together (default: 1024 on CPU, 2048 on GPU)")
     group.add_argument("--kv-cache-memory-bytes", type=_memory, default=None,
                        help="KV cache size, e.g. 4GiB (default on CPU: 2GiB)")
     group.add_argument("--gpu-memory-utilization", type=float, default=0.9)

@@ -19,7 +19,7 @@ PromptType = Union[str, dict[str, Any], list[int]]
 class LLM:
     def __init__(self, model: Optional[str] = None, *, tokenizer: Optional[str] = None, dtype: str = "float32",
                  max_model_len: Optional[int] = None, block_size: int = 16, max_num_seqs: int = 64,
-                 max_num_batched_tokens: int = 2048, kv_cache_memory_bytes: Optional[int | str] = None,
+                 max_num_batched_tokens: Optional[int] = None, kv_cache_memory_bytes: Optional[int | str] = None,
                  num_kv_blocks: Optional[int] = None, enable_chunked_prefill: bool = True,
                  enable_prefix_caching: bool = True, seed: int = 0, device: Optional[str] = None,
                  gpu_memory_utilization: float = 0.9, **kwargs: Any) -> None:
