@@ -2,13 +2,49 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from tokenmill.errors import InvalidRequestError
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
 MAX_LOGPROBS = 20
+
+
+@dataclass
+class StructuredOutputsParams:
+    """A constraint on the generated text (vLLM's name and fields); exactly one may be set.
+
+    json: a JSON schema (dict or JSON text); json_object: any JSON object; regex; choice: one of the
+    given strings; grammar: a Lark grammar, or GBNF as llama.cpp writes it.
+    """
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: bool = False
+    # JSON only: no optional whitespace between tokens (vLLM's flag). Small models otherwise tend to
+    # spend their token budget on newlines and spaces the schema allows.
+    disable_any_whitespace: bool = False
+    # The request field that carried it, for error messages (response_format, structured_outputs, guided_json ...).
+    param: str = "structured_outputs"
+
+    def __post_init__(self) -> None:
+        set_fields = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        if self.json_object:
+            set_fields.append("json_object")
+        if len(set_fields) != 1:
+            raise InvalidRequestError("structured outputs need exactly one of json, json_object, regex, choice or "
+                                      f"grammar, got {', '.join(set_fields) or 'none'}", self.param)
+        if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
+            raise InvalidRequestError("choice must be a non-empty list of strings", self.param)
+
+    @property
+    def kind(self) -> str:
+        if self.json_object:
+            return "json_object"
+        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
 
 
 @dataclass
@@ -34,6 +70,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logit_bias: Optional[dict[int, float]] = None
     detokenize: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -46,6 +83,8 @@ class SamplingParams:
             self.top_k = None
         if self.logit_bias is not None:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
+        if isinstance(self.structured_outputs, dict):
+            self.structured_outputs = StructuredOutputsParams(**self.structured_outputs)
         self._validate()
 
     def _validate(self) -> None:

@@ -151,3 +151,31 @@ def test_prefix_cache_hit_starts_the_count_ahead():
     item = out.scheduled[0]
     assert (item.start_position, item.num_new_tokens) == (8, 2)
     assert item.request.num_cached_tokens == 8
+
+
+class _GrammarDoneAfter:
+    """A stand-in grammar state: complete once `limit` tokens were accepted (the runner feeds them)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.accepted = limit, 0
+
+    def is_terminated(self) -> bool:
+        return self.accepted >= self.limit
+
+
+def test_a_complete_grammar_stops_its_sequence_even_before_min_tokens():
+    sched = make_scheduler()
+    grammar = _GrammarDoneAfter(2)
+    request = req("a", 4, max_tokens=10, min_tokens=5)
+    request.structured_output = grammar
+    sched.add_request(request)
+    sched.add_request(req("b", 4, max_tokens=10, base=50))
+    _, finished = run_step(sched)
+    grammar.accepted = 1
+    assert finished == []
+    grammar.accepted = 2  # the runner accepted the token this step samples
+    _, finished = run_step(sched)
+    assert [(r.request_id, r.status, r.stop_reason, r.output_token_ids) for r in finished] == \
+        [("a", RequestStatus.FINISHED_STOPPED, None, [7, 7])]
+    assert [r.request_id for r in sched.running] == ["b"]
+    assert sched.kv_cache.num_free_blocks == 100 - 2  # a's blocks are back; b holds its two

@@ -57,6 +57,9 @@ class Request:
     # Beam search sets it after a beam sampled: [] parks the beam (holding its blocks, computing
     # nothing) until the search sets the children, which then fork from it the same way.
     fork_children: Optional[list["Request"]] = None
+    # Structured outputs: the sequence's grammar state (a structured.backend.StructuredOutputGrammar;
+    # opaque here). The runner masks and advances it; the scheduler stops the sequence once it terminates.
+    structured_output: Optional[Any] = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -340,6 +340,9 @@ class Scheduler:
     def _check_stop(self, request: Request, token: int) -> Optional[RequestStatus]:
         params = request.sampling_params
         num_out = request.num_output_tokens
+        if request.structured_output is not None and request.structured_output.is_terminated():
+            request.stop_reason = None  # the grammar is complete: nothing more may follow
+            return RequestStatus.FINISHED_STOPPED
         if num_out >= params.min_tokens:
             if not params.ignore_eos and token == request.eos_token_id:
                 request.stop_reason = None

@@ -87,6 +87,8 @@ class AsyncLLM:
         """Cumulative outputs of one request; closing the iterator early aborts the request."""
         await self.check_health()
         params = self.input_processor.validate_lengths(prompt.prompt_token_ids, sampling_params)
+        if params.structured_outputs is not None:  # a bad grammar is a 400 before any stream starts
+            self.engine.structured_backend.validate(params.structured_outputs)
         self._admit()
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._streams_lock:

@@ -22,6 +22,7 @@ from tokenmill.model.default_model import DEFAULT_MODEL_NAME
 from tokenmill.model.loader import load_model_source
 from tokenmill.outputs import CompletionOutput, PromptLogprobs, RequestMetrics, RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.llguidance_backend import LLGuidanceBackend
 
 logger = logging.getLogger("tokenmill")
 
@@ -78,6 +79,8 @@ class LLMEngine:
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, vocab_size,
                                               config.max_prompt_tokens)
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.hf_config)
+        # Structured outputs: grammars compiled against the tokenizer, masks sized to the model's logits.
+        self.structured_backend = LLGuidanceBackend(self.tokenizer, vocab_size, self.eos_token_ids)
         self.requests: dict[str, RequestState] = {}
         self.num_rejected: dict[str, int] = {}  # reason -> count, for metrics
         self.core_to_request: dict[str, tuple[RequestState, Optional[SequenceState]]] = {}
@@ -106,6 +109,9 @@ class LLMEngine:
                              RequestMetrics(arrival_time=arrival))
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(prompt.prompt_token_ids)
+        # One grammar state per sample, compiled before anything is registered so a bad grammar fails alone.
+        grammars = [self.structured_backend.compile(params.structured_outputs) for _ in range(params.n)] \
+            if params.structured_outputs is not None else None
         children = []
         for index in range(params.n):
             core_id = request_id if params.n == 1 else f"{request_id}#{index}"
@@ -119,7 +125,8 @@ class LLMEngine:
             state.sequences.append(seq)
             self.core_to_request[core_id] = (state, seq)
             children.append(Request(core_id, list(prompt.prompt_token_ids), seq_params, primary_eos,
-                                    arrival_time=arrival, priority=priority, user=user))
+                                    arrival_time=arrival, priority=priority, user=user,
+                                    structured_output=grammars[index] if grammars else None))
         if params.n == 1:
             self.core.add_request(children[0])
         else:
@@ -263,8 +270,11 @@ class LLMEngine:
         stop_string = None
         if seq.detokenizer is not None:
             text_ids = out.new_token_ids
-            if out.finish_reason == "stop" and not state.params.include_stop_str_in_output:
-                text_ids = text_ids[:-1]  # the EOS / stop token ends the text without joining it (as vLLM)
+            if out.finish_reason == "stop" and not state.params.include_stop_str_in_output and text_ids and (
+                    text_ids[-1] in self.eos_token_ids or text_ids[-1] in (state.params.stop_token_ids or ())):
+                # The EOS / stop token ends the text without joining it (as vLLM). A sequence whose
+                # grammar completed stops on an ordinary token, which stays.
+                text_ids = text_ids[:-1]
             stop_string = seq.detokenizer.update(text_ids, out.finish_reason is not None)
         if stop_string is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_string

@@ -163,6 +163,7 @@ class ModelRunner:
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=request.output_token_ids,
                     eos_token_id=request.eos_token_id,
+                    grammar=request.structured_output,
                 ))
         if not states:
             return result
@@ -171,6 +172,8 @@ class ModelRunner:
         sampled_items = [item for item in output.scheduled if item.samples]
         for item, token, logprobs in zip(sampled_items, sampler_out.sampled_token_ids, sampler_out.logprobs):
             result.sampled[item.request_id] = token
+            if item.request.structured_output is not None:
+                item.request.structured_output.accept_token(token)
             if logprobs is not None:
                 result.logprobs[item.request_id] = logprobs
         return result

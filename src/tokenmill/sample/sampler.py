@@ -3,7 +3,8 @@
 Pipeline per step (each stage only touches the rows that asked for it):
 
     raw logits ─► logprobs: log_softmax of the *raw* logits (vLLM's default)
-        └─ copy ─► logit_bias ─► min_tokens mask ─► repetition penalty ─► presence/frequency ─┐
+        └─ copy ─► logit_bias ─► min_tokens mask ─► repetition penalty ─► presence/frequency
+                   ─► grammar mask (structured outputs) ────────────────────────────────────┐
     greedy rows:  argmax (first max, as HF generate)  ◄──────────────────────────────────────┤
     other rows:   / temperature ─► top_k ─► top_p ─► min_p ─► exponential race  ◄────────────┘
 
@@ -15,12 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
 from tokenmill.outputs import Logprob
 from tokenmill.sample import logits_processors as lp
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.backend import allocate_token_bitmask, apply_token_bitmask
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -36,6 +39,7 @@ class SamplingRequestState:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far, before this step
     eos_token_id: int | None  # the model's EOS; ignored when params.ignore_eos
+    grammar: Optional[Any] = None  # a StructuredOutputGrammar when the request is constrained
 
 
 @dataclass(slots=True)
@@ -134,6 +138,7 @@ class Sampler:
             raise ValueError(f"expected [{len(states)}, vocab] logits, got {tuple(logits.shape)}")
         work = logits.to(torch.float32, copy=True)
         self._apply_processors(work, states)
+        self._apply_grammars(work, logits, states)
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if len(random_rows) == len(states):
             sampled = self._sample(work, states)
@@ -164,6 +169,27 @@ class Sampler:
             [states[i].params.presence_penalty for i in pf_rows],
             [states[i].params.frequency_penalty for i in pf_rows],
         )
+
+    def _apply_grammars(self, logits: torch.Tensor, raw_logits: torch.Tensor,
+                        states: list[SamplingRequestState]) -> None:
+        """Mask each constrained row to the tokens its grammar allows next."""
+        rows = [i for i, s in enumerate(states) if s.grammar is not None]
+        if not rows:
+            return
+        bitmask = allocate_token_bitmask(len(rows), logits.shape[1])
+        for j, i in enumerate(rows):
+            states[i].grammar.fill_bitmask(bitmask, j)
+        index = torch.tensor(rows, device=logits.device)
+        masked = logits.index_select(0, index)
+        apply_token_bitmask(masked, bitmask)
+        # When the other processors left none of the grammar's tokens (min_tokens blocking the EOS
+        # that ends the grammar), the grammar wins: sample from its tokens on the raw logits.
+        dead = torch.isneginf(masked).all(dim=1).nonzero().flatten()
+        if dead.numel():
+            fallback = raw_logits.index_select(0, index[dead]).float()
+            apply_token_bitmask(fallback, bitmask[dead.cpu()])
+            masked.index_copy_(0, dead, fallback)
+        logits.index_copy_(0, index, masked)
 
     def _sample(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> torch.Tensor:
         """Temperature, truncation masks, then one exponential-race draw per row (overwrites logits)."""

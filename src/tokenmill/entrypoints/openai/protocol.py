@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
+from tokenmill.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's limit on choices per prompt
 
@@ -60,6 +60,30 @@ def _check_stop(value: Any) -> Any:
     raise ValueError("stop must be a string or a list of strings")
 
 
+class JsonSchemaFormat(OpenAIModel):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    # `schema` would shadow a pydantic BaseModel attribute, hence the alias.
+    json_schema: Optional[dict[str, Any]] = Field(None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(OpenAIModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputsField(OpenAIModel):
+    """vLLM's `structured_outputs` request extra."""
+
+    json_: Optional[Union[str, dict[str, Any]]] = Field(None, alias="json")
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: Optional[bool] = None
+    disable_any_whitespace: bool = False
+
+
 class SamplingFields(OpenAIModel):
     """Fields shared by completions and chat completions."""
 
@@ -85,6 +109,13 @@ class SamplingFields(OpenAIModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
+    response_format: Optional[ResponseFormat] = None
+    structured_outputs: Optional[StructuredOutputsField] = None
+    guided_json: Optional[Union[str, dict[str, Any]]] = None
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
     _check_stop = field_validator("stop", mode="before")(_check_stop)
 
@@ -121,7 +152,36 @@ class SamplingFields(OpenAIModel):
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=_checked_logit_bias(self.logit_bias, vocab_size),
+            structured_outputs=self.structured_outputs_params(),
         )
+
+    def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
+        """The one output constraint this request sets, if any (400 when it sets several)."""
+        found: list[StructuredOutputsParams] = []
+        fmt = self.response_format
+        if fmt is not None and fmt.type == "json_object":
+            found.append(StructuredOutputsParams(json_object=True, param="response_format"))
+        elif fmt is not None and fmt.type == "json_schema":
+            schema = fmt.json_schema.json_schema if fmt.json_schema is not None else None
+            if schema is None:
+                raise InvalidRequestError("response_format of type json_schema needs json_schema.schema",
+                                          "response_format")
+            found.append(StructuredOutputsParams(json=schema, param="response_format"))
+        if self.structured_outputs is not None:
+            so = self.structured_outputs
+            found.append(StructuredOutputsParams(json=so.json_, regex=so.regex, choice=so.choice, grammar=so.grammar,
+                                                 json_object=bool(so.json_object),
+                                                 disable_any_whitespace=so.disable_any_whitespace,
+                                                 param="structured_outputs"))
+        for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                          ("guided_grammar", "grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append(StructuredOutputsParams(**{key: value}, param=name))
+        if len(found) > 1:
+            raise InvalidRequestError("give at most one of response_format (json_object / json_schema), "
+                                      "structured_outputs and guided_*", found[1].param)
+        return found[0] if found else None
 
     @property
     def include_usage(self) -> bool:

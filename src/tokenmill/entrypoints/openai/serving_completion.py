@@ -92,6 +92,8 @@ class OpenAIServingCompletion(ServingBase):
             raise InvalidRequestError("use_beam_search cannot be combined with stream", "stream")
         if body.echo or body.logprobs is not None:
             raise InvalidRequestError("use_beam_search does not support echo or logprobs", "use_beam_search")
+        if body.structured_outputs_params() is not None:
+            raise InvalidRequestError("use_beam_search does not support structured outputs", "use_beam_search")
         try:
             params = BeamSearchParams(beam_width=body.n, max_tokens=body.max_tokens or 16,
                                       ignore_eos=body.ignore_eos, length_penalty=body.length_penalty)

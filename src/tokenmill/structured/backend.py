@@ -1,0 +1,55 @@
+"""The interface between the engine and a grammar library.
+
+A backend compiles a request's `StructuredOutputsParams` into a `StructuredOutputGrammar`, one per
+sequence. Each step the sampler asks every constrained row's grammar for its allowed tokens (a
+bitmask over the vocabulary) and the runner feeds the sampled token back. The scheduler ends a
+sequence whose grammar has terminated. llguidance is the default backend (llguidance_backend.py).
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from tokenmill.sampling_params import StructuredOutputsParams
+
+
+class StructuredOutputGrammar(Protocol):
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """Write the tokens allowed next into row `row` of an int32 [rows, ceil(vocab / 32)] bitmask."""
+
+    def accept_token(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the grammar did not allow it."""
+
+    def is_terminated(self) -> bool:
+        """True once the grammar is complete (or broken): the sequence must stop."""
+
+
+class StructuredOutputBackend(Protocol):
+    name: str
+
+    def validate(self, params: StructuredOutputsParams) -> None:
+        """Raise InvalidRequestError when the grammar does not compile."""
+
+    def compile(self, params: StructuredOutputsParams) -> StructuredOutputGrammar:
+        """A fresh grammar state for one sequence."""
+
+
+def allocate_token_bitmask(rows: int, vocab_size: int) -> torch.Tensor:
+    """An int32 [rows, ceil(vocab / 32)] bitmask with every token allowed (llguidance's and xgrammar's
+    layout: bit j of word w allows token 32 w + j)."""
+    return torch.full((rows, (vocab_size + 31) // 32), -1, dtype=torch.int32)
+
+
+_BIT_SHIFTS: dict[torch.device, torch.Tensor] = {}
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
+    """Disallowed tokens' logits become -inf, in place. Plain torch, so it runs wherever the logits are."""
+    rows, vocab = logits.shape
+    shifts = _BIT_SHIFTS.get(logits.device)
+    if shifts is None:
+        shifts = _BIT_SHIFTS[logits.device] = torch.arange(32, dtype=torch.int32, device=logits.device)
+    words = bitmask.to(logits.device, non_blocking=True)
+    allowed = (words.unsqueeze(-1) >> shifts).bitwise_and_(1).view(rows, -1)[:, :vocab]
+    logits.masked_fill_(allowed == 0, float("-inf"))

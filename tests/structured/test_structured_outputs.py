@@ -1,0 +1,145 @@
+"""Structured outputs: grammar masks applied before sampling, on the tiny random Llama (whose
+unconstrained text is noise, so anything well-formed below is the grammar's doing)."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.errors import InvalidRequestError
+from tokenmill.sampling_params import StructuredOutputsParams
+from tokenmill.structured.backend import allocate_token_bitmask, apply_token_bitmask
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                   "tag": {"enum": ["red", "green", "blue"]},
+                   "ok": {"type": "boolean"}},
+    "required": ["id", "tag", "ok"],
+    "additionalProperties": False,
+}
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir):
+    return LLM(str(tiny_llama_dir), num_kv_blocks=256)
+
+
+def _one(llm: LLM, prompt: str, **params):
+    return llm.generate([prompt], SamplingParams(**params), use_tqdm=False)[0]
+
+
+def test_bitmask_matches_llguidance_kernel():
+    from llguidance.torch import apply_token_bitmask_inplace
+
+    generator = torch.Generator().manual_seed(0)
+    vocab = 100  # not a multiple of 32: the last word's high bits are past the vocabulary
+    bitmask = allocate_token_bitmask(3, vocab)
+    bitmask[1:] = torch.randint(-2**31, 2**31 - 1, bitmask[1:].shape, dtype=torch.int32, generator=generator)
+    logits = torch.randn(3, vocab, generator=generator)
+    ours, theirs = logits.clone(), logits.clone()
+    apply_token_bitmask(ours, bitmask)
+    apply_token_bitmask_inplace(theirs, bitmask)
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[0], logits[0])  # an all-ones row keeps everything
+    allowed = [token for token in range(vocab) if (int(bitmask[1, token // 32]) >> (token % 32)) & 1]
+    assert torch.isfinite(ours[1]).nonzero().flatten().tolist() == allowed and 0 < len(allowed) < vocab
+
+
+def test_params_need_exactly_one_constraint():
+    with pytest.raises(InvalidRequestError, match="exactly one"):
+        StructuredOutputsParams()
+    with pytest.raises(InvalidRequestError, match="exactly one") as info:
+        StructuredOutputsParams(regex="a", choice=["a"], param="guided_regex")
+    assert info.value.param == "guided_regex"
+    with pytest.raises(InvalidRequestError, match="non-empty list"):
+        StructuredOutputsParams(choice=[])
+    assert SamplingParams(structured_outputs={"regex": "a+"}).structured_outputs.kind == "regex"
+
+
+def test_bad_grammars_are_refused_with_the_field_named(llm):
+    backend = llm.llm_engine.structured_backend
+    for params, text in [(StructuredOutputsParams(regex="a(b", param="guided_regex"), "invalid regex"),
+                         (StructuredOutputsParams(json={"type": "objectx"}), "invalid json"),
+                         (StructuredOutputsParams(json="{not json"), "not valid JSON"),
+                         (StructuredOutputsParams(grammar="start: foo"), "invalid grammar")]:
+        with pytest.raises(InvalidRequestError, match=text) as info:
+            backend.validate(params)
+        assert info.value.param == params.param and "\n" not in info.value.message
+    with pytest.raises(InvalidRequestError, match="invalid regex"):  # and the engine refuses it too
+        _one(llm, "x", structured_outputs=StructuredOutputsParams(regex="a(b"))
+    assert not llm.llm_engine.has_unfinished_requests()
+
+
+def test_json_schema_output_is_valid_and_ends_the_request(llm):
+    out = _one(llm, "Describe a record:", temperature=0, max_tokens=64,
+               structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)).outputs[0]
+    record = json.loads(out.text)
+    assert set(record) == {"id", "tag", "ok"} and isinstance(record["id"], int) and 0 <= record["id"] <= 999
+    assert record["tag"] in ("red", "green", "blue") and isinstance(record["ok"], bool)
+    assert out.finish_reason == "stop" and out.stop_reason is None
+    # The grammar ended the request on its closing brace: nothing (not even EOS) follows it.
+    assert llm.get_tokenizer().decode(out.token_ids) == out.text and out.text.endswith("}")
+
+
+def test_regex_and_choice_hold_for_random_samples_and_n(llm):
+    pattern = r"[0-9]{3}-[a-z]{2}"
+    outs = llm.generate(["a", "bb", "ccc"], SamplingParams(
+        temperature=1.0, seed=3, max_tokens=32, structured_outputs=StructuredOutputsParams(regex=pattern)),
+        use_tqdm=False)
+    for out in outs:
+        assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+        assert out.outputs[0].finish_reason == "stop"
+    choices = ["alpha", "beta", "gamma delta"]
+    out = _one(llm, "Pick:", n=6, temperature=1.0, seed=0, max_tokens=16,
+               structured_outputs=StructuredOutputsParams(choice=choices))
+    texts = [c.text for c in out.outputs]
+    assert len(texts) == 6 and all(t in choices for t in texts)
+
+
+def test_lark_grammar(llm):
+    grammar = 'start: "(" NUM ("+" NUM)* ")"\nNUM: /[1-9][0-9]?/'
+    out = _one(llm, "Sum:", temperature=0.7, seed=1, max_tokens=48,
+               structured_outputs=StructuredOutputsParams(grammar=grammar)).outputs[0]
+    if out.finish_reason == "stop":
+        assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\)", out.text), out.text
+    else:  # cut at max_tokens: still a prefix of the language
+        assert re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?)*\+?", out.text), out.text
+
+
+def test_grammar_wins_over_min_tokens(llm):
+    # min_tokens blocks EOS, but the grammar allows nothing else once "yes" is complete: the request
+    # must end cleanly rather than sample from an all -inf row.
+    out = _one(llm, "Answer:", temperature=0, max_tokens=8, min_tokens=4,
+               structured_outputs=StructuredOutputsParams(choice=["yes"])).outputs[0]
+    assert out.text == "yes" and out.finish_reason == "stop"
+
+
+def test_grammar_state_survives_preemption(tiny_llama_dir):
+    """Recompute preemption replays a request's tokens as its prompt; its grammar must not be replayed."""
+    prompts = [f"Record number {i} of the inventory, written out in full as a JSON object:" for i in range(8)]
+    params = SamplingParams(temperature=0, max_tokens=40,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    roomy = LLM(str(tiny_llama_dir), num_kv_blocks=256, enable_prefix_caching=False).generate(
+        prompts, params, use_tqdm=False)
+    # 12 blocks of 16 tokens cannot hold eight ~45-token sequences at once.
+    tight_llm = LLM(str(tiny_llama_dir), num_kv_blocks=12, max_model_len=192, enable_prefix_caching=False,
+                    max_num_batched_tokens=32)
+    tight = tight_llm.generate(prompts, params, use_tqdm=False)
+    assert tight_llm.llm_engine.core.scheduler.num_preemptions > 0
+    assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
+    for out in tight:
+        json.loads(out.outputs[0].text)
+
+
+def test_unconstrained_rows_in_the_same_batch_are_untouched(llm):
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = _one(llm, "Hello there", **vars(plain)).outputs[0].token_ids
+    constrained = SamplingParams(temperature=0, max_tokens=12,
+                                 structured_outputs=StructuredOutputsParams(regex=r"[a-z ]{1,30}"))
+    mixed = llm.generate(["Hello there", "Other"], [plain, constrained], use_tqdm=False)
+    assert mixed[0].outputs[0].token_ids == alone
+    assert re.fullmatch(r"[a-z ]{1,30}", mixed[1].outputs[0].text)
