@@ -66,10 +66,10 @@ BAD_CONSTRAINTS = [
     ({"structured_outputs": {}}, "structured_outputs"),
 ]
 BEAM_WITH_CONSTRAINT = ({"use_beam_search": True, "n": 2, "guided_choice": ["a", "b"]}, "use_beam_search")
+CASES = [(*case, stream) for case in BAD_CONSTRAINTS for stream in (False, True)] + [(*BEAM_WITH_CONSTRAINT, False)]
 
 
-@pytest.mark.parametrize("extra, param, stream", [(*case, stream) for case in BAD_CONSTRAINTS for stream in (False, True)]
-                         + [(*BEAM_WITH_CONSTRAINT, False)])
+@pytest.mark.parametrize("extra, param, stream", CASES)
 def test_bad_constraints_are_400_before_any_stream(http, model_name, extra, param, stream):
     response = http.post("/v1/completions", json={"model": model_name, "prompt": "x", "max_tokens": 4,
                                                   "stream": stream, **extra})
