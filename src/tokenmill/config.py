@@ -91,6 +91,8 @@ class EngineConfig:
     # KV cache storage: auto (the model's dtype), float32, float16 or bfloat16. A 16-bit cache under a
     # float32 model halves the cache's memory and the bytes each decode step reads (vLLM: --kv-cache-dtype).
     kv_cache_dtype: str = "auto"
+    # Structured outputs: append tokens a grammar forces (JSON keys, punctuation) without sampling each.
+    structured_outputs_fast_forward: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_cache_memory_bytes is not None:

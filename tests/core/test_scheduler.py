@@ -179,3 +179,18 @@ def test_a_complete_grammar_stops_its_sequence_even_before_min_tokens():
         [("a", RequestStatus.FINISHED_STOPPED, None, [7, 7])]
     assert [r.request_id for r in sched.running] == ["b"]
     assert sched.kv_cache.num_free_blocks == 100 - 2  # a's blocks are back; b holds its two
+
+
+def test_forced_tokens_are_appended_after_the_sampled_one_and_stop_like_it():
+    sched = make_scheduler()
+    sched.add_request(req("a", 4, max_tokens=5))
+    out = sched.schedule()
+    finished = sched.update_from_output(out, {"a": 7}, {"a": [20, 21]})
+    assert finished == [] and sched.running[0].output_token_ids == [7, 20, 21]
+    # The next step computes the sampled token and both forced ones as one chunk.
+    out = sched.schedule()
+    assert [(s.start_position, s.num_new_tokens, s.samples) for s in out.scheduled] == [(4, 3, True)]
+    # max_tokens (5) cuts the forced run short: the rest is dropped and the request ends.
+    finished = sched.update_from_output(out, {"a": 8}, {"a": [30, 31, 32]})
+    assert [(r.request_id, r.status, r.output_token_ids) for r in finished] == \
+        [("a", RequestStatus.FINISHED_LENGTH, [7, 20, 21, 8, 30])]

@@ -118,16 +118,16 @@ def test_grammar_wins_over_min_tokens(llm):
     assert out.text == "yes" and out.finish_reason == "stop"
 
 
-def test_grammar_state_survives_preemption(tiny_llama_dir):
+@pytest.mark.parametrize("fast_forward", [True, False])
+def test_grammar_state_survives_preemption(tiny_llama_dir, fast_forward):
     """Recompute preemption replays a request's tokens as its prompt; its grammar must not be replayed."""
     prompts = [f"Record number {i} of the inventory, written out in full as a JSON object:" for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=40,
                             structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
-    roomy = LLM(str(tiny_llama_dir), num_kv_blocks=256, enable_prefix_caching=False).generate(
-        prompts, params, use_tqdm=False)
-    # 12 blocks of 16 tokens cannot hold eight ~45-token sequences at once.
-    tight_llm = LLM(str(tiny_llama_dir), num_kv_blocks=12, max_model_len=192, enable_prefix_caching=False,
-                    max_num_batched_tokens=32)
+    options = dict(enable_prefix_caching=False, structured_outputs_fast_forward=fast_forward)
+    roomy = LLM(str(tiny_llama_dir), num_kv_blocks=256, **options).generate(prompts, params, use_tqdm=False)
+    # 5 blocks of 16 tokens hold one ~35-token sequence and part of a second.
+    tight_llm = LLM(str(tiny_llama_dir), num_kv_blocks=5, max_model_len=80, max_num_batched_tokens=16, **options)
     tight = tight_llm.generate(prompts, params, use_tqdm=False)
     assert tight_llm.llm_engine.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
@@ -143,3 +143,40 @@ def test_unconstrained_rows_in_the_same_batch_are_untouched(llm):
     mixed = llm.generate(["Hello there", "Other"], [plain, constrained], use_tqdm=False)
     assert mixed[0].outputs[0].token_ids == alone
     assert re.fullmatch(r"[a-z ]{1,30}", mixed[1].outputs[0].text)
+
+
+def _count_steps(llm: LLM) -> list[int]:
+    """Wraps the runner so each model step is counted."""
+    runner, calls = llm.llm_engine.core.runner, []
+    execute = runner.execute
+
+    def counted(output):
+        calls.append(len(output.scheduled))
+        return execute(output)
+
+    runner.execute = counted
+    return calls
+
+
+def test_fast_forward_skips_forced_text_and_keeps_the_output(tiny_llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=64,
+                            structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
+    results = {}
+    for fast_forward in (True, False):
+        llm = LLM(str(tiny_llama_dir), num_kv_blocks=256, structured_outputs_fast_forward=fast_forward)
+        steps = _count_steps(llm)
+        out = llm.generate(["Describe a record:"], params, use_tqdm=False)[0].outputs[0]
+        results[fast_forward] = (out.text, len(out.token_ids), len(steps), out.finish_reason)
+    (ff_text, ff_tokens, ff_steps, ff_reason), (text, tokens, steps, reason) = results[True], results[False]
+    assert ff_text == text and ff_reason == reason == "stop"
+    json.loads(text)
+    # Keys, quotes and separators are forced: those tokens cost no model step of their own.
+    assert ff_steps < steps and steps == tokens  # without fast-forward: one step per token (prompt + decodes)
+    assert ff_tokens == tokens  # forced tokens still count as generated tokens
+
+
+def test_requests_with_logprobs_are_not_fast_forwarded(llm):
+    out = _one(llm, "Describe a record:", temperature=0, max_tokens=64, logprobs=1,
+               structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)).outputs[0]
+    json.loads(out.text)
+    assert len(out.logprobs) == len(out.token_ids) and all(t in lp for t, lp in zip(out.token_ids, out.logprobs))

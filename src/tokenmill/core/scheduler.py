@@ -319,8 +319,14 @@ class Scheduler:
         scheduled[:] = [s for s in scheduled if s.request is not victim]
 
     # ---- results -------------------------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Append sampled tokens and apply stop conditions; returns requests that finished."""
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
+                           forced: Optional[dict[str, list[int]]] = None) -> list[Request]:
+        """Append sampled tokens and apply stop conditions; returns requests that finished.
+
+        `forced`: tokens a request's grammar allows no alternative to after its sampled one (structured
+        outputs' fast-forward). They are appended too, each checked like a sampled token, and computed
+        with the request's next chunk: a catch-up of more than one token, like a prompt chunk.
+        """
         finished, self._timed_out = self._timed_out, []
         for item in output.scheduled:
             request = item.request
@@ -328,19 +334,23 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None or request.is_finished:
                 continue
-            request.append_output_token(token)
-            status = self._check_stop(request, token)
-            if status is not None:
-                request.status = status
-                self.running.remove(request)
-                self._free(request)
-                finished.append(request)
+            new_tokens = (token, *((forced or {}).get(request.request_id) or ()))
+            for i, new_token in enumerate(new_tokens):
+                request.append_output_token(new_token)
+                # The grammar has already seen the whole run, so its end is checked after the last token.
+                status = self._check_stop(request, new_token, last_of_run=i == len(new_tokens) - 1)
+                if status is not None:
+                    request.status = status
+                    self.running.remove(request)
+                    self._free(request)
+                    finished.append(request)
+                    break
         return finished
 
-    def _check_stop(self, request: Request, token: int) -> Optional[RequestStatus]:
+    def _check_stop(self, request: Request, token: int, last_of_run: bool = True) -> Optional[RequestStatus]:
         params = request.sampling_params
         num_out = request.num_output_tokens
-        if request.structured_output is not None and request.structured_output.is_terminated():
+        if last_of_run and request.structured_output is not None and request.structured_output.is_terminated():
             request.stop_reason = None  # the grammar is complete: nothing more may follow
             return RequestStatus.FINISHED_STOPPED
         if num_out >= params.min_tokens:

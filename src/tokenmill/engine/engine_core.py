@@ -45,6 +45,7 @@ class EngineCore:
                                   packed_linear_rows=min(config.max_num_seqs, 256) if config.packed_linear else None,
                                   quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
         self.runner.load_weights(source.iter_weights(self.runner.dtype))
+        self.runner.fast_forward = config.structured_outputs_fast_forward
         num_blocks = self._num_kv_blocks(device)
         self.runner.initialize_kv_cache(num_blocks)
         # A request must fit in the cache on its own, or preemption could never make room for it.
@@ -128,7 +129,8 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)  # an empty schedule costs nothing in the runner
-        finished_requests = self.scheduler.update_from_output(sched, result.sampled)
+        outputs_before = {item.request_id: item.request.num_output_tokens for item in sched.scheduled}
+        finished_requests = self.scheduler.update_from_output(sched, result.sampled, result.forced)
         finished = {r.request_id for r in finished_requests}
         scheduled_ids = {item.request_id for item in sched.scheduled}
         # Requests that ended without running this step (queue timeouts) still report their end.
@@ -144,7 +146,8 @@ class EngineCore:
                 continue
             out = EngineCoreOutput(
                 request_id=rid,
-                new_token_ids=[token] if token is not None else [],
+                # The sampled token, then any forced ones the scheduler appended after it.
+                new_token_ids=[token, *request.output_token_ids[outputs_before[rid] + 1:]] if token is not None else [],
                 new_logprobs=[result.logprobs[rid]] if rid in result.logprobs else None,
                 prompt_logprobs=prompt_lps,
                 num_cached_tokens=request.num_cached_tokens or 0,

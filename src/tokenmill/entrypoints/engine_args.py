@@ -86,6 +86,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                        help="KV cache storage; auto: the model's dtype. float16/bfloat16 under a float32 model "
                             "halve the cache's memory and the bytes a decode step reads (attention still computes "
                             "in float32)")
+    group.add_argument("--structured-outputs-fast-forward", action=argparse.BooleanOptionalAction, default=True,
+                       help="structured outputs: append the tokens a grammar forces (JSON keys, punctuation) "
+                            "without a model step for each")
     group.add_argument("--packed-linear", action=argparse.BooleanOptionalAction, default=True,
                        help="CPU: keep projection weights in oneDNN's packed layout (faster matmuls at serving "
                             "batch sizes)")
@@ -123,4 +126,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         packed_linear=args.packed_linear,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        structured_outputs_fast_forward=args.structured_outputs_fast_forward,
     )

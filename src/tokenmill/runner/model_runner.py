@@ -30,6 +30,8 @@ class RunnerOutput:
     logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
     # request id -> (position of the first scored prompt token, one entry per scored token)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
+    # Structured outputs' fast-forward: tokens forced by a request's grammar after its sampled one.
+    forced: dict[str, list[int]] = field(default_factory=dict)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -65,6 +67,8 @@ class ModelRunner:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.hf_config = hf_config
+        # Structured outputs: append the text a grammar forces without a model step per token.
+        self.fast_forward = True
         model_class = get_model_class(architecture)
         self.attention_backend = get_attention_backend(device, attention_backend)
         logger.info("attention backend: %s", self.attention_backend.name)
@@ -172,8 +176,15 @@ class ModelRunner:
         sampled_items = [item for item in output.scheduled if item.samples]
         for item, token, logprobs in zip(sampled_items, sampler_out.sampled_token_ids, sampler_out.logprobs):
             result.sampled[item.request_id] = token
-            if item.request.structured_output is not None:
-                item.request.structured_output.accept_token(token)
+            grammar = item.request.structured_output
+            if grammar is not None:
+                grammar.accept_token(token)
+                # Fast-forward: text the grammar now forces is appended without a model step per token.
+                # Not for requests that want logprobs, which need a distribution for every token.
+                if self.fast_forward and item.request.sampling_params.logprobs is None:
+                    forced = grammar.forced_tokens()
+                    if forced:
+                        result.forced[item.request_id] = forced
             if logprobs is not None:
                 result.logprobs[item.request_id] = logprobs
         return result

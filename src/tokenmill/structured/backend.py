@@ -21,6 +21,9 @@ class StructuredOutputGrammar(Protocol):
     def accept_token(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar did not allow it."""
 
+    def forced_tokens(self) -> list[int]:
+        """Tokens the grammar allows no alternative to from here (consumed as if sampled); may be empty."""
+
     def is_terminated(self) -> bool:
         """True once the grammar is complete (or broken): the sequence must stop."""
 

@@ -59,6 +59,15 @@ class LLGuidanceGrammar:
         logger.warning("structured output: token %d was not allowed (%s)", token_id, self.matcher.get_error())
         return False
 
+    def forced_tokens(self) -> list[int]:
+        if self.matcher.is_stopped() or self.matcher.is_error():
+            return []
+        tokens = list(self.matcher.compute_ff_tokens())
+        if tokens and self.matcher.consume_tokens(tokens) is False:
+            logger.warning("structured output: forced tokens refused (%s)", self.matcher.get_error())
+            return []
+        return tokens
+
     def is_terminated(self) -> bool:
         return self.matcher.is_stopped() or self.matcher.is_error()
 
