@@ -110,7 +110,11 @@ class LLGuidanceBackend:
     def compile(self, params: StructuredOutputsParams) -> LLGuidanceGrammar:
         import llguidance
 
-        matcher = llguidance.LLMatcher(self._tokenizer(), grammar_definition(params))
+        try:
+            definition = grammar_definition(params)
+        except ValueError as exc:
+            raise InvalidRequestError(f"invalid {params.kind} for structured output: {exc}", params.param) from None
+        matcher = llguidance.LLMatcher(self._tokenizer(), definition)
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {params.kind} for structured output: "
                                       f"{_one_line(matcher.get_error())}", params.param)
