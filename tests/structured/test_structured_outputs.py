@@ -69,9 +69,13 @@ def test_bad_grammars_are_refused_with_the_field_named(llm):
         with pytest.raises(InvalidRequestError, match=text) as info:
             backend.validate(params)
         assert info.value.param == params.param and "\n" not in info.value.message
-    with pytest.raises(InvalidRequestError, match="invalid regex"):  # and the engine refuses it too
-        _one(llm, "x", structured_outputs=StructuredOutputsParams(regex="a(b"))
-    assert not llm.llm_engine.has_unfinished_requests()
+    # The engine refuses them too (offline there is no validation before it), the whole call at once.
+    for params, text in [(StructuredOutputsParams(regex="a(b"), "invalid regex"),
+                         (StructuredOutputsParams(grammar='root ::= "a'), "invalid grammar.*GBNF")]:
+        with pytest.raises(InvalidRequestError, match=text):
+            llm.generate(["fine", "x"], [SamplingParams(max_tokens=2), SamplingParams(structured_outputs=params)],
+                         use_tqdm=False)
+        assert not llm.llm_engine.has_unfinished_requests()
 
 
 def test_json_schema_output_is_valid_and_ends_the_request(llm):
