@@ -31,20 +31,20 @@ class StructuredOutputsParams:
     param: str = "structured_outputs"
 
     def __post_init__(self) -> None:
-        set_fields = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
-        if self.json_object:
-            set_fields.append("json_object")
+        set_fields = self._constraints()
         if len(set_fields) != 1:
             raise InvalidRequestError("structured outputs need exactly one of json, json_object, regex, choice or "
                                       f"grammar, got {', '.join(set_fields) or 'none'}", self.param)
         if self.choice is not None and (not self.choice or not all(isinstance(c, str) for c in self.choice)):
             raise InvalidRequestError("choice must be a non-empty list of strings", self.param)
 
+    def _constraints(self) -> list[str]:
+        names = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        return names + ["json_object"] if self.json_object else names
+
     @property
     def kind(self) -> str:
-        if self.json_object:
-            return "json_object"
-        return next(name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None)
+        return self._constraints()[0]
 
 
 @dataclass

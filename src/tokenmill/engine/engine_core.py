@@ -43,9 +43,9 @@ class EngineCore:
                                   config.block_size, config.seed, config.num_threads,
                                   config.attention_backend,
                                   packed_linear_rows=min(config.max_num_seqs, 256) if config.packed_linear else None,
-                                  quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
+                                  quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
+                                  structured_outputs_fast_forward=config.structured_outputs_fast_forward)
         self.runner.load_weights(source.iter_weights(self.runner.dtype))
-        self.runner.fast_forward = config.structured_outputs_fast_forward
         num_blocks = self._num_kv_blocks(device)
         self.runner.initialize_kv_cache(num_blocks)
         # A request must fit in the cache on its own, or preemption could never make room for it.
@@ -129,7 +129,9 @@ class EngineCore:
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)  # an empty schedule costs nothing in the runner
-        outputs_before = {item.request_id: item.request.num_output_tokens for item in sched.scheduled}
+        # Fast-forwarded requests get several tokens this step: remember where their new ones start.
+        outputs_before = {item.request_id: item.request.num_output_tokens
+                          for item in sched.scheduled if item.request_id in result.forced}
         finished_requests = self.scheduler.update_from_output(sched, result.sampled, result.forced)
         finished = {r.request_id for r in finished_requests}
         scheduled_ids = {item.request_id for item in sched.scheduled}
@@ -144,10 +146,12 @@ class EngineCore:
             prompt_lps = result.prompt_logprobs.get(rid)
             if token is None and prompt_lps is None:
                 continue
+            new_token_ids = [] if token is None else [token]
+            if token is not None and rid in outputs_before:  # then the forced ones appended after it
+                new_token_ids += request.output_token_ids[outputs_before[rid] + 1:]
             out = EngineCoreOutput(
                 request_id=rid,
-                # The sampled token, then any forced ones the scheduler appended after it.
-                new_token_ids=[token, *request.output_token_ids[outputs_before[rid] + 1:]] if token is not None else [],
+                new_token_ids=new_token_ids,
                 new_logprobs=[result.logprobs[rid]] if rid in result.logprobs else None,
                 prompt_logprobs=prompt_lps,
                 num_cached_tokens=request.num_cached_tokens or 0,

@@ -58,7 +58,8 @@ class ModelRunner:
     def __init__(self, hf_config, architecture: str, dtype: str, device: torch.device, max_model_len: int,
                  block_size: int, seed: int = 0, num_threads: Optional[int] = None,
                  attention_backend: str = "auto", packed_linear_rows: Optional[int] = None,
-                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto") -> None:
+                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
+                 structured_outputs_fast_forward: bool = True) -> None:
         if device.type == "cpu":
             torch.set_num_threads(num_threads or os.cpu_count() or 1)
         self.device = device
@@ -68,7 +69,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.hf_config = hf_config
         # Structured outputs: append the text a grammar forces without a model step per token.
-        self.fast_forward = True
+        self.fast_forward = structured_outputs_fast_forward
         model_class = get_model_class(architecture)
         self.attention_backend = get_attention_backend(device, attention_backend)
         logger.info("attention backend: %s", self.attention_backend.name)

@@ -16,6 +16,14 @@ logger = logging.getLogger("tokenmill")
 
 def grammar_definition(params: StructuredOutputsParams) -> str:
     """llguidance's grammar text for the one constraint that `params` sets."""
+    try:
+        return _grammar_definition(params)
+    except ValueError as exc:  # llguidance's converters (e.g. GBNF -> Lark) refuse bad text this way
+        raise InvalidRequestError(f"invalid {params.kind} for structured output: {_one_line(str(exc))}",
+                                  params.param) from None
+
+
+def _grammar_definition(params: StructuredOutputsParams) -> str:
     import llguidance
 
     if params.json is not None or params.json_object:
@@ -96,25 +104,12 @@ class LLGuidanceBackend:
         return self._ll_tokenizer
 
     def validate(self, params: StructuredOutputsParams) -> None:
-        import llguidance
-
-        try:
-            definition = grammar_definition(params)
-        except ValueError as exc:
-            raise InvalidRequestError(f"invalid {params.kind} for structured output: {exc}", params.param) from None
-        error = llguidance.LLMatcher.validate_grammar(definition, self._tokenizer())
-        if error:
-            raise InvalidRequestError(f"invalid {params.kind} for structured output: {_one_line(error)}",
-                                      params.param)
+        self.compile(params)  # the grammar is compiled once more per sequence when the request runs
 
     def compile(self, params: StructuredOutputsParams) -> LLGuidanceGrammar:
         import llguidance
 
-        try:
-            definition = grammar_definition(params)
-        except ValueError as exc:
-            raise InvalidRequestError(f"invalid {params.kind} for structured output: {exc}", params.param) from None
-        matcher = llguidance.LLMatcher(self._tokenizer(), definition)
+        matcher = llguidance.LLMatcher(self._tokenizer(), grammar_definition(params))
         if matcher.is_error():
             raise InvalidRequestError(f"invalid {params.kind} for structured output: "
                                       f"{_one_line(matcher.get_error())}", params.param)
