@@ -54,8 +54,9 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     model.generation_config.eos_token_id = None
     model.config.eos_token_id = None
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        ids = torch.tensor([prompt_ids], device=model.device)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0)
     tokens = out[0, len(prompt_ids):].tolist()
     assert len(tokens) == max_new_tokens
     return tokens

@@ -41,9 +41,10 @@ def test_make_bench_runs_every_engine(tiny_llama_dir, workload_file, tmp_path):
     md.parent.mkdir()
     md.write_text("# Benchmarks\n\n<!-- bench:other:start -->\nkeep me\n<!-- bench:other:end -->\n")
     argv = ["--model", str(tiny_llama_dir), "--workload", str(workload_file), "--output", str(md),
-            "--results-json", str(raw), "--batch-size", "2", "--max-num-seqs", "4", "--no-tqdm"]
+            "--results-json", str(raw), "--batch-size", "2", "--max-num-seqs", "4", "--no-tqdm", "--device", "cpu"]
     report = make_bench.main(argv)
 
+    assert report["settings"]["dtype"] == "float32" and report["section"] == "engine-core"
     wanted = sum(r["max_tokens"] for r in REQUESTS)
     assert set(report["results"]) == {"tokenmill", "tokenmill-q8_0", "hf-static", "hf-naive"}
     assert report["results"]["tokenmill-q8_0"]["engine_options"] == {"quantization": "q8_0",
@@ -61,7 +62,7 @@ def test_make_bench_runs_every_engine(tiny_llama_dir, workload_file, tmp_path):
     make_bench.update_markdown(md, make_bench.render_section(report, raw))  # a refresh replaces, never appends
     text = md.read_text()
     assert "keep me" in text
-    assert text.count(make_bench.START_MARK) == 1 and text.count(make_bench.END_MARK) == 1
+    assert text.count("<!-- bench:engine-core:start -->") == 1 and text.count("<!-- bench:engine-core:end -->") == 1
     assert "| tokenmill `LLM.generate`" in text and "max_num_batched_tokens 2048" in text
     assert "| tokenmill `LLM.generate`, Q8_0 weights + float16 KV cache |" in text
     assert "With Q8_0 weights and a float16 KV cache" in text  # its ratios are kept apart from same-dtype ones
@@ -69,6 +70,28 @@ def test_make_bench_runs_every_engine(tiny_llama_dir, workload_file, tmp_path):
 
 def test_make_bench_without_quantized_run(tiny_llama_dir, workload_file, tmp_path):
     argv = ["--model", str(tiny_llama_dir), "--workload", str(workload_file), "--output", str(tmp_path / "b.md"),
-            "--results-json", str(tmp_path / "b.json"), "--skip-baselines", "--no-quantized", "--no-tqdm"]
+            "--results-json", str(tmp_path / "b.json"), "--skip-baselines", "--no-quantized", "--no-tqdm",
+            "--device", "cpu"]
     report = make_bench.main(argv)
     assert set(report["results"]) == {"tokenmill"} and report["settings"]["quantized_run"] is None
+
+
+@pytest.mark.gpu
+def test_make_bench_on_cuda(tiny_llama_dir, workload_file, tmp_path):
+    """On a GPU all three engines run there, in bfloat16 by default, into a section of their own."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    md = tmp_path / "b.md"
+    md.write_text("# Benchmarks\n\n<!-- bench:engine-core:start -->\ncpu numbers\n<!-- bench:engine-core:end -->\n")
+    argv = ["--model", str(tiny_llama_dir), "--workload", str(workload_file), "--output", str(md),
+            "--results-json", str(tmp_path / "b.json"), "--batch-size", "2", "--max-num-seqs", "4", "--no-tqdm"]
+    report = make_bench.main(argv)
+    assert report["section"] == "engine-core-cuda" and report["settings"]["dtype"] == "bfloat16"
+    assert set(report["results"]) == {"tokenmill", "hf-static", "hf-naive"}  # the Q8_0 kernels are CPU-only
+    wanted = sum(r["max_tokens"] for r in REQUESTS)
+    assert all(r["output_tokens"] == wanted for r in report["results"].values())
+    text = md.read_text()
+    assert "cpu numbers" in text and "<!-- bench:engine-core-cuda:start -->" in text
+    assert torch.cuda.get_device_name() in text

@@ -21,7 +21,8 @@ def check_against_hf(llm: LLM, hf_model, tokenizer, max_tokens: list[int]) -> No
 
 
 # Every attention backend must produce the same tokens; "cpu" (the C++ paged kernels) is skipped
-# with its build error where no compiler is available.
+# with its build error where no compiler is available. These run on the CPU device, whose backends and
+# packed weights they cover; tests/engine/test_cuda.py holds the same checks on a GPU.
 BACKENDS = ["torch", "cpu"]
 
 
@@ -36,7 +37,7 @@ def test_tiny_llama_matches_hf(request, tiny_llama_dir, smollm2_tokenizer, backe
 
     require_backend(request, backend)
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
-    llm = LLM(str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64, max_model_len=512,
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_num_batched_tokens=24, num_kv_blocks=64, max_model_len=512,
               attention_backend=backend, packed_linear=packed_linear)
     runner = llm.llm_engine.core.runner
     assert runner.attention_backend.name == backend
@@ -53,7 +54,7 @@ def test_smollm2_gguf_matches_hf(request, smollm2_path, smollm2_tokenizer, backe
     require_backend(request, backend)
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
                                               dtype=torch.float32).eval()
-    llm = LLM(max_num_batched_tokens=32, kv_cache_memory_bytes="256MiB", max_model_len=1024,
+    llm = LLM(device="cpu", max_num_batched_tokens=32, kv_cache_memory_bytes="256MiB", max_model_len=1024,
               attention_backend=backend)
     check_against_hf(llm, hf, smollm2_tokenizer, [10, 16, 12, 20, 8, 12, 10, 16, 14])
     assert llm.llm_engine.core.kv_cache.usage == 0.0

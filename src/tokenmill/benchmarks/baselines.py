@@ -28,7 +28,7 @@ def torch_dtype(name: str) -> torch.dtype:
         raise ValueError(f"unknown dtype {name!r} (choose from {', '.join(_DTYPES)})") from None
 
 
-def load_hf_model(model: Optional[str], dtype: str):
+def load_hf_model(model: Optional[str], dtype: str, device: str = "cpu"):
     """A transformers causal LM holding the same weights tokenmill serves (None = embedded SmolLM2)."""
     from transformers import AutoModelForCausalLM
 
@@ -41,8 +41,8 @@ def load_hf_model(model: Optional[str], dtype: str):
         gguf = path if path.suffix.lower() == ".gguf" else next(iter(sorted(path.glob("*.gguf"))), None)
         if gguf is None:
             hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch_dtype(dtype), local_files_only=True)
-            return _prepare(hf)
-    return _prepare(_load_gguf(gguf, torch_dtype(dtype)))
+            return _prepare(hf.to(device))
+    return _prepare(_load_gguf(gguf, torch_dtype(dtype)).to(device))
 
 
 def _load_gguf(path: Path, dtype: torch.dtype):
@@ -94,10 +94,12 @@ def pad_token_id(hf) -> int:
 
 
 def _generate(hf, input_ids: torch.Tensor, attention_mask: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    """Exactly `new_tokens` greedy tokens per row; returns only the generated part."""
-    out = hf.generate(input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
-                      min_new_tokens=new_tokens, do_sample=False, pad_token_id=pad_token_id(hf))
-    return out[:, input_ids.shape[1]:]
+    """Exactly `new_tokens` greedy tokens per row; returns only the generated part (on the CPU, so a
+    timer read after it counts the whole generation on any device)."""
+    out = hf.generate(input_ids.to(hf.device), attention_mask=attention_mask.to(hf.device),
+                      max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                      pad_token_id=pad_token_id(hf))
+    return out[:, input_ids.shape[1]:].cpu()
 
 
 def _warm_up(hf, requests: Sequence[WorkloadRequest], batch: int) -> None:

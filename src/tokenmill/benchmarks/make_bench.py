@@ -26,8 +26,6 @@ from typing import Any, Optional, Sequence
 from tokenmill.benchmarks.tables import markdown_table, text_table
 
 SECTION = "engine-core"
-START_MARK = f"<!-- bench:{SECTION}:start -->"
-END_MARK = f"<!-- bench:{SECTION}:end -->"
 ENGINE_LABELS = {
     "tokenmill": "tokenmill `LLM.generate` (continuous batching)",
     "tokenmill-q8_0": "tokenmill `LLM.generate`, Q8_0 weights + float16 KV cache",
@@ -50,7 +48,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="make bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", default=None, help="JSON-lines workload (default: ../shared/bench/workload-64.jsonl)")
     p.add_argument("--model", default=None, help="model dir or .gguf (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="for all three engines")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda"],
+                   help="for all three engines (default: cuda when available, else cpu)")
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="for all three engines (default: float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--limit", type=positive, default=None, help="first N requests only (smoke runs)")
     p.add_argument("--skip-baselines", action="store_true", help="run tokenmill only")
     p.add_argument("--quantized", action=argparse.BooleanOptionalAction, default=True,
@@ -76,29 +77,46 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
     from tokenmill.benchmarks.workloads import default_workload_path, load_workload, workload_summary
 
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("make bench: --device cuda, but torch sees no CUDA device")
+    if args.dtype is None:
+        args.dtype = "bfloat16" if args.device == "cuda" else "float32"
+    section = section_name(args.device)
     threads = args.threads or _usable_cores()
     torch.set_num_threads(threads)
     workload_path = Path(args.workload) if args.workload else default_workload_path()
     requests = load_workload(workload_path, args.limit)
     report: dict[str, Any] = {
-        "section": SECTION,
+        "section": section,
         "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": exact_command(argv),
-        "machine": machine_info(threads),
+        "machine": machine_info(threads, args.device),
         "settings": settings_of(args, threads),
         "workload": {"path": str(workload_path), "limit": args.limit, **workload_summary(requests)},
         "results": {},
     }
     report["results"]["tokenmill"] = run_tokenmill(args, requests, threads)
-    if args.quantized and args.dtype == "float32":
+    if quantized_run(args):
         report["results"]["tokenmill-q8_0"] = run_tokenmill(args, requests, threads, QUANTIZED)
     if not args.skip_baselines:
         report["results"].update(run_baselines(args, requests))
     report["ratios"] = ratios(report["results"])
     print()
     print(format_table(report))
-    publish_report(report, args, SECTION, render_section)
+    publish_report(report, args, section, render_section)
     return report
+
+
+def section_name(device: str) -> str:
+    """CPU and GPU results live in separate sections of docs/benchmarks.md: neither overwrites the other."""
+    return SECTION if device == "cpu" else f"{SECTION}-{device}"
+
+
+def quantized_run(args: argparse.Namespace) -> bool:
+    """The Q8_0 kernels are CPU kernels over float32 activations."""
+    return args.quantized and args.dtype == "float32" and args.device == "cpu"
 
 
 # The quantized configuration: llama.cpp's usual serving setup (8-bit weights, 16-bit KV cache) in
@@ -113,11 +131,11 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
 
     engine_options = engine_options or {}
     extra = "".join(f", {k}={v}" for k, v in engine_options.items())
-    print(f"tokenmill: {len(requests)} requests, dtype={args.dtype}, max_num_seqs={args.max_num_seqs}, "
+    print(f"tokenmill: {len(requests)} requests, device={args.device}, dtype={args.dtype}, max_num_seqs={args.max_num_seqs}, "
           f"max_num_batched_tokens={args.max_num_batched_tokens}{extra}", flush=True)
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-              enable_prefix_caching=args.enable_prefix_caching, num_threads=threads, device="cpu",
+              enable_prefix_caching=args.enable_prefix_caching, num_threads=threads, device=args.device,
               **engine_options)
     try:
         result = run_offline_throughput(llm, requests, use_tqdm=not args.no_tqdm)
@@ -133,7 +151,7 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
 def run_baselines(args: argparse.Namespace, requests) -> dict[str, Any]:
     from tokenmill.benchmarks.baselines import load_hf_model, run_naive, run_static_batches
 
-    hf = load_hf_model(args.model, args.dtype)
+    hf = load_hf_model(args.model, args.dtype, args.device)
     out: dict[str, Any] = {}
     print(f"hf-static: {len(requests)} requests in batches of {args.batch_size}", flush=True)
     out["hf-static"] = run_static_batches(hf, requests, args.batch_size, progress=not args.no_tqdm)
@@ -179,11 +197,13 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine() or "unknown"
 
 
-def machine_info(threads: int) -> dict[str, Any]:
+def machine_info(threads: int, device: str = "cpu") -> dict[str, Any]:
     import torch
     import transformers
 
     return {
+        "device": device,
+        "gpu": torch.cuda.get_device_name() if device == "cuda" else None,
         "cpu": cpu_model(),
         "logical_cpus": os.cpu_count(),
         "usable_cores": _usable_cores(),
@@ -206,7 +226,8 @@ def settings_of(args: argparse.Namespace, threads: int) -> dict[str, Any]:
         "static_batch_size": args.batch_size,
         "naive_limit": args.naive_limit,
         "skip_baselines": args.skip_baselines,
-        "quantized_run": QUANTIZED if args.quantized and args.dtype == "float32" else None,
+        "device": args.device,
+        "quantized_run": QUANTIZED if quantized_run(args) else None,
         "threads": threads,
         "sampling": "greedy, ignore_eos, exactly max_tokens per request",
     }
@@ -255,12 +276,16 @@ def format_table(report: dict[str, Any]) -> str:
 def render_section(report: dict[str, Any], json_path: Path) -> str:
     m, s, w = report["machine"], report["settings"], report["workload"]
     md_rows = markdown_table(TABLE_HEADER, _rows(report))
+    name = report.get("section", SECTION)
+    on_gpu = m.get("gpu") is not None
+    where = (f"{m['gpu']} (host: {m['cpu']}, {m['usable_cores']} usable cores)" if on_gpu else
+             f"{m['cpu']} ({m['usable_cores']} usable of {m['logical_cpus']} logical CPUs, "
+             f"{m['torch_threads']} torch threads)")
     lines = [
-        START_MARK,
-        "## Engine core: offline throughput (`make bench`)",
+        f"<!-- bench:{name}:start -->",
+        "## Engine core: offline throughput (`make bench`" + (", CUDA)" if on_gpu else ")"),
         "",
-        f"Measured {report['date']} on {m['cpu']} ({m['usable_cores']} usable of {m['logical_cpus']} logical "
-        f"CPUs, {m['torch_threads']} torch threads), torch {m['torch']}, transformers {m['transformers']}, "
+        f"Measured {report['date']} on {where}, torch {m['torch']}, transformers {m['transformers']}, "
         f"Python {m['python']}.",
         "",
         f"Command: `{report['command']}`",
@@ -280,7 +305,7 @@ def render_section(report: dict[str, Any], json_path: Path) -> str:
         *_notes(report),
         "",
         f"Raw numbers: `{_display_path(json_path)}`.",
-        END_MARK,
+        f"<!-- bench:{name}:end -->",
     ]
     return "\n".join(lines) + "\n"
 

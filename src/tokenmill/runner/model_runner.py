@@ -126,8 +126,19 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
 
     def profile_free_memory(self, max_num_batched_tokens: int, utilization: float) -> int:
-        """CUDA: bytes left for the KV cache after weights and a peak-size forward pass."""
+        """CUDA: bytes left for the KV cache after weights and a peak-size forward pass.
+
+        As in vLLM, `utilization` is this engine's share of the whole device: memory that other
+        processes (or other engines in this process) already hold counts against it, so a second
+        engine on a shared GPU gets a clear error instead of an out-of-memory crash mid-serving.
+        """
         torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        held_elsewhere = max(0, total - free - torch.cuda.memory_reserved(self.device))
+        if total - held_elsewhere < total * utilization:
+            raise ModelLoadError(
+                f"only {free / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f} GiB are free, less than "
+                f"--gpu-memory-utilization {utilization} asks for; lower it, or free the GPU")
         torch.cuda.reset_peak_memory_stats(self.device)
         self.initialize_kv_cache(1)
         from tokenmill.core.request import Request
@@ -141,10 +152,9 @@ class ModelRunner:
         self.execute(SchedulerOutput(scheduled=[ScheduledRequest(dummy, 0, num_tokens, blocks)]))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        total = torch.cuda.get_device_properties(self.device).total_memory
         self.kv_caches = []
         torch.cuda.empty_cache()
-        return max(0, int(total * utilization) - peak)
+        return max(0, int(total * utilization) - peak - held_elsewhere)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> RunnerOutput:
