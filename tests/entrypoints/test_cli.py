@@ -31,3 +31,11 @@ def test_bad_arguments_give_one_line_errors(tmp_path):
     result = run_cli("generate", "--prompt", "x", "--model", str(tmp_path / "missing"))
     assert result.returncode == 1 and "Traceback" not in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_auto_tool_choice_needs_a_parser():
+    result = run_cli("serve", "--enable-auto-tool-choice", "--port", "0")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "--tool-call-parser" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    result = run_cli("serve", "--tool-call-parser", "nonesuch")
+    assert result.returncode == 2 and "invalid choice" in result.stderr

@@ -81,7 +81,7 @@ def build_app(engine: "AsyncLLM", args: Optional[argparse.Namespace] = None) -> 
     app.state.engine = engine
     app.state.lifecycle = lifecycle
     install_exception_handlers(app)
-    _add_openai_routes(app, engine)
+    _add_openai_routes(app, engine, args)
     _add_server_routes(app, engine, lifecycle)
     _add_observability(app, engine, args)
     max_body = getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES)
@@ -90,10 +90,11 @@ def build_app(engine: "AsyncLLM", args: Optional[argparse.Namespace] = None) -> 
     return app
 
 
-def _add_openai_routes(app: FastAPI, engine: "AsyncLLM") -> None:
+def _add_openai_routes(app: FastAPI, engine: "AsyncLLM", args: Optional[argparse.Namespace]) -> None:
     name = engine.served_model_name
     completions = OpenAIServingCompletion(engine, name)
-    chat = OpenAIServingChat(engine, name)
+    parser = getattr(args, "tool_call_parser", None) if getattr(args, "enable_auto_tool_choice", False) else None
+    chat = OpenAIServingChat(engine, name, tool_call_parser=parser)
     models = OpenAIServingModels(name, engine.max_model_len)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_STREAMING, **_ERRORS})

@@ -12,6 +12,7 @@ from typing import Optional
 
 from tokenmill.config import parse_memory_size
 from tokenmill.entrypoints.engine_args import engine_config_from_args
+from tokenmill.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from tokenmill.errors import TokenmillError
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
@@ -62,6 +63,11 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="no JSON line per finished request on the tokenmill.requests logger")
     group.add_argument("--disable-log-stats", action="store_true",
                        help="no periodic throughput/queue/KV-cache log line (Prometheus /metrics and /stats stay)")
+    group.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="with tools and tool_choice 'auto', parse the model's tool calls out of its reply "
+                       "(needs --tool-call-parser); named and 'required' tool choices work without it")
+    group.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
+                       help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>: Qwen2.5/3, Hermes)")
 
 
 def resolve_api_keys(args: Optional[argparse.Namespace]) -> list[str]:
@@ -89,6 +95,9 @@ def configure_logging(level: str = "INFO", log_requests: bool = True) -> None:
 def run_server(args: argparse.Namespace) -> int:
     """Loads the model, serves until SIGTERM/SIGINT, drains, shuts the engine down. Returns the exit code."""
     configure_logging(getattr(args, "log_level", None) or "INFO", not getattr(args, "disable_log_requests", False))
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        logger.error("--enable-auto-tool-choice needs --tool-call-parser (one of: %s)", ", ".join(TOOL_CALL_PARSERS))
+        return 2
     try:
         config = engine_config_from_args(args)
     except TokenmillError as exc:

@@ -336,6 +336,10 @@ class ChatMessage(OpenAIModel):
         content = self.content
         if isinstance(content, list):
             content = "\n".join(part.text or "" for part in content)
+        elif content is None:
+            # An assistant turn that only called tools has no content; templates that concatenate
+            # message['content'] need a string (vLLM renders it as "" too).
+            content = ""
         message: dict[str, Any] = {"role": self.role, "content": content}
         for key in ("name", "tool_calls", "tool_call_id"):
             value = getattr(self, key)
@@ -359,6 +363,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
     echo: bool = False
 
     @field_validator("top_logprobs")
@@ -391,9 +396,33 @@ class ChatLogProbs(OpenAIModel):
     content: Optional[list[ChatLogProbsContent]] = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class DeltaToolCall(OpenAIModel):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: Optional[DeltaFunctionCall] = None
+
+
 class ChatResponseMessage(OpenAIModel):
     role: str
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatCompletionResponseChoice(OpenAIModel):
@@ -416,6 +445,7 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
 
 class ChatCompletionStreamChoice(OpenAIModel):

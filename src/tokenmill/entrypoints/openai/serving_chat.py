@@ -1,6 +1,7 @@
 """POST /v1/chat/completions: the model's chat template turns messages into one prompt with n samples."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional
 
@@ -19,7 +20,11 @@ from tokenmill.entrypoints.openai.protocol import (
     ChatLogProbsContent,
     ChatResponseMessage,
     ChatTemplateFields,
+    DeltaFunctionCall,
     DeltaMessage,
+    DeltaToolCall,
+    FunctionCall,
+    ToolCall,
 )
 from tokenmill.entrypoints.openai.serving_base import (
     CLIENT_CLOSED_REQUEST,
@@ -34,6 +39,13 @@ from tokenmill.entrypoints.openai.serving_base import (
     sse,
     token_text,
     usage_of,
+)
+from tokenmill.entrypoints.openai.tool_calls import (
+    ParsedToolCall,
+    ToolPlan,
+    extract_tool_calls,
+    plan_tool_calls,
+    streamable_text_len,
 )
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
@@ -68,15 +80,28 @@ class _ChoiceState:
     num_tokens: int = 0
     started: bool = False
     finished: bool = False
+    tool_call_id: Optional[str] = None  # a forced (named) call, once its first delta went out
 
 
 class OpenAIServingChat(ServingBase):
+    def __init__(self, engine: Any, model_name: str, tool_call_parser: Optional[str] = None) -> None:
+        super().__init__(engine, model_name)
+        # Set with --enable-auto-tool-choice --tool-call-parser NAME: "auto" replies are parsed for calls.
+        self.tool_call_parser = tool_call_parser
+
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_request(body.model)
         processor = self.engine.input_processor
+        plan = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_call_parser)
         prompt = render_chat_prompt(processor, body)
         params = body.sampling_params(max_tokens=body.effective_max_tokens, logprobs=body.num_top_logprobs,
                                       prompt_logprobs=None, vocab_size=processor.vocab_size)
+        if plan.constraint is not None:
+            if params.structured_outputs is not None:
+                raise InvalidRequestError("tool_choice 'required' or a named function fixes the reply's format; "
+                                          f"it cannot be combined with {params.structured_outputs.param}",
+                                          "tool_choice")
+            params = dataclasses.replace(params, structured_outputs=plan.constraint)
         request_id = base_request_id(raw)
         response_id = f"chatcmpl-{request_id}"
         jobs = [GenerationJob(engine_request_id(response_id, 0), prompt, params)]
@@ -87,16 +112,23 @@ class OpenAIServingChat(ServingBase):
         role = "assistant" if body.add_generation_prompt else body.messages[-1].role
         echo = self._echo_text(body, role)
         if body.stream:
-            return await self._stream(body, group, response_id, role, echo)
+            return await self._stream(body, group, response_id, role, echo, plan)
         if not await self.collect(group):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         outputs = group.final_outputs()
         choices = []
         for comp in (outputs[0].outputs if outputs else []):
             logprobs = self._logprobs(comp, 0, body.num_top_logprobs) if body.logprobs else None
+            message = ChatResponseMessage(role=role, content=echo + comp.text)
+            finish_reason = comp.finish_reason
+            extracted = extract_tool_calls(plan, comp.text)
+            if extracted is not None:
+                message = ChatResponseMessage(role=role, content=extracted.content,
+                                              tool_calls=[_tool_call(call) for call in extracted.calls])
+                finish_reason = _tool_finish_reason(plan, finish_reason)
             choices.append(ChatCompletionResponseChoice(
-                index=comp.index, message=ChatResponseMessage(role=role, content=echo + comp.text),
-                logprobs=logprobs, finish_reason=comp.finish_reason, stop_reason=comp.stop_reason))
+                index=comp.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
+                stop_reason=comp.stop_reason))
         choices.sort(key=lambda c: c.index)
         response = ChatCompletionResponse(id=response_id, model=self.model_name, choices=choices,
                                           usage=usage_of(outputs))
@@ -112,7 +144,7 @@ class OpenAIServingChat(ServingBase):
         return content if isinstance(content, str) else ""
 
     async def _stream(self, body: ChatCompletionRequest, group: GenerationGroup, response_id: str, role: str,
-                      echo: str) -> Response:
+                      echo: str, plan: ToolPlan) -> Response:
         states: dict[int, _ChoiceState] = {}
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
@@ -131,7 +163,7 @@ class OpenAIServingChat(ServingBase):
                     state.started = True
                     prefix = echo
                     yield chunk(ChatCompletionStreamChoice(index=comp.index, delta=DeltaMessage(role=role, content="")))
-                choice = self._delta(body, state, comp, prefix)
+                choice = self._delta(body, state, comp, prefix, plan)
                 if choice is not None:
                     yield chunk(choice)
 
@@ -143,17 +175,45 @@ class OpenAIServingChat(ServingBase):
         return await self.stream(group, render, tail)
 
     def _delta(self, body: ChatCompletionRequest, state: _ChoiceState, comp: CompletionOutput,
-               prefix: str) -> Optional[ChatCompletionStreamChoice]:
-        delta = prefix + comp.text[state.text_len:]
+               prefix: str, plan: ToolPlan) -> Optional[ChatCompletionStreamChoice]:
+        text, finish = comp.text, comp.finish_reason
+        content: Optional[str] = prefix + text[state.text_len:]
+        tool_calls: Optional[list[DeltaToolCall]] = None
+        end = len(text)
+        if plan.mode == "named":
+            # The forced call streams as it is generated: its id and name first, then argument text.
+            new = text[state.text_len:]
+            if new or state.tool_call_id is None:
+                first = state.tool_call_id is None
+                if first:
+                    state.tool_call_id = ParsedToolCall(plan.name or "", "").id
+                tool_calls = [DeltaToolCall(index=0, id=state.tool_call_id if first else None,
+                                            type="function" if first else None,
+                                            function=DeltaFunctionCall(name=plan.name if first else None,
+                                                                       arguments=new))]
+            content = None
+            finish = _tool_finish_reason(plan, finish) if finish else None
+        elif plan.buffers_output:
+            # Calls are known once the reply is complete; text before them streams as content.
+            extracted = extract_tool_calls(plan, text) if finish else None
+            if extracted is not None:
+                end = extracted.content_end
+                tool_calls = [DeltaToolCall(index=i, id=call.id, type="function",
+                                            function=DeltaFunctionCall(name=call.name, arguments=call.arguments))
+                              for i, call in enumerate(extracted.calls)]
+                finish = _tool_finish_reason(plan, finish)
+            elif not finish:
+                end = streamable_text_len(plan, text)
+            content = prefix + text[state.text_len:end]
         num_new = len(comp.token_ids) - state.num_tokens
-        finish = comp.finish_reason
-        if not (delta or finish or (body.logprobs and num_new > 0)):
+        if not (content or tool_calls or finish or (body.logprobs and num_new > 0)):
             return None
         logprobs = self._logprobs(comp, state.num_tokens, body.num_top_logprobs) if body.logprobs else None
-        state.text_len = len(comp.text)
+        state.text_len = max(state.text_len, end)
         state.num_tokens = len(comp.token_ids)
         state.finished = finish is not None
-        return ChatCompletionStreamChoice(index=comp.index, delta=DeltaMessage(content=delta), logprobs=logprobs,
+        delta = DeltaMessage(content=content if content or tool_calls is None else None, tool_calls=tool_calls)
+        return ChatCompletionStreamChoice(index=comp.index, delta=delta, logprobs=logprobs,
                                           finish_reason=finish, stop_reason=comp.stop_reason if finish else None)
 
     def _logprobs(self, comp: CompletionOutput, start: int, top_n: Optional[int]) -> ChatLogProbs:
@@ -169,6 +229,15 @@ class OpenAIServingChat(ServingBase):
                 top_logprobs=[ChatLogProb(**_entry(token_text(tokenizer, tid, lp), lp))
                               for tid, lp in _top(step, top_n or 0)]))
         return ChatLogProbs(content=content)
+
+
+def _tool_call(call: ParsedToolCall) -> ToolCall:
+    return ToolCall(id=call.id, function=FunctionCall(name=call.name, arguments=call.arguments))
+
+
+def _tool_finish_reason(plan: ToolPlan, finish_reason: Optional[str]) -> Optional[str]:
+    """Calls the model chose ("auto") finish with "tool_calls"; forced ones keep the generation's reason."""
+    return "tool_calls" if plan.mode == "auto" else finish_reason
 
 
 def _entry(text: str, logprob: Optional[Logprob]) -> dict[str, Any]:
