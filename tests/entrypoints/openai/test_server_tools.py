@@ -145,3 +145,9 @@ def test_a_tool_result_turn_is_served(openai_client, model_name):
     reply = openai_client.chat.completions.create(model=model_name, messages=messages, tools=[WEATHER],
                                                   tool_choice="none", max_tokens=12, temperature=0)
     assert reply.choices[0].message.content and reply.choices[0].message.tool_calls is None
+
+
+def test_replies_without_calls_carry_no_tool_calls_key(http):
+    body = {"messages": ASK, "max_tokens": 2, "temperature": 0}
+    message = http.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]
+    assert set(message) == {"role", "content"}

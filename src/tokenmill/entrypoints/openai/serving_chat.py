@@ -132,7 +132,10 @@ class OpenAIServingChat(ServingBase):
         choices.sort(key=lambda c: c.index)
         response = ChatCompletionResponse(id=response_id, model=self.model_name, choices=choices,
                                           usage=usage_of(outputs))
-        return Response(response.model_dump_json(), media_type="application/json")
+        # OpenAI leaves tool_calls out of replies that made none.
+        exclude = None if any(c.message.tool_calls for c in choices) else \
+            {"choices": {"__all__": {"message": {"tool_calls"}}}}
+        return Response(response.model_dump_json(exclude=exclude), media_type="application/json")
 
     @staticmethod
     def _echo_text(body: ChatCompletionRequest, role: str) -> str:
