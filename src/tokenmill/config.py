@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from tokenmill.errors import InvalidRequestError
 
@@ -93,8 +93,13 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # Structured outputs: append tokens a grammar forces (JSON keys, punctuation) without sampling each.
     structured_outputs_fast_forward: bool = True
+    # Speculative decoding (vLLM's dict: {"method": "ngram", "num_speculative_tokens": 4, ...}); None: off.
+    speculative_config: Optional[Any] = None
 
     def __post_init__(self) -> None:
+        from tokenmill.spec_decode.ngram import SpeculativeConfig
+
+        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if self.kv_cache_memory_bytes is not None:
             self.kv_cache_memory_bytes = parse_memory_size(self.kv_cache_memory_bytes)
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):

@@ -194,3 +194,45 @@ def test_forced_tokens_are_appended_after_the_sampled_one_and_stop_like_it():
     finished = sched.update_from_output(out, {"a": 8}, {"a": [30, 31, 32]})
     assert [(r.request_id, r.status, r.output_token_ids) for r in finished] == \
         [("a", RequestStatus.FINISHED_LENGTH, [7, 20, 21, 8, 30])]
+
+
+def test_speculative_drafts_are_verified_as_one_catch_up_and_rejected_ones_roll_back():
+    sched = make_scheduler(block_size=4, budget=16)
+    a = req("a", 5, max_tokens=10)
+    sched.add_request(a)
+    run_step(sched)  # prefill; samples token 7
+    assert (a.num_computed_tokens, a.num_tokens) == (5, 6)
+    a.spec_token_ids = [30, 31, 32]
+    out = sched.schedule()
+    (item,) = out.scheduled
+    # The last token and three drafts: positions 5..8, one catch-up of 4, with blocks for all of them.
+    assert (item.start_position, item.num_new_tokens, item.spec_token_ids) == (5, 4, [30, 31, 32])
+    assert item.token_ids == [7, 30, 31, 32] and item.samples
+    assert len(item.block_ids) == 3 and a.spec_token_ids == []  # 9 positions in blocks of 4
+    # Drafts 30, 31 kept, 32 rejected; 40 is the token sampled after 31.
+    sched.update_from_output(out, {"a": 40}, accepted={"a": [30, 31]})
+    assert a.output_token_ids == [7, 30, 31, 40]
+    assert (a.num_computed_tokens, a.num_tokens) == (8, 9)  # position 8 (draft 32's KV) is recomputed
+    assert (sched.num_draft_tokens, sched.num_accepted_tokens) == (3, 2)
+    out = sched.schedule()
+    assert [(s.start_position, s.num_new_tokens, s.token_ids) for s in out.scheduled] == [(8, 1, [40])]
+
+
+def test_drafts_are_capped_by_max_tokens_and_budget_and_a_stop_inside_them_ends_the_request():
+    sched = make_scheduler(budget=3)
+    a = req("a", 2, max_tokens=4, stop_token_ids=[31])
+    sched.add_request(a)
+    run_step(sched)
+    a.spec_token_ids = [30, 31, 32, 33, 34]
+    out = sched.schedule()
+    # Budget 3: the last token and two drafts (max_tokens alone would allow 4 - 1 - 1 = 2 as well).
+    assert out.scheduled[0].spec_token_ids == [30, 31]
+    finished = sched.update_from_output(out, {"a": 50}, accepted={"a": [30, 31]})
+    assert finished == [a] and a.output_token_ids == [7, 30, 31] and a.stop_reason == 31
+    assert sched.kv_cache.usage == 0.0
+    sched2 = make_scheduler(budget=16)
+    b = req("b", 2, max_tokens=3)
+    sched2.add_request(b)
+    run_step(sched2)
+    b.spec_token_ids = [30, 31, 32]
+    assert sched2.schedule().scheduled[0].spec_token_ids == [30]  # 1 output so far: room for 1 draft + 1 token

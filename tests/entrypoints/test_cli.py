@@ -39,3 +39,16 @@ def test_auto_tool_choice_needs_a_parser():
     assert "--tool-call-parser" in result.stderr and len(result.stderr.strip().splitlines()) == 1
     result = run_cli("serve", "--tool-call-parser", "nonesuch")
     assert result.returncode == 2 and "invalid choice" in result.stderr
+
+
+def test_speculative_config_flag(tiny_llama_dir):
+    plain = run_cli("generate", "--model", str(tiny_llama_dir), "--prompt", "a b a b a b", "--max-tokens", "8",
+                    "--num-kv-blocks", "64")
+    spec = run_cli("generate", "--model", str(tiny_llama_dir), "--prompt", "a b a b a b", "--max-tokens", "8",
+                   "--num-kv-blocks", "64", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    for bad in ("{not json", '{"method": "eagle"}'):
+        result = run_cli("generate", "--prompt", "x", "--speculative-config", bad)
+        assert result.returncode in (1, 2) and "Traceback" not in result.stderr, result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1 and "speculative" in result.stderr

@@ -60,6 +60,9 @@ class Request:
     # Structured outputs: the sequence's grammar state (a structured.backend.StructuredOutputGrammar;
     # opaque here). The runner masks and advances it; the scheduler stops the sequence once it terminates.
     structured_output: Optional[Any] = None
+    # Speculative decoding: tokens guessed to follow (a proposer's drafts), verified by the next
+    # decode step as a catch-up of 1 + len(spec_token_ids); never part of all_token_ids.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -15,6 +15,9 @@ class ScheduledRequest:
     block_ids: list[int]
     # True when this step reaches the request's last known token, so a new token is sampled.
     samples: bool = False
+    # Speculative decoding: drafts computed after the request's last token (the step's last
+    # len(spec_token_ids) tokens); each position's logits verify the next draft.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.samples = (self.start_position + self.num_new_tokens >= self.request.num_tokens
@@ -26,7 +29,9 @@ class ScheduledRequest:
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start_position:self.start_position + self.num_new_tokens]
+        end = self.start_position + self.num_new_tokens - len(self.spec_token_ids)
+        known = self.request.all_token_ids[self.start_position:end]
+        return known + self.spec_token_ids if self.spec_token_ids else known
 
 
 @dataclass(slots=True)

@@ -57,6 +57,8 @@ class SchedulerStats:
     num_cached_blocks: int = 0
     num_evictions: int = 0
     num_queue_timeouts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
 
 
 class Scheduler:
@@ -73,6 +75,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_swap_outs = 0
         self.num_queue_timeouts = 0
+        self.num_draft_tokens = 0  # speculative decoding: drafts verified, and how many were kept
+        self.num_accepted_tokens = 0
         self._finished_ids: list[str] = []
         # Requests finished inside schedule() (queue timeouts), reported by the next update.
         self._timed_out: list[Request] = []
@@ -181,14 +185,28 @@ class Scheduler:
             if num_new <= 0:
                 index += 1
                 continue
+            spec = self._spec_tokens(request, budget) if num_new == 1 else []
+            num_new += len(spec)
             start = request.num_computed_tokens
             if self._make_room(index, num_new, output, can_wait=bool(scheduled)):
-                scheduled.append(ScheduledRequest(request, start, num_new, self.kv_cache.block_ids(request.request_id)))
+                scheduled.append(ScheduledRequest(request, start, num_new, self.kv_cache.block_ids(request.request_id),
+                                                  spec_token_ids=spec))
                 budget -= num_new
                 index += 1
             elif request.status == RequestStatus.RUNNING:
                 index += 1  # it waits this step out, keeping its blocks
         return budget
+
+    def _spec_tokens(self, request: Request, budget: int) -> list[int]:
+        """The drafts a decode verifies this step: as many as the budget, max_tokens and max_model_len
+        leave room for (every accepted draft plus the token sampled after them is output)."""
+        if not request.spec_token_ids:
+            return []
+        room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
+                   self.config.max_model_len - request.num_tokens - 1)
+        spec = request.spec_token_ids[:max(0, room)]
+        request.spec_token_ids = []
+        return spec
 
     def _make_room(self, index: int, num_new: int, output: SchedulerOutput, can_wait: bool) -> bool:
         """Allocate num_new slots for running[index], preempting as needed. False when the request
@@ -320,12 +338,16 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int],
-                           forced: Optional[dict[str, list[int]]] = None) -> list[Request]:
+                           forced: Optional[dict[str, list[int]]] = None,
+                           accepted: Optional[dict[str, list[int]]] = None) -> list[Request]:
         """Append sampled tokens and apply stop conditions; returns requests that finished.
 
         `forced`: tokens a request's grammar allows no alternative to after its sampled one (structured
         outputs' fast-forward). They are appended too, each checked like a sampled token, and computed
         with the request's next chunk: a catch-up of more than one token, like a prompt chunk.
+        `accepted`: the leading drafts a speculative step verified; they come before the sampled token.
+        The KV of rejected drafts is stale, so the computed count steps back over them and the next
+        step overwrites their slots.
         """
         finished, self._timed_out = self._timed_out, []
         for item in output.scheduled:
@@ -334,7 +356,13 @@ class Scheduler:
             token = sampled.get(request.request_id)
             if token is None or request.is_finished:
                 continue
-            new_tokens = (token, *((forced or {}).get(request.request_id) or ()))
+            kept: tuple[int, ...] = ()
+            if item.spec_token_ids:
+                kept = tuple((accepted or {}).get(request.request_id) or ())
+                request.num_computed_tokens -= len(item.spec_token_ids) - len(kept)
+                self.num_draft_tokens += len(item.spec_token_ids)
+                self.num_accepted_tokens += len(kept)
+            new_tokens = (*kept, token, *((forced or {}).get(request.request_id) or ()))
             for i, new_token in enumerate(new_tokens):
                 request.append_output_token(new_token)
                 # The grammar has already seen the whole run, so its end is checked after the last token.
@@ -378,4 +406,6 @@ class Scheduler:
             num_cached_blocks=len(pool.cached),
             num_evictions=pool.num_evictions,
             num_queue_timeouts=self.num_queue_timeouts,
+            spec_num_draft_tokens=self.num_draft_tokens,
+            spec_num_accepted_tokens=self.num_accepted_tokens,
         )

@@ -13,6 +13,7 @@ from tokenmill.core.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from tokenmill.engine.messages import EngineCoreOutput
 from tokenmill.errors import ModelLoadError
 from tokenmill.runner.model_runner import ModelRunner, resolve_device
+from tokenmill.spec_decode.ngram import NgramProposer, can_speculate
 
 logger = logging.getLogger("tokenmill")
 
@@ -85,6 +86,11 @@ class EngineCore:
             ),
             self.kv_cache,
         )
+        spec = config.speculative_config
+        self.proposer = NgramProposer(spec) if spec is not None else None
+        if spec is not None:
+            logger.info("speculative decoding: %s, %d tokens per step (n-grams of %d..%d)", spec.method,
+                        spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         tokens = num_blocks * config.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), max concurrency %.2fx at max_model_len=%d",
@@ -125,14 +131,26 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
 
+    def _propose_drafts(self, sched) -> None:
+        """Drafts for every request this step brought up to date, verified by its next decode."""
+        for item in sched.scheduled:
+            request = item.request
+            if (not request.is_finished and request.num_computed_tokens == request.num_tokens - 1
+                    and can_speculate(request)):
+                request.spec_token_ids = self.proposer.propose(request.all_token_ids)
+
     # ---- the step ------------------------------------------------------------------------
     def step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         result = self.runner.execute(sched)  # an empty schedule costs nothing in the runner
-        # Fast-forwarded requests get several tokens this step: remember where their new ones start.
-        outputs_before = {item.request_id: item.request.num_output_tokens
-                          for item in sched.scheduled if item.request_id in result.forced}
-        finished_requests = self.scheduler.update_from_output(sched, result.sampled, result.forced)
+        # Fast-forwarded and speculating requests get several tokens this step: remember where their
+        # new ones start.
+        outputs_before = {item.request_id: item.request.num_output_tokens for item in sched.scheduled
+                          if item.request_id in result.forced or item.request_id in result.accepted}
+        finished_requests = self.scheduler.update_from_output(sched, result.sampled, result.forced,
+                                                              result.accepted)
+        if self.proposer is not None:
+            self._propose_drafts(sched)
         finished = {r.request_id for r in finished_requests}
         scheduled_ids = {item.request_id for item in sched.scheduled}
         # Requests that ended without running this step (queue timeouts) still report their end.
@@ -147,8 +165,8 @@ class EngineCore:
             if token is None and prompt_lps is None:
                 continue
             new_token_ids = [] if token is None else [token]
-            if token is not None and rid in outputs_before:  # then the forced ones appended after it
-                new_token_ids += request.output_token_ids[outputs_before[rid] + 1:]
+            if token is not None and rid in outputs_before:  # kept drafts, the sampled token, forced ones
+                new_token_ids = request.output_token_ids[outputs_before[rid]:]
             out = EngineCoreOutput(
                 request_id=rid,
                 new_token_ids=new_token_ids,

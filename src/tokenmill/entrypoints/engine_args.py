@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from tokenmill.config import KV_CACHE_DTYPES, EngineConfig, parse_memory_size
 
@@ -89,9 +90,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--structured-outputs-fast-forward", action=argparse.BooleanOptionalAction, default=True,
                        help="structured outputs: append the tokens a grammar forces (JSON keys, punctuation) "
                             "without a model step for each")
+    group.add_argument("--speculative-config", type=_json_object, default=None, metavar="JSON",
+                       help='speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, '
+                       '"prompt_lookup_max": 4}\' (greedy requests; drafts from n-grams already in the sequence)')
     group.add_argument("--packed-linear", action=argparse.BooleanOptionalAction, default=True,
                        help="CPU: keep projection weights in oneDNN's packed layout (faster matmuls at serving "
                             "batch sizes)")
+
+
+def _json_object(value: str) -> dict:
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r} ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return parsed
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -127,4 +141,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         structured_outputs_fast_forward=args.structured_outputs_fast_forward,
+        speculative_config=getattr(args, "speculative_config", None),
     )

@@ -32,6 +32,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
     # Structured outputs' fast-forward: tokens forced by a request's grammar after its sampled one.
     forced: dict[str, list[int]] = field(default_factory=dict)
+    # Speculative decoding: the drafts each verifying request keeps (they precede its sampled token).
+    accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -166,12 +168,14 @@ class ModelRunner:
         inputs = build_model_inputs(output, self.block_size, self.device, self.attention_backend.uses_decode_buckets)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
-        sampling_rows, states = [], []
+        sampling_rows, states, verifying = [], [], []
         for item, last in zip(output.scheduled, inputs.last_token_index):
             request = item.request
             if request.sampling_params.prompt_logprobs is not None:
                 self._prompt_logprobs(item, hidden, last, result)
-            if item.samples:
+            if item.samples and item.spec_token_ids:
+                verifying.append((item, last))
+            elif item.samples:
                 sampling_rows.append(last)
                 states.append(SamplingRequestState(
                     params=request.sampling_params,
@@ -180,11 +184,13 @@ class ModelRunner:
                     eos_token_id=request.eos_token_id,
                     grammar=request.structured_output,
                 ))
+        if verifying:
+            self._verify_drafts(verifying, hidden, result)
         if not states:
             return result
         logits = self.model.compute_logits(hidden[sampling_rows])
         sampler_out = self.sampler(logits, states)
-        sampled_items = [item for item in output.scheduled if item.samples]
+        sampled_items = [item for item in output.scheduled if item.samples and not item.spec_token_ids]
         for item, token, logprobs in zip(sampled_items, sampler_out.sampled_token_ids, sampler_out.logprobs):
             result.sampled[item.request_id] = token
             grammar = item.request.structured_output
@@ -199,6 +205,26 @@ class ModelRunner:
             if logprobs is not None:
                 result.logprobs[item.request_id] = logprobs
         return result
+
+    def _verify_drafts(self, verifying: list, hidden: torch.Tensor, result: RunnerOutput) -> None:
+        """Speculative decoding, greedy: position i's argmax checks draft i; drafts are kept up to the
+        first mismatch, and the argmax there (or after the last draft) is the step's sampled token.
+        Only greedy requests with unmodified logits speculate (spec_decode.can_speculate), so this is
+        exactly the token the sampler would pick, one position at a time."""
+        rows: list[int] = []
+        for item, last in verifying:
+            rows.extend(range(last - len(item.spec_token_ids), last + 1))
+        targets = self.model.compute_logits(hidden[rows]).float().argmax(dim=1).tolist()
+        offset = 0
+        for item, _ in verifying:
+            drafts = item.spec_token_ids
+            chosen = targets[offset:offset + len(drafts) + 1]
+            offset += len(drafts) + 1
+            kept = 0
+            while kept < len(drafts) and drafts[kept] == chosen[kept]:
+                kept += 1
+            result.accepted[item.request_id] = drafts[:kept]
+            result.sampled[item.request_id] = chosen[kept]
 
     def initialize_host_cache(self, num_blocks: int) -> None:
         """Swap space in host memory (pinned on CUDA, so copies can run at full bandwidth)."""

@@ -1,0 +1,89 @@
+"""Prompt-lookup (n-gram) proposals: if the last n tokens appeared earlier in the sequence, guess that
+what followed them then follows them again. Free to compute, and right often where output copies
+its input (code edits, summaries, extraction, multi-turn chats that quote earlier turns).
+
+Configured as in vLLM: `speculative_config={"method": "ngram", "num_speculative_tokens": k,
+"prompt_lookup_max": n_max, "prompt_lookup_min": n_min}`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from tokenmill.errors import InvalidRequestError
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        param = "speculative_config"
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidRequestError(f"speculative method {self.method!r} is not supported (supported: "
+                                      f"{', '.join(SPECULATIVE_METHODS)})", param)
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidRequestError("prompt_lookup_min must not exceed prompt_lookup_max", param)
+
+    @classmethod
+    def from_dict(cls, value: Any) -> Optional["SpeculativeConfig"]:
+        """None, a SpeculativeConfig, or vLLM's dict (its `model` key is refused: no draft models)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidRequestError("speculative_config must be a JSON object", "speculative_config")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InvalidRequestError(f"unsupported speculative_config keys: {', '.join(unknown)} "
+                                      "(only the ngram method, without a draft model)", "speculative_config")
+        lookup_min = value.get("prompt_lookup_min", 1)
+        lookup_max = value.get("prompt_lookup_max", max(4, lookup_min) if isinstance(lookup_min, int) else 4)
+        return cls(method=value.get("method", "ngram"), num_speculative_tokens=value.get("num_speculative_tokens", 4),
+                   prompt_lookup_max=lookup_max, prompt_lookup_min=lookup_min)
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.n_max = config.prompt_lookup_max
+        self.n_min = config.prompt_lookup_min
+
+    def propose(self, tokens: Sequence[int]) -> list[int]:
+        """Up to k tokens that followed the most recent earlier occurrence of the longest matching
+        suffix (n_max down to n_min tokens); [] when the suffix never occurred before."""
+        length = len(tokens)
+        if length < self.n_min + 1:
+            return []
+        ids = np.asarray(tokens, dtype=np.int64)
+        for n in range(min(self.n_max, length - 1), self.n_min - 1, -1):
+            suffix = ids[length - n:]
+            # Windows starting at 0 .. length - n - 1: every earlier occurrence, not the suffix itself.
+            windows = np.lib.stride_tricks.sliding_window_view(ids[:length - 1], n)
+            matches = np.flatnonzero((windows == suffix).all(axis=1))
+            if matches.size:
+                start = int(matches[-1]) + n
+                return ids[start:start + self.k].tolist()
+        return []
+
+
+def can_speculate(request: Any) -> bool:
+    """Drafts are verified greedily (a draft is kept when it is the model's argmax), so only requests
+    whose next token is the plain argmax of the logits take part: greedy, one sequence, and nothing
+    that reshapes the distribution or needs per-token scores."""
+    params = request.sampling_params
+    return (params.greedy and params.n == 1 and request.fork_children is None
+            and request.structured_output is None and params.logprobs is None and params.prompt_logprobs is None
+            and not params.logit_bias and params.min_tokens == 0 and params.repetition_penalty == 1.0
+            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)

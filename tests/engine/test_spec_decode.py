@@ -1,0 +1,83 @@
+"""Speculative decoding with n-gram drafts: greedy outputs are exactly those of plain decoding,
+while drafts are really verified and kept."""
+from __future__ import annotations
+
+import pytest
+
+from tokenmill import LLM, SamplingParams
+from tokenmill.errors import InvalidRequestError
+from tokenmill.spec_decode.ngram import NgramProposer, SpeculativeConfig
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
+
+
+def test_ngram_proposals_follow_the_latest_earlier_match():
+    proposer = NgramProposer(SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=1))
+    assert proposer.propose([1, 2, 3, 4, 1, 2, 3]) == [4, 1, 2]
+    assert proposer.propose([9, 1, 2, 8, 1, 2, 7, 1, 2]) == [7, 1, 2]  # the most recent occurrence wins
+    assert proposer.propose([1, 2, 3, 5, 6, 3]) == [5, 6, 3]  # a 1-gram match when no longer one exists
+    assert proposer.propose([1, 2, 3, 4]) == []
+    assert proposer.propose([5]) == []
+    longest = NgramProposer(SpeculativeConfig(num_speculative_tokens=2, prompt_lookup_max=2, prompt_lookup_min=2))
+    assert longest.propose([1, 2, 9, 3, 2, 7, 2]) == []  # only 1-grams match, below prompt_lookup_min
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "eagle"}, {"num_speculative_tokens": 0}, {"prompt_lookup_min": 3, "prompt_lookup_max": 2},
+    {"model": "some/draft"}, {"num_speculative_tokens": "4"}, [1],
+])
+def test_bad_speculative_configs_are_refused(config):
+    with pytest.raises(InvalidRequestError):
+        SpeculativeConfig.from_dict(config)
+
+
+def _prompts(tokenizer):
+    repetitive = tokenizer.encode("one two three four five six one two three four five six one two three")
+    return [repetitive, repetitive[:9] * 3, tokenizer.encode("The capital of France is"), [11, 12, 13, 14]]
+
+
+def test_greedy_outputs_equal_plain_decoding_and_drafts_are_kept(tiny_llama_dir, smollm2_tokenizer):
+    prompts = [{"prompt_token_ids": p} for p in _prompts(smollm2_tokenizer)]
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 33, 25, 7)]
+    plain = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=512)
+    reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=512, speculative_config=NGRAM)
+    outputs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [40, 33, 25, 7]
+    stats = spec.llm_engine.core.get_stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
+    assert spec.llm_engine.core.kv_cache.usage == 0.0
+
+
+def test_speculation_under_preemption_and_beside_sampled_requests(tiny_llama_dir, smollm2_tokenizer):
+    """A small cache forces preemption mid-speculation; seeded random and logprobs requests (which never
+    speculate) share the steps; every output equals the one without speculation."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts(smollm2_tokenizer)]
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
+    kwargs = dict(num_kv_blocks=9, max_model_len=128, max_num_batched_tokens=32, enable_prefix_caching=True)
+    plain = LLM(str(tiny_llama_dir), **kwargs)
+    reference = plain.generate(prompts, params, use_tqdm=False)
+    spec = LLM(str(tiny_llama_dir), speculative_config=NGRAM, **kwargs)
+    outputs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+    assert outputs[2].outputs[0].logprobs is not None and len(outputs[2].outputs[0].logprobs) == 30
+    core = spec.llm_engine.core
+    assert core.scheduler.num_preemptions > 0 and core.get_stats().spec_num_accepted_tokens > 0
+    assert core.kv_cache.usage == 0.0
+
+
+@pytest.mark.slow
+def test_smollm2_copying_prompt_keeps_drafts_and_matches_plain_decoding():
+    text = "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
+    messages = [{"role": "user", "content": "Copy this code exactly:\n" + text}]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = LLM(kv_cache_memory_bytes="128MiB", max_model_len=512)
+    spec = LLM(kv_cache_memory_bytes="128MiB", max_model_len=512, speculative_config=NGRAM)
+    reference = plain.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids
+    assert spec.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids == reference
+    stats = spec.llm_engine.core.get_stats()
+    assert stats.spec_num_accepted_tokens >= 10  # copied code is mostly guessed right
