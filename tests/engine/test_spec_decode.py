@@ -81,3 +81,28 @@ def test_smollm2_copying_prompt_keeps_drafts_and_matches_plain_decoding():
     assert spec.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids == reference
     stats = spec.llm_engine.core.get_stats()
     assert stats.spec_num_accepted_tokens >= 10  # copied code is mostly guessed right
+
+
+def test_q8_0_verify_steps_run_the_fused_decode_stack(request, tiny_llama_dir, smollm2_tokenizer):
+    """With block tables, each draft position is a decode row of its own (same blocks, one more token
+    of context), so a verify step of a Q8_0 model stays on the fused C++ stack and gives the same tokens."""
+    request.getfixturevalue("kernels")
+    prompts = [{"prompt_token_ids": p} for p in _prompts(smollm2_tokenizer)]
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    kwargs = dict(num_kv_blocks=128, max_model_len=512, quantization="q8_0", device="cpu")
+    reference = [o.outputs[0].token_ids for o in LLM(str(tiny_llama_dir), **kwargs).generate(prompts, params,
+                                                                                            use_tqdm=False)]
+    spec = LLM(str(tiny_llama_dir), speculative_config=NGRAM, **kwargs)
+    model = spec.llm_engine.core.runner.model
+    fused_rows = []
+    original = model._forward_q8_0_decode
+
+    def counting(input_ids, *args):
+        fused_rows.append(input_ids.numel())
+        return original(input_ids, *args)
+
+    model._forward_q8_0_decode = counting
+    outputs = spec.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert spec.llm_engine.core.get_stats().spec_num_accepted_tokens > 0
+    assert max(fused_rows) > len(prompts)  # some fused steps carried draft rows

@@ -44,9 +44,14 @@ def build_model_inputs(output: SchedulerOutput, block_size: int, device: torch.d
                        decode_buckets: bool = True) -> ModelInputs:
     """Flat token tensors + attention metadata; decodes as padded buckets or as block tables."""
     indexed = list(enumerate(output.scheduled))
-    decodes = sorted((p for p in indexed if p[1].num_new_tokens == 1),
-                     key=lambda p: p[1].start_position)
-    prefills = [p for p in indexed if p[1].num_new_tokens != 1]
+    # With block tables (paged-kernel backends), a speculative verify is attended as one decode row
+    # per position: the same blocks, each row's context one token longer. Its rows stay together, in
+    # order, so the runner finds them right before the request's last token.
+    def as_decode(item: ScheduledRequest) -> bool:
+        return item.num_new_tokens == 1 or (not decode_buckets and bool(item.spec_token_ids))
+
+    decodes = sorted((p for p in indexed if as_decode(p[1])), key=lambda p: p[1].start_position)
+    prefills = [p for p in indexed if not as_decode(p[1])]
 
     input_ids: list[int] = []
     positions: list[int] = []
@@ -59,16 +64,20 @@ def build_model_inputs(output: SchedulerOutput, block_size: int, device: torch.d
         slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + count))
         last_index[original] = len(input_ids) - 1
 
+    # One decode row per position: (its request, its context length incl. itself).
+    rows = [(pair, item.start_position + 1 + i) for pair in decodes for item in (pair[1],)
+            for i in range(item.num_new_tokens)]
     meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-                             num_decodes=len(decodes))
-    lengths = [item.start_position + 1 for _, item in decodes]
+                             num_decodes=len(rows))
+    lengths = [length for _, length in rows]
     if decode_buckets:
         for lo, hi in _bucket_decodes(lengths):
             meta.decode_buckets.append(_decode_bucket(decodes[lo:hi], lengths[lo:hi], lo, block_size, device))
     elif decodes:
-        meta.decode_block_tables, meta.decode_context_lens = _block_tables(decodes, lengths, block_size, device)
+        meta.decode_block_tables, meta.decode_context_lens = _block_tables([pair for pair, _ in rows], lengths,
+                                                                           block_size, device)
 
-    offset = len(decodes)
+    offset = len(rows)  # prefill chunks start after every decode row
     for _, item in prefills:
         ctx_len = item.start_position + item.num_new_tokens
         meta.prefill_query_ranges.append((offset, offset + item.num_new_tokens))
