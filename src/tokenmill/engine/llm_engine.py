@@ -206,7 +206,8 @@ class LLMEngine:
             kv_cache_usage=stats.kv_cache_usage,
             num_preemptions=stats.num_preemptions, prefix_cache_queries=stats.prefix_cache_queries,
             prefix_cache_hits=stats.prefix_cache_hits, num_cached_blocks=stats.num_cached_blocks,
-            num_evictions=stats.num_evictions)
+            num_evictions=stats.num_evictions, spec_num_draft_tokens=stats.spec_num_draft_tokens,
+            spec_num_accepted_tokens=stats.spec_num_accepted_tokens)
         for stat_logger in self.stat_loggers:
             stat_logger.record(snapshot, iteration)
 

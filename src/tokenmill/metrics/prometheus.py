@@ -48,6 +48,10 @@ class PrometheusStatLogger:
         self.prefix_hits = Counter(p + "prefix_cache_hits", "Prompt tokens found in the prefix cache", labels,
                                    registry=r)
         self.evictions = Counter(p + "prefix_cache_evictions", "Cached blocks evicted", labels, registry=r)
+        self.spec_drafts = Counter(p + "spec_decode_num_draft_tokens", "Speculative draft tokens verified", labels,
+                                   registry=r)
+        self.spec_accepted = Counter(p + "spec_decode_num_accepted_tokens", "Speculative draft tokens kept", labels,
+                                     registry=r)
         self.rejected = Counter(p + "request_rejected", "Requests refused by admission control",
                                 labels + ["reason"], registry=r)
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
@@ -82,7 +86,8 @@ class PrometheusStatLogger:
         m = self.model_name
         for metric in (self.running, self.waiting, self.swapped, self.kv_usage, self.cached_blocks,
                        self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries,
-                       self.prefix_hits, self.evictions, self.ttft, self.itl, self.tpot, self.e2e, self.queue,
+                       self.prefix_hits, self.evictions, self.spec_drafts, self.spec_accepted, self.ttft, self.itl,
+                       self.tpot, self.e2e, self.queue,
                        self.prefill, self.decode, self.req_prompt, self.req_generation, self.iteration_tokens):
             metric.labels(m)
         for reason in FINISHED_REASONS:
@@ -105,6 +110,8 @@ class PrometheusStatLogger:
         self.prefix_queries.labels(m).inc(max(0, scheduler.prefix_cache_queries - last.prefix_cache_queries))
         self.prefix_hits.labels(m).inc(max(0, scheduler.prefix_cache_hits - last.prefix_cache_hits))
         self.evictions.labels(m).inc(max(0, scheduler.num_evictions - last.num_evictions))
+        self.spec_drafts.labels(m).inc(max(0, scheduler.spec_num_draft_tokens - last.spec_num_draft_tokens))
+        self.spec_accepted.labels(m).inc(max(0, scheduler.spec_num_accepted_tokens - last.spec_num_accepted_tokens))
         self._last = scheduler
         if iteration.num_tokens:
             self.prompt_tokens.labels(m).inc(iteration.num_prompt_tokens)

@@ -22,6 +22,8 @@ class SchedulerSnapshot:
     prefix_cache_hits: int = 0  # cumulative, tokens
     num_cached_blocks: int = 0
     num_evictions: int = 0  # cumulative
+    spec_num_draft_tokens: int = 0  # cumulative: speculative drafts verified
+    spec_num_accepted_tokens: int = 0  # cumulative: drafts kept
 
 
 @dataclass(slots=True)
