@@ -36,12 +36,16 @@ def _prompts(tokenizer):
     return [repetitive, repetitive[:9] * 3, tokenizer.encode("The capital of France is"), [11, 12, 13, 14]]
 
 
-def test_greedy_outputs_equal_plain_decoding_and_drafts_are_kept(tiny_llama_dir, smollm2_tokenizer):
+# "torch" (any device, the GPU's backend) verifies drafts as a prefill-like chunk; "auto" on CPU picks
+# the paged C++ kernels, where each draft position is a decode row of its own.
+@pytest.mark.parametrize("backend", ["torch", "auto"])
+def test_greedy_outputs_equal_plain_decoding_and_drafts_are_kept(tiny_llama_dir, smollm2_tokenizer, backend):
     prompts = [{"prompt_token_ids": p} for p in _prompts(smollm2_tokenizer)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 33, 25, 7)]
-    plain = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=512)
+    plain = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=512, attention_backend=backend)
     reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
-    spec = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=512, speculative_config=NGRAM)
+    spec = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=512, speculative_config=NGRAM,
+               attention_backend=backend)
     outputs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert [len(o.outputs[0].token_ids) for o in outputs] == [40, 33, 25, 7]
