@@ -131,7 +131,8 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
 
     engine_options = engine_options or {}
     extra = "".join(f", {k}={v}" for k, v in engine_options.items())
-    print(f"tokenmill: {len(requests)} requests, device={args.device}, dtype={args.dtype}, max_num_seqs={args.max_num_seqs}, "
+    print(f"tokenmill: {len(requests)} requests, device={args.device}, dtype={args.dtype}, "
+          f"max_num_seqs={args.max_num_seqs}, "
           f"max_num_batched_tokens={args.max_num_batched_tokens}{extra}", flush=True)
     llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,

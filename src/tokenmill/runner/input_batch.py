@@ -65,8 +65,7 @@ def build_model_inputs(output: SchedulerOutput, block_size: int, device: torch.d
         last_index[original] = len(input_ids) - 1
 
     # One decode row per position: (its request, its context length incl. itself).
-    rows = [(pair, item.start_position + 1 + i) for pair in decodes for item in (pair[1],)
-            for i in range(item.num_new_tokens)]
+    rows = [(pair, pair[1].start_position + 1 + i) for pair in decodes for i in range(pair[1].num_new_tokens)]
     meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
                              num_decodes=len(rows))
     lengths = [length for _, length in rows]

@@ -137,9 +137,10 @@ class ModelRunner:
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         held_elsewhere = max(0, total - free - torch.cuda.memory_reserved(self.device))
-        if total - held_elsewhere < total * utilization:
+        available = total - held_elsewhere  # free, plus what this process's allocator already holds
+        if available < total * utilization:
             raise ModelLoadError(
-                f"only {free / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f} GiB are free, less than "
+                f"only {available / 2**30:.1f} GiB of the GPU's {total / 2**30:.1f} GiB are available, less than "
                 f"--gpu-memory-utilization {utilization} asks for; lower it, or free the GPU")
         torch.cuda.reset_peak_memory_stats(self.device)
         self.initialize_kv_cache(1)
@@ -168,7 +169,9 @@ class ModelRunner:
         inputs = build_model_inputs(output, self.block_size, self.device, self.attention_backend.uses_decode_buckets)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
-        sampling_rows, states, verifying = [], [], []
+        # Rows the sampler picks a token for, their items and states (in the same order), and the
+        # speculative verifies, which take the argmax at each draft position instead.
+        sampling_rows, sampled_items, states, verifying = [], [], [], []
         for item, last in zip(output.scheduled, inputs.last_token_index):
             request = item.request
             if request.sampling_params.prompt_logprobs is not None:
@@ -177,6 +180,7 @@ class ModelRunner:
                 verifying.append((item, last))
             elif item.samples:
                 sampling_rows.append(last)
+                sampled_items.append(item)
                 states.append(SamplingRequestState(
                     params=request.sampling_params,
                     prompt_token_ids=request.prompt_token_ids,
@@ -190,7 +194,6 @@ class ModelRunner:
             return result
         logits = self.model.compute_logits(hidden[sampling_rows])
         sampler_out = self.sampler(logits, states)
-        sampled_items = [item for item in output.scheduled if item.samples and not item.spec_token_ids]
         for item, token, logprobs in zip(sampled_items, sampler_out.sampled_token_ids, sampler_out.logprobs):
             result.sampled[item.request_id] = token
             grammar = item.request.structured_output

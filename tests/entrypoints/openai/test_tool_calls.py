@@ -84,7 +84,8 @@ def _stream(plan, texts: list[str], finish: str = "stop") -> list:
     state, choices = _ChoiceState(), []
     for i, text in enumerate(texts):
         last = i == len(texts) - 1
-        comp = CompletionOutput(index=0, text=text, token_ids=list(range(i + 1)), finish_reason=finish if last else None)
+        comp = CompletionOutput(index=0, text=text, token_ids=list(range(i + 1)),
+                                finish_reason=finish if last else None)
         choice = serving._delta(body, state, comp, "", plan)
         if choice is not None:
             choices.append(choice)

@@ -44,6 +44,7 @@ from tokenmill.entrypoints.openai.tool_calls import (
     ParsedToolCall,
     ToolPlan,
     extract_tool_calls,
+    new_tool_call_id,
     plan_tool_calls,
     streamable_text_len,
 )
@@ -189,7 +190,7 @@ class OpenAIServingChat(ServingBase):
             if new or state.tool_call_id is None:
                 first = state.tool_call_id is None
                 if first:
-                    state.tool_call_id = ParsedToolCall(plan.name or "", "").id
+                    state.tool_call_id = new_tool_call_id()
                 tool_calls = [DeltaToolCall(index=0, id=state.tool_call_id if first else None,
                                             type="function" if first else None,
                                             function=DeltaFunctionCall(name=plan.name if first else None,

@@ -25,15 +25,20 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import StructuredOutputsParams
 
 TOOL_CALL_PARSERS = ("hermes",)
-_HERMES_OPEN, _HERMES_CLOSE = "<tool_call>", "</tool_call>"
+_HERMES_OPEN = "<tool_call>"
 _HERMES_BLOCK = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
+_TOOL_CHOICE_FORMS = "tool_choice must be 'none', 'auto', 'required' or {'type': 'function', 'function': {'name': ...}}"
+
+
+def new_tool_call_id() -> str:
+    return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 
 @dataclass
 class ParsedToolCall:
     name: str
     arguments: str  # JSON text, as OpenAI sends it
-    id: str = field(default_factory=lambda: f"chatcmpl-tool-{uuid.uuid4().hex}")
+    id: str = field(default_factory=new_tool_call_id)
 
 
 @dataclass
@@ -59,8 +64,7 @@ def plan_tool_calls(tools: Optional[list[dict[str, Any]]], tool_choice: Any, par
         tool_choice = "auto" if functions else "none"
     if isinstance(tool_choice, str):
         if tool_choice not in ("none", "auto", "required"):
-            raise InvalidRequestError("tool_choice must be 'none', 'auto', 'required' or "
-                                      "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+            raise InvalidRequestError(_TOOL_CHOICE_FORMS, "tool_choice")
         if tool_choice == "none":
             return ToolPlan()
         if not functions:
@@ -105,8 +109,7 @@ def _named_choice(tool_choice: Any) -> str:
     function = tool_choice.get("function") if isinstance(tool_choice, dict) else None
     name = function.get("name") if isinstance(function, dict) else None
     if not isinstance(name, str) or tool_choice.get("type", "function") != "function":
-        raise InvalidRequestError("tool_choice must be 'none', 'auto', 'required' or "
-                                  "{'type': 'function', 'function': {'name': ...}}", "tool_choice")
+        raise InvalidRequestError(_TOOL_CHOICE_FORMS, "tool_choice")
     return name
 
 
