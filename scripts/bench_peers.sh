@@ -64,9 +64,10 @@ hf_copy() {  # an HF-format directory of the embedded model (vLLM and the F32 GG
 }
 
 run_tokenmill() {
-  # float32 weights and cache (HF-exact), then Q8_0 weights with a float16 KV cache: the closest match
-  # to llama.cpp's quantized runs, whose server keeps K/V in f16 by default.
-  for variant in "tokenmill:" "tokenmill-q8_0-f16kv:--quantization q8_0 --kv-cache-dtype float16"; do
+  # The default (the GGUF's Q4_1/Q8_0 blocks kept as stored, float32 compute and cache), the same with
+  # a float16 KV cache (the closest match to llama.cpp's Q4_1 run: same weights, and its server keeps
+  # K/V in f16 by default), and the weights dequantized to float32 (as vLLM and llama.cpp's F32 run hold them).
+  for variant in "tokenmill:" "tokenmill-f16kv:--kv-cache-dtype float16" "tokenmill-dense:--quantization none"; do
     local label=${variant%%:*} flags=${variant#*:}
     # Prefix caching off, as for the peers (llama.cpp: cache_prompt false; vLLM: --no-enable-prefix-caching):
     # the sweep sends the same prompts at every concurrency, and cached prefixes would skip their prefills.

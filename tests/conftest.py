@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from model_factory import build_tiny_llama  # noqa: F401  (re-exported for fixtures)
+from model_factory import build_tiny_llama, mixed_gguf_type, write_gguf  # noqa: F401  (re-exported for fixtures)
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -29,6 +29,14 @@ def smollm2_tokenizer(smollm2_path):
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_path(tmp_path_factory, tiny_llama_dir) -> Path:
+    """tiny_llama_dir's weights written as a block-quantized GGUF (tokenizer: pass tiny_llama_dir)."""
+    path = tmp_path_factory.mktemp("tiny-gguf") / "tiny-mixed.gguf"
+    write_gguf(path, tiny_llama_dir, tensor_type=mixed_gguf_type)
+    return path
 
 
 @pytest.fixture(scope="session")

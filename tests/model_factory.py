@@ -1,9 +1,11 @@
 """Tiny random models for tests, saved locally as safetensors."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 
 def build_tiny_llama(directory: Path, tokenizer, *, seed: int = 0, **overrides) -> Path:
@@ -60,3 +62,101 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     tokens = out[0, len(prompt_ids):].tolist()
     assert len(tokens) == max_new_tokens
     return tokens
+
+
+# ---- GGUF files written the way llama.cpp's converter writes them --------------------------------
+
+def gguf_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """What llama.cpp's converter does to q/k rows: per head, [x0..x{d/2-1}, y0..] -> [x0, y0, x1, y1, ...]."""
+    head_dim = weight.shape[0] // num_heads
+    per_head = weight.reshape(num_heads, head_dim, *weight.shape[1:])
+    out = torch.empty_like(per_head)
+    out[:, 0::2] = per_head[:, : head_dim // 2]
+    out[:, 1::2] = per_head[:, head_dim // 2 :]
+    return out.reshape(weight.shape)
+
+
+_GGUF_NAMES = {
+    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+}
+
+
+def _gguf_name(hf_name: str) -> str:
+    stem = hf_name.removesuffix(".weight")
+    if stem.startswith("model.layers."):
+        layer, module = stem.removeprefix("model.layers.").split(".", 1)
+        return f"blk.{layer}.{_GGUF_NAMES[module]}.weight"
+    return f"{_GGUF_NAMES[stem]}.weight"
+
+
+def default_tensor_type(hf_name: str):
+    from gguf import GGMLQuantizationType as T
+
+    if hf_name.endswith("norm.weight"):
+        return T.F32
+    if "embed_tokens" in hf_name or "lm_head" in hf_name:
+        return T.F16
+    if "mlp." in hf_name:
+        return T.BF16
+    return T.Q8_0  # attention projections, q/k included, so the unpermute runs after dequantization
+
+
+def write_gguf(path: Path, hf_dir: Path, *, arch: str = "llama", rope_linear: float | None = None,
+               tensor_type=None) -> dict:
+    """Convert a tiny HF checkpoint the way llama.cpp would (names, permuted q/k, quantized).
+
+    tensor_type(hf_name) picks each tensor's GGML type (default_tensor_type when None).
+    """
+    import gguf
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    if rope_linear is not None:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(rope_linear)
+    # no vocab_size and no tokenizer metadata: the loader must count the embedding rows
+    for name, tensor in tensors.items():
+        weight = tensor.float()
+        if name.endswith("q_proj.weight"):
+            weight = gguf_permute(weight, config["num_attention_heads"])
+        elif name.endswith("k_proj.weight"):
+            weight = gguf_permute(weight, config["num_key_value_heads"])
+        kind = (tensor_type or default_tensor_type)(name)
+        array = gguf.quants.quantize(weight.numpy(), kind)
+        writer.add_tensor(_gguf_name(name), array, raw_dtype=kind)
+    finish_gguf(writer)
+    return tensors
+
+
+def finish_gguf(writer) -> None:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# A GGUF mixing every block type the int8 kernels keep (q/k with mins and permuted rows, v and gate
+# without), as llama.cpp's mixed "_M" files do; norms and the embedding stay float.
+MIXED_GGUF_TYPES = {"q_proj": "Q4_1", "k_proj": "Q5_1", "v_proj": "Q5_0", "o_proj": "Q4_1",
+                    "gate_proj": "Q4_0", "up_proj": "Q4_1", "down_proj": "Q8_0", "lm_head": "Q4_1"}
+
+
+def mixed_gguf_type(hf_name: str):
+    from gguf import GGMLQuantizationType
+
+    module = hf_name.removesuffix(".weight").rsplit(".", 1)[-1]
+    return GGMLQuantizationType[MIXED_GGUF_TYPES.get(module, "F32")]

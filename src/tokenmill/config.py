@@ -86,7 +86,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     # CPU: projections with weights pre-packed for oneDNN (faster at serving batch sizes).
     packed_linear: bool = True
-    # Weight-only quantization applied at load: None or "q8_0" (CPU, float32; see docs/performance.md).
+    # Weights: None keeps a GGUF's block-quantized matrices as stored where tokenmill's int8 kernels run
+    # (CPU, float32) and dequantizes the rest; "gguf" insists on that; "q8_0" rounds any model's weights
+    # to Q8_0 at load; "none" dequantizes everything to dtype (docs/performance.md).
     quantization: Optional[str] = None
     # KV cache storage: auto (the model's dtype), float32, float16 or bfloat16. A 16-bit cache under a
     # float32 model halves the cache's memory and the bytes each decode step reads (vLLM: --kv-cache-dtype).
@@ -104,8 +106,8 @@ class EngineConfig:
             self.kv_cache_memory_bytes = parse_memory_size(self.kv_cache_memory_bytes)
         if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
             raise InvalidRequestError(f"dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}", "dtype")
-        if self.dtype == "auto" and self.quantization is not None:
-            self.dtype = "float32"  # the quantized path computes in float32
+        if self.dtype == "auto" and self.quantization in ("gguf", "q8_0"):
+            self.dtype = "float32"  # the block-int8 path computes in float32
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}", name)
@@ -119,8 +121,8 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise InvalidRequestError(f"{name} must be positive, got {value}", name)
-        if self.quantization not in (None, "q8_0"):
-            raise InvalidRequestError("quantization must be q8_0 (or unset)", "quantization")
+        if self.quantization not in (None, "gguf", "q8_0", "none"):
+            raise InvalidRequestError("quantization must be gguf, q8_0 or none (or unset)", "quantization")
         self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "

@@ -95,3 +95,11 @@ def test_make_bench_on_cuda(tiny_llama_dir, workload_file, tmp_path):
     text = md.read_text()
     assert "cpu numbers" in text and "<!-- bench:engine-core-cuda:start -->" in text
     assert torch.cuda.get_device_name() in text
+
+
+def test_ratios_pair_the_kept_gguf_run_with_its_dense_twin():
+    results = {"tokenmill": {"output_tok_s": 120.0}, "tokenmill-dense": {"output_tok_s": 100.0},
+               "hf-static": {"output_tok_s": 30.0}, "hf-naive": {"output_tok_s": 12.0}}
+    got = make_bench.ratios(results)
+    assert got["tokenmill/tokenmill-dense"] == 1.2 and got["tokenmill-dense/hf-static"] == 3.333
+    assert got["tokenmill/hf-naive"] == 10.0 and "tokenmill-q8_0/tokenmill" not in got

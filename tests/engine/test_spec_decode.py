@@ -99,13 +99,13 @@ def test_q8_0_verify_steps_run_the_fused_decode_stack(request, tiny_llama_dir, s
     spec = LLM(str(tiny_llama_dir), speculative_config=NGRAM, **kwargs)
     model = spec.llm_engine.core.runner.model
     fused_rows = []
-    original = model._forward_q8_0_decode
+    original = model._forward_int8_decode
 
     def counting(input_ids, *args):
         fused_rows.append(input_ids.numel())
         return original(input_ids, *args)
 
-    model._forward_q8_0_decode = counting
+    model._forward_int8_decode = counting
     outputs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert spec.llm_engine.core.get_stats().spec_num_accepted_tokens > 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from model_factory import build_tiny_llama
+from model_factory import build_tiny_llama, default_tensor_type, finish_gguf, gguf_permute, write_gguf
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.default_model import DEFAULT_MODEL_NAME
 from tokenmill.model.gguf_loader import unpermute_rotary_rows
@@ -130,16 +130,6 @@ def test_default_gguf_weights_match_transformers(default_source, transformers_re
 # --------------------------------------------------------------------------- the permutation
 
 
-def gguf_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """What llama.cpp's converter does to q/k rows: per head, [x0..x{d/2-1}, y0..] -> [x0, y0, x1, y1, ...]."""
-    head_dim = weight.shape[0] // num_heads
-    per_head = weight.reshape(num_heads, head_dim, *weight.shape[1:])
-    out = torch.empty_like(per_head)
-    out[:, 0::2] = per_head[:, : head_dim // 2]
-    out[:, 1::2] = per_head[:, head_dim // 2 :]
-    return out.reshape(weight.shape)
-
-
 def test_unpermute_makes_rotate_half_rope_equal_interleaved_rope() -> None:
     """The semantic check: HF rope on unpermuted rows == llama.cpp (pairwise) rope on the file's rows."""
     torch.manual_seed(0)
@@ -164,75 +154,6 @@ def test_unpermute_makes_rotate_half_rope_equal_interleaved_rope() -> None:
 
 # --------------------------------------------------------------------------- GGUFs written here
 
-_GGUF_NAMES = {
-    "model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
-    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-    "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-}
-
-
-def _gguf_name(hf_name: str) -> str:
-    stem = hf_name.removesuffix(".weight")
-    if stem.startswith("model.layers."):
-        layer, module = stem.removeprefix("model.layers.").split(".", 1)
-        return f"blk.{layer}.{_GGUF_NAMES[module]}.weight"
-    return f"{_GGUF_NAMES[stem]}.weight"
-
-
-def _tensor_type(hf_name: str):
-    from gguf import GGMLQuantizationType as T
-
-    if hf_name.endswith("norm.weight"):
-        return T.F32
-    if "embed_tokens" in hf_name or "lm_head" in hf_name:
-        return T.F16
-    if "mlp." in hf_name:
-        return T.BF16
-    return T.Q8_0  # attention projections, q/k included, so the unpermute runs after dequantization
-
-
-def write_gguf(path: Path, hf_dir: Path, *, arch: str = "llama", rope_linear: float | None = None) -> dict:
-    """Convert a tiny HF checkpoint the way llama.cpp would (names, permuted q/k, quantized)."""
-    import gguf
-
-    config = json.loads((hf_dir / "config.json").read_text())
-    tensors = load_file(str(hf_dir / "model.safetensors"))
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
-    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
-    writer.add_bos_token_id(config["bos_token_id"])
-    writer.add_eos_token_id(config["eos_token_id"])
-    if rope_linear is not None:
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(rope_linear)
-    # no vocab_size and no tokenizer metadata: the loader must count the embedding rows
-    for name, tensor in tensors.items():
-        weight = tensor.float()
-        if name.endswith("q_proj.weight"):
-            weight = gguf_permute(weight, config["num_attention_heads"])
-        elif name.endswith("k_proj.weight"):
-            weight = gguf_permute(weight, config["num_key_value_heads"])
-        kind = _tensor_type(name)
-        array = gguf.quants.quantize(weight.numpy(), kind)
-        writer.add_tensor(_gguf_name(name), array, raw_dtype=kind)
-    _finish(writer)
-    return tensors
-
-
-def _finish(writer) -> None:
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_written_gguf_round_trip(tmp_path: Path, smollm2_tokenizer, tied: bool) -> None:
     hf_dir = build_tiny_llama(tmp_path / "hf", smollm2_tokenizer, seed=3, tie_word_embeddings=tied)
@@ -256,7 +177,7 @@ def test_written_gguf_round_trip(tmp_path: Path, smollm2_tokenizer, tied: bool) 
     assert got.keys() == tensors.keys()  # save_pretrained drops a tied lm_head, and so does the GGUF
     for name, expected in tensors.items():
         expected = expected.float()
-        tolerance = {"F32": 0.0, "F16": 1e-3, "BF16": 1e-2, "Q8_0": 0.01}[_tensor_type(name).name]
+        tolerance = {"F32": 0.0, "F16": 1e-3, "BF16": 1e-2, "Q8_0": 0.01}[default_tensor_type(name).name]
         scale = expected.abs().max().item()
         assert got[name].shape == expected.shape, name
         assert (got[name] - expected).abs().max().item() <= tolerance * scale, name
@@ -303,7 +224,7 @@ def test_unsupported_gguf_architecture_and_tensor_type(tmp_path: Path, smollm2_t
 
     writer = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "mamba")
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
-    _finish(writer)
+    finish_gguf(writer)
     with pytest.raises(ModelLoadError, match="unsupported GGUF architecture 'mamba'"):
         load_model_source(str(tmp_path / "other.gguf"))
 
@@ -319,7 +240,7 @@ def test_unsupported_gguf_architecture_and_tensor_type(tmp_path: Path, smollm2_t
     writer.add_tensor("token_embd.weight", np.zeros((len(smollm2_tokenizer), 64), dtype=np.float32))
     writer.add_tensor("blk.0.attn_v.weight", np.zeros((64, 2 * 18), dtype=np.uint8),
                       raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
-    _finish(writer)
+    finish_gguf(writer)
     source = load_model_source(str(path), tokenizer=str(hf_dir))
     assert source.hf_config.num_key_value_heads == 4 and not math.isnan(source.hf_config.rms_norm_eps)
     with pytest.raises(ModelLoadError, match="IQ4_NL"):

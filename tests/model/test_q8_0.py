@@ -8,7 +8,7 @@ import torch
 from model_factory import GOLDEN_PROMPTS, hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import TokenmillError
-from tokenmill.model.layers.linear import (Q8_0_MAX_KERNEL_ROWS, Q8_0Linear, dequantize_q8_0, pack_q8_0,
+from tokenmill.model.layers.linear import (INT8_KERNEL_MAX_ROWS, Int8BlockLinear, dequantize_q8_0, pack_int8_blocks,
                                           quantize_q8_0)
 
 
@@ -28,11 +28,13 @@ def test_quantize_q8_0_format():
         quantize_q8_0(torch.randn(4, 48))
 
 
-def test_pack_q8_0_panels_of_sixteen_features():
+def test_pack_int8_blocks_panels_of_sixteen_features():
     q = (torch.arange(21 * 64) % 255 - 127).reshape(21, 64).to(torch.int8)  # distinct rows
     scales = torch.arange(1, 21 * 2 + 1, dtype=torch.float32).reshape(21, 2)
-    packed_q, packed_scales = pack_q8_0(q, scales)
+    assert pack_int8_blocks(q, scales)[2] is None
+    packed_q, packed_scales, packed_mins = pack_int8_blocks(q, scales, -scales)
     assert packed_q.shape == (2, 2, 32, 16) and packed_scales.shape == (2, 2, 16)  # 21 features -> 2 panels
+    assert torch.equal(packed_mins, -packed_scales)  # mins share the scales' layout
     for n in range(32):
         panel, j = divmod(n, 16)
         for block in range(2):
@@ -44,16 +46,16 @@ def test_pack_q8_0_panels_of_sixteen_features():
                 assert not column.any() and packed_scales[panel, block, j] == 0
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, Q8_0_MAX_KERNEL_ROWS, Q8_0_MAX_KERNEL_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, 16, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1])
 def test_q8_0_linear_both_paths_compute_the_dequantized_weights(kernels, rows):
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(96, 128, generator=gen), torch.randn(96, generator=gen)
-    layer = Q8_0Linear(weight, bias, rows_hint=16, kernels=kernels)
+    layer = Int8BlockLinear.from_weight(weight, bias, rows_hint=16, kernels=kernels)
     x = torch.randn(rows, 128, generator=gen)
     expected = x @ dequantize_q8_0(*quantize_q8_0(weight)).T + bias
     torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
     # routing: up to the limit the int8 kernel, more rows the dense copy
-    path = kernels.q8_0_linear(x, layer.q, layer.scales, layer.bias, 96) if rows <= Q8_0_MAX_KERNEL_ROWS \
+    path = kernels.int8_block_linear(x, layer.q, layer.scales, layer.mins, layer.bias, 96) if rows <= INT8_KERNEL_MAX_ROWS \
         else layer.dense(x)
     assert torch.equal(layer(x), path)
 
@@ -65,25 +67,25 @@ def test_q8_0_kernel_tiles_do_not_change_results(kernels, rows):
     output must be the same bits as computing its row alone, and match x @ W^T."""
     gen = torch.Generator().manual_seed(100 + rows)
     q, scales = quantize_q8_0(torch.randn(99, 96, generator=gen))
-    packed = pack_q8_0(q, scales)
+    packed = pack_int8_blocks(q, scales)
     bias = torch.randn(99, generator=gen)
     x = torch.randn(rows, 96, generator=gen)
-    y = kernels.q8_0_linear(x, *packed, bias, 99)
+    y = kernels.int8_block_linear(x, *packed, bias, 99)
     for r in range(rows):
-        assert torch.equal(y[r:r + 1], kernels.q8_0_linear(x[r:r + 1].contiguous(), *packed, bias, 99))
+        assert torch.equal(y[r:r + 1], kernels.int8_block_linear(x[r:r + 1].contiguous(), *packed, bias, 99))
     torch.testing.assert_close(y, x @ dequantize_q8_0(q, scales).T + bias, atol=1e-4, rtol=1e-5)
-    no_bias = kernels.q8_0_linear(x, *packed, None, 99)
+    no_bias = kernels.int8_block_linear(x, *packed, None, 99)
     torch.testing.assert_close(no_bias, x @ dequantize_q8_0(q, scales).T, atol=1e-4, rtol=1e-5)
 
 
 def test_q8_0_kernel_rejects_bad_shapes(kernels):
-    packed = pack_q8_0(*quantize_q8_0(torch.randn(8, 64)))
+    packed = pack_int8_blocks(*quantize_q8_0(torch.randn(8, 64)))
     with pytest.raises(RuntimeError):  # K of x does not match the weights
-        kernels.q8_0_linear(torch.randn(1, 32), *packed, None, 8)
+        kernels.int8_block_linear(torch.randn(1, 32), *packed, None, 8)
     with pytest.raises(RuntimeError):  # more features than the packed panels hold
-        kernels.q8_0_linear(torch.randn(1, 64), *packed, None, 17)
+        kernels.int8_block_linear(torch.randn(1, 64), *packed, None, 17)
     with pytest.raises(RuntimeError):  # bias of the wrong length
-        kernels.q8_0_linear(torch.randn(1, 64), *packed, torch.zeros(9), 8)
+        kernels.int8_block_linear(torch.randn(1, 64), *packed, torch.zeros(9), 8)
 
 
 def test_q8_0_engine_matches_hf_on_the_dequantized_weights(kernels, tiny_llama_dir, smollm2_tokenizer):
@@ -112,19 +114,25 @@ def test_q8_0_needs_cpu_kernels(tiny_llama_dir):
         LLM(str(tiny_llama_dir), num_kv_blocks=16, quantization="q8_0", attention_backend="torch")
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16", "bfloat16"])
-def test_q8_0_fused_decode_stack_is_bit_identical_to_the_layers(kernels, tiny_llama_dir, smollm2_tokenizer,
-                                                                kv_cache_dtype):
-    """Decode-only steps of up to Q8_0_MAX_KERNEL_ROWS rows run the whole decoder stack in one C++ call;
+@pytest.mark.parametrize("weights,kv_cache_dtype", [("q8_0", "auto"), ("q8_0", "float16"), ("q8_0", "bfloat16"),
+                                                    ("gguf", "auto")])
+def test_int8_fused_decode_stack_is_bit_identical_to_the_layers(request, kernels, tiny_llama_dir, smollm2_tokenizer,
+                                                                weights, kv_cache_dtype):
+    """Decode-only steps of up to INT8_KERNEL_MAX_ROWS rows run the whole decoder stack in one C++ call;
     it must produce the very same hidden states and cache writes as the per-layer modules (same
     kernels, same order), here on a decode step of three requests whose contexts end mid-block, with
-    a float32 cache and with 16-bit ones (rounded as torch rounds)."""
+    a float32 cache and with 16-bit ones (rounded as torch rounds), and with a GGUF's own blocks
+    (scales and mins: tests/conftest.py's mixed file)."""
     from unittest import mock
 
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, quantization="q8_0",
-              kv_cache_dtype=kv_cache_dtype)
+    if weights == "gguf":
+        llm = LLM(str(request.getfixturevalue("tiny_gguf_path")), tokenizer=str(tiny_llama_dir), num_kv_blocks=64,
+                  max_model_len=512, quantization="gguf")
+    else:
+        llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, quantization="q8_0",
+                  kv_cache_dtype=kv_cache_dtype)
     model = llm.llm_engine.core.runner.model
-    assert model._q8_0_decode is not None
+    assert model._int8_decode is not None
     expected_dtype = torch.float32 if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
     assert all(cache.dtype == expected_dtype for cache in llm.llm_engine.core.runner.kv_caches)
     captured = []
@@ -136,7 +144,7 @@ def test_q8_0_fused_decode_stack_is_bit_identical_to_the_layers(kernels, tiny_ll
 
     prompts = [smollm2_tokenizer.encode(p) for p in GOLDEN_PROMPTS[:3]]
     with mock.patch.object(model, "forward", capture), \
-            mock.patch.object(model, "_forward_q8_0_decode", wraps=model._forward_q8_0_decode) as fused:
+            mock.patch.object(model, "_forward_int8_decode", wraps=model._forward_int8_decode) as fused:
         llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                      SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
     assert fused.call_count >= 5  # every decode step after the prefills
@@ -147,10 +155,10 @@ def test_q8_0_fused_decode_stack_is_bit_identical_to_the_layers(kernels, tiny_ll
         kv_fused = [cache.clone() for cache in args[2]]
         for cache, saved in zip(args[2], kv_before):
             cache.copy_(saved)
-        saved_path, model._q8_0_decode = model._q8_0_decode, None
+        saved_path, model._int8_decode = model._int8_decode, None
         try:
             layered_hidden = model(*args, **kwargs)
         finally:
-            model._q8_0_decode = saved_path
+            model._int8_decode = saved_path
     assert torch.equal(fused_hidden, layered_hidden)
     assert all(torch.equal(a, b) for a, b in zip(kv_fused, args[2]))  # the same K/V written to the same slots

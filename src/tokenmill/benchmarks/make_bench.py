@@ -28,6 +28,7 @@ from tokenmill.benchmarks.tables import markdown_table, text_table
 SECTION = "engine-core"
 ENGINE_LABELS = {
     "tokenmill": "tokenmill `LLM.generate` (continuous batching)",
+    "tokenmill-dense": "tokenmill `LLM.generate`, weights dequantized to float32 (`--quantization none`)",
     "tokenmill-q8_0": "tokenmill `LLM.generate`, Q8_0 weights + float16 KV cache",
     "hf-static": "transformers static batches",
     "hf-naive": "transformers naive sequential `generate`",
@@ -98,6 +99,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "results": {},
     }
     report["results"]["tokenmill"] = run_tokenmill(args, requests, threads)
+    if report["results"]["tokenmill"]["linear_layers"].startswith("GGUF weights kept"):
+        # The baselines hold the file's weights dequantized to float32; so does this run.
+        report["results"]["tokenmill-dense"] = run_tokenmill(args, requests, threads, {"quantization": "none"})
     if quantized_run(args):
         report["results"]["tokenmill-q8_0"] = run_tokenmill(args, requests, threads, QUANTIZED)
     if not args.skip_baselines:
@@ -138,6 +142,7 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               enable_prefix_caching=args.enable_prefix_caching, num_threads=threads, device=args.device,
               **engine_options)
+    linear_layers = llm.llm_engine.core.runner.linear_layers
     try:
         result = run_offline_throughput(llm, requests, use_tqdm=not args.no_tqdm)
     finally:
@@ -145,6 +150,7 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
         gc.collect()  # release the KV cache before the baselines load their model
     result["concurrency"] = min(args.max_num_seqs, len(requests))
     result["engine_options"] = engine_options
+    result["linear_layers"] = linear_layers
     _print_result(result)
     return result
 
@@ -174,7 +180,8 @@ def _print_result(r: dict[str, Any]) -> None:
 
 def ratios(results: dict[str, Any]) -> dict[str, float]:
     tok = {name: r["output_tok_s"] for name, r in results.items()}
-    pairs = [("tokenmill", "hf-naive"), ("tokenmill", "hf-static"), ("hf-static", "hf-naive"),
+    pairs = [("tokenmill", "hf-naive"), ("tokenmill", "hf-static"), ("tokenmill-dense", "hf-naive"),
+             ("tokenmill-dense", "hf-static"), ("tokenmill", "tokenmill-dense"), ("hf-static", "hf-naive"),
              ("tokenmill-q8_0", "hf-naive"), ("tokenmill-q8_0", "hf-static"), ("tokenmill-q8_0", "tokenmill")]
     return {f"{a}/{b}": round(tok[a] / tok[b], 3) for a, b in pairs if a in tok and tok.get(b)}
 
@@ -218,7 +225,7 @@ def machine_info(threads: int, device: str = "cpu") -> dict[str, Any]:
 
 def settings_of(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     return {
-        "model": args.model or "SmolLM2-135M-Instruct (embedded Q4_1 GGUF, dequantized)",
+        "model": args.model or "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)",
         "dtype": args.dtype,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -252,7 +259,7 @@ def _rows(report: dict[str, Any]) -> list[list[str]]:
     results = report["results"]
     naive = results.get("hf-naive", {}).get("output_tok_s")
     rows = []
-    for name in ("tokenmill", "tokenmill-q8_0", "hf-static", "hf-naive"):
+    for name in ENGINE_LABELS:
         r = results.get(name)
         if r is None:
             continue
@@ -316,14 +323,19 @@ def _notes(report: dict[str, Any]) -> list[str]:
     ratios_ = report.get("ratios") or {}
     same_dtype = {k: v for k, v in ratios_.items() if "q8_0" not in k}
     quantized = {k: v for k, v in ratios_.items() if "q8_0" in k}
+    kept = results.get("tokenmill", {}).get("linear_layers", "").startswith("GGUF weights kept")
+    if kept:
+        notes.append("tokenmill keeps the GGUF's quantized matrices as stored (int8 values with a float32 scale "
+                     "and offset per 32, the very values transformers dequantizes them to) and computes in float32; "
+                     "the dense row and the baselines hold the same values as float32 tensors.")
     if same_dtype:
-        notes.append("Ratios of output tok/s, same weights and dtype: "
+        notes.append("Ratios of output tok/s, same weight values and float32 compute: "
                      + ", ".join(f"{k} **{v:.2f}x**" for k, v in same_dtype.items()) + ".")
     if quantized:
         notes.append("With Q8_0 weights and a float16 KV cache (weights rounded to 8 bits at load, so not the "
                      "baselines' numbers; accuracy cost in docs/performance.md): "
                      + ", ".join(f"{k} **{v:.2f}x**" for k, v in quantized.items()) + ".")
-    for name in ("tokenmill", "tokenmill-q8_0"):
+    for name in ("tokenmill", "tokenmill-dense", "tokenmill-q8_0"):
         tm = results.get(name, {})
         if tm.get("ttft_p50_s") is not None:
             notes.append(f"{name} TTFT p50 / p95: {tm['ttft_p50_s']:.2f} / {tm['ttft_p95_s']:.2f} s; "

@@ -48,7 +48,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
-    parser.add_argument("--quantization", default="q8_0", choices=["q8_0"])
+    parser.add_argument("--quantization", default="q8_0", choices=["q8_0", "gguf"])
     parser.add_argument("--text", default=None, help="text file to score (default: README.md)")
     parser.add_argument("--max-tokens", type=int, default=1024, help="score at most this many tokens")
     parser.add_argument("--json", default=None)
@@ -58,7 +58,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     text = text_path.read_text()
     results: list[tuple[list[float], list[int]]] = []
     token_ids: list[int] = []
-    for quantization in (None, args.quantization):
+    for quantization in ("none", args.quantization):  # dense float32 is the reference
         llm = LLM(args.model, quantization=quantization, max_model_len=args.max_tokens + 8,
                   enable_prefix_caching=False)
         if not token_ids:

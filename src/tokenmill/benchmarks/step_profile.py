@@ -80,7 +80,7 @@ def _patched(obj: Any, name: str, replacement: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def profile_phases(llm) -> Iterator[PhaseTimer]:
     """Instrument one LLM's engine; the yielded timer fills while the block runs."""
-    from tokenmill.model.layers.linear import PackedLinear, Q8_0Linear
+    from tokenmill.model.layers.linear import Int8BlockLinear, PackedLinear
     from tokenmill.runner import model_runner as runner_module
 
     engine = llm.llm_engine
@@ -105,7 +105,7 @@ def profile_phases(llm) -> Iterator[PhaseTimer]:
         patch(backend, "decode_into", "model: attention (decode)")
         patch(backend, "prefill_into", "model: attention (prefill)")
         for module in model.layers.modules():  # the LM head is timed as "logits"
-            if isinstance(module, (torch.nn.Linear, PackedLinear, Q8_0Linear)):
+            if isinstance(module, (torch.nn.Linear, Int8BlockLinear, PackedLinear)):
                 patch(module, "forward", "model: linear")
         # Instance attributes shadow nn.Module.__call__'s lookup of `forward`; the sampler is called
         # as sampler(...), which looks up __call__ on the type, so route it through the instance.
@@ -167,7 +167,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--no-packed-linear", dest="packed_linear", action="store_false")
-    parser.add_argument("--quantization", default=None, choices=["q8_0"])
+    parser.add_argument("--quantization", default=None, choices=["gguf", "q8_0", "none"])
     parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N requests")
     parser.add_argument("--json", default=None, help="write the result here")

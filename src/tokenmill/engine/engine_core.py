@@ -46,7 +46,8 @@ class EngineCore:
                                   packed_linear_rows=min(config.max_num_seqs, 256) if config.packed_linear else None,
                                   quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
                                   structured_outputs_fast_forward=config.structured_outputs_fast_forward)
-        self.runner.load_weights(source.iter_weights(self.runner.dtype))
+        int8_blocks = {} if self.runner.keeps_int8_blocks(source.is_gguf) else None
+        self.runner.load_weights(source.iter_weights(self.runner.dtype, int8_blocks), int8_blocks)
         num_blocks = self._num_kv_blocks(device)
         self.runner.initialize_kv_cache(num_blocks)
         # A request must fit in the cache on its own, or preemption could never make room for it.

@@ -80,9 +80,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "cpu"],
                        help="auto: tokenmill's C++ paged-attention kernels on CPU (built on first use) when a "
                             "compiler is present, else the portable torch backend")
-    group.add_argument("--quantization", "-q", default=None, choices=["q8_0"],
-                       help="q8_0: round projection and LM-head weights to GGUF's Q8_0 at load (int8 blocks of 32 "
-                            "with one scale); steps of up to 64 rows read the int8 copy (CPU, float32)")
+    group.add_argument("--quantization", "-q", default=None, choices=["gguf", "q8_0", "none"],
+                       help="weights. Unset: a GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K matrices stay quantized as "
+                            "stored where tokenmill's int8 kernels run (CPU, float32), other tensors are "
+                            "dequantized; gguf: insist on that; q8_0: round any model's projection and LM-head "
+                            "weights to Q8_0 at load; none: dequantize everything to --dtype")
     group.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                        help="KV cache storage; auto: the model's dtype. float16/bfloat16 under a float32 model "
                             "halve the cache's memory and the bytes a decode step reads (attention still computes "

@@ -9,6 +9,7 @@ checkpoint and are undone here:
 """
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -19,6 +20,9 @@ import numpy as np
 import torch
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.model.layers.linear import Int8Blocks
+
+logger = logging.getLogger("tokenmill")
 
 if TYPE_CHECKING:
     import gguf
@@ -141,12 +145,15 @@ def read_gguf_config(reader: gguf.GGUFReader, path: Path) -> tuple[PretrainedCon
 
 
 def iter_gguf_weights(
-    path: Path, config: PretrainedConfig, dtype: torch.dtype, reader: gguf.GGUFReader | None = None
+    path: Path, config: PretrainedConfig, dtype: torch.dtype, reader: gguf.GGUFReader | None = None,
+    int8_blocks: dict[str, Int8Blocks] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, tensor) one tensor at a time, dequantized and in HF layout.
 
     Pass the reader that read the config to skip a second parse of the header (seconds for a
-    50k-token vocabulary: gguf-py builds a numpy view per metadata array element).
+    50k-token vocabulary: gguf-py builds a numpy view per metadata array element). With
+    `int8_blocks`, every matrix stored in a type `Int8Blocks` represents exactly is also put there
+    under its HF name, checked bit for bit against the dequantized tensor.
     """
     from gguf import quants
 
@@ -168,12 +175,120 @@ def iter_gguf_weights(
         array = array.reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
         # Unquantized tensors come back as read-only memmap views; torch needs its own copy.
         weight = torch.from_numpy(np.array(array, copy=not array.flags.writeable)).to(dtype)
+        unpermute = None
         if family.unpermute_qk and ".attn_q." in tensor.name:
-            weight = unpermute_rotary_rows(weight, config.num_attention_heads)
+            unpermute = config.num_attention_heads
         elif family.unpermute_qk and ".attn_k." in tensor.name:
-            weight = unpermute_rotary_rows(weight, config.num_key_value_heads)
+            unpermute = config.num_key_value_heads
+        if unpermute is not None:
+            weight = unpermute_rotary_rows(weight, unpermute)
+        if int8_blocks is not None and dtype == torch.float32 and weight.dim() == 2:
+            blocks = gguf_int8_blocks(tensor)
+            if blocks is not None and unpermute is not None:
+                blocks = blocks.map_rows(lambda rows: unpermute_rotary_rows(rows, unpermute))
+            if blocks is not None and torch.equal(blocks.dequantize(), weight):
+                int8_blocks[hf_name] = blocks
+            elif blocks is not None:  # a decoding bug, never a property of the file: keep the dense weight
+                logger.warning("%s: GGUF %s blocks do not reproduce gguf-py's values; using dense weights",
+                               tensor.name, type_name)
         yield hf_name, weight.contiguous()
         del array, weight  # keep at most one tensor alive between yields
+
+
+# ---- GGUF blocks kept as block-int8 --------------------------------------------------------------
+# Types whose values are q * scale (+ min) per run of 32 inputs with |q| < 128: the int8 kernel runs them
+# as stored (tokenmill.model.layers.linear.Int8Blocks). Q2_K/Q3_K/Q6_K use runs of 16 and stay dense.
+INT8_BLOCK_TYPES: frozenset[str] = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K"})
+
+
+def gguf_int8_blocks(tensor: Any) -> Int8Blocks | None:
+    """The tensor's integers and per-32 scales/mins as stored in the file; None for other types.
+
+    Rows are the GGUF's (output features); q/k rows are not yet unpermuted.
+    """
+    from gguf import GGML_QUANT_SIZES
+
+    type_name = tensor.tensor_type.name
+    if type_name not in INT8_BLOCK_TYPES or len(tensor.shape) != 2:
+        return None
+    in_features, out_features = (int(d) for d in tensor.shape.tolist())
+    block_size, type_size = GGML_QUANT_SIZES[tensor.tensor_type]
+    raw = np.ascontiguousarray(tensor.data).view(np.uint8).reshape(-1, type_size)
+    q, scales, mins = _UNPACKERS[type_name](raw)
+    subblocks = in_features // 32
+    return Int8Blocks(
+        torch.from_numpy(np.ascontiguousarray(q.reshape(out_features, in_features).astype(np.int8))),
+        torch.from_numpy(np.ascontiguousarray(scales.reshape(out_features, subblocks), dtype=np.float32)),
+        None if mins is None else torch.from_numpy(
+            np.ascontiguousarray(mins.reshape(out_features, subblocks), dtype=np.float32)),
+    )
+
+
+def _f16(raw: np.ndarray, offset: int) -> np.ndarray:
+    return raw[:, offset:offset + 2].copy().view(np.float16).astype(np.float32)[:, 0]
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """16 bytes -> 32 values: the low nibbles are values 0-15, the high nibbles 16-31 (ggml's order)."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1).astype(np.int16)
+
+
+def _fifth_bits(qh: np.ndarray) -> np.ndarray:
+    """4 bytes (a little-endian uint32) -> bit i of it for value i, as 16."""
+    bits = qh.copy().view("<u4").reshape(-1, 1) >> np.arange(32, dtype=np.uint32)
+    return ((bits & 1) << 4).astype(np.int16)
+
+
+def _unpack_q8_0(raw):
+    return raw[:, 2:34].copy().view(np.int8), _f16(raw, 0), None
+
+
+def _unpack_q4_0(raw):
+    return _nibbles(raw[:, 2:18]) - 8, _f16(raw, 0), None
+
+
+def _unpack_q4_1(raw):
+    return _nibbles(raw[:, 4:20]), _f16(raw, 0), _f16(raw, 2)
+
+
+def _unpack_q5_0(raw):
+    return (_nibbles(raw[:, 6:22]) | _fifth_bits(raw[:, 2:6])) - 16, _f16(raw, 0), None
+
+
+def _unpack_q5_1(raw):
+    return _nibbles(raw[:, 8:24]) | _fifth_bits(raw[:, 4:8]), _f16(raw, 0), _f16(raw, 2)
+
+
+def _k_quant_scales(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K super-blocks of 256: per sub-block of 32, scale d * sc and min -(dmin * m)."""
+    d, dmin = _f16(raw, 0), _f16(raw, 2)
+    packed = raw[:, 4:16].reshape(-1, 3, 4)
+    low, high, mixed = packed[:, 0], packed[:, 1], packed[:, 2]
+    sc = np.concatenate([low & 0x3F, (mixed & 0x0F) | ((low >> 2) & 0x30)], axis=-1).astype(np.float32)
+    m = np.concatenate([high & 0x3F, (mixed >> 4) | ((high >> 2) & 0x30)], axis=-1).astype(np.float32)
+    return d[:, None] * sc, -(dmin[:, None] * m)
+
+
+def _k_quant_nibbles(qs: np.ndarray) -> np.ndarray:
+    """128 bytes -> 256 values: each 32 bytes hold two sub-blocks, low nibbles first."""
+    qs = qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (qs & 0x0F).reshape(-1, 256).astype(np.int16)
+
+
+def _unpack_q4_k(raw):
+    scales, mins = _k_quant_scales(raw)
+    return _k_quant_nibbles(raw[:, 16:144]), scales, mins
+
+
+def _unpack_q5_k(raw):
+    scales, mins = _k_quant_scales(raw)
+    qh = raw[:, 16:48].reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)
+    fifth = ((qh & 1).reshape(-1, 256) << 4).astype(np.int16)
+    return _k_quant_nibbles(raw[:, 48:176]) | fifth, scales, mins
+
+
+_UNPACKERS = {"Q8_0": _unpack_q8_0, "Q4_0": _unpack_q4_0, "Q4_1": _unpack_q4_1, "Q5_0": _unpack_q5_0,
+              "Q5_1": _unpack_q5_1, "Q4_K": _unpack_q4_k, "Q5_K": _unpack_q5_k}
 
 
 def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.basic import RMSNorm, RotaryEmbedding, SiluAndMul
-from tokenmill.model.layers.linear import Q8_0_MAX_KERNEL_ROWS, LinearFactory, Q8_0Linear, replace_linear_layers
+from tokenmill.model.layers.linear import INT8_KERNEL_MAX_ROWS, Int8BlockLinear, LinearFactory, replace_linear_layers
 
 
 class LlamaAttention(nn.Module):
@@ -100,45 +100,46 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self._q8_0_decode: Optional[tuple[Any, list[torch.Tensor]]] = None  # (kernels, per-layer tensors)
+        self._int8_decode: Optional[tuple[Any, list[torch.Tensor]]] = None  # (kernels, per-layer tensors)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         rows = input_ids.numel()
-        if (self._q8_0_decode is not None and meta.num_decodes == rows <= Q8_0_MAX_KERNEL_ROWS
+        if (self._int8_decode is not None and meta.num_decodes == rows <= INT8_KERNEL_MAX_ROWS
                 and meta.decode_block_tables is not None):
-            return self._forward_q8_0_decode(input_ids, positions, kv_caches, meta)
+            return self._forward_int8_decode(input_ids, positions, kv_caches, meta)
         x, residual = self.embed_tokens(input_ids), None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(positions, x, residual, kv_cache, meta)
         return self.norm(x, residual)[0]
 
-    def enable_q8_0_decode(self, kernels: Any) -> bool:
-        """Run decode-only steps of up to Q8_0_MAX_KERNEL_ROWS rows as one C++ call over the whole stack
-        (`llama_decode_q8_0`).
+    def enable_int8_decode(self, kernels: Any) -> bool:
+        """Run decode-only steps of up to INT8_KERNEL_MAX_ROWS rows as one C++ call over the whole stack
+        (`llama_decode_int8`).
 
         Same kernels in the same order as the layers, so the same bits; it skips ~0.2 ms of Python and
         dispatch per layer, most of a small decode step's non-matmul time. Needs every projection in
-        Q8_0 and the rotary/norm kernels (use_cpu_kernels); returns whether it was enabled.
+        block-int8 form and the rotary/norm kernels (use_cpu_kernels); returns whether it was enabled.
         """
         params: list[torch.Tensor] = []
         none = torch.empty(0)
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(linear, Q8_0Linear) for linear in linears) or layer.input_layernorm.kernels is None:
+            if (not all(isinstance(linear, Int8BlockLinear) for linear in linears)
+                    or layer.input_layernorm.kernels is None):
                 return False
-            qkv, o, gate_up, down = ([linear.q, linear.scales, none if linear.bias is None else linear.bias]
-                                     for linear in linears)
+            qkv, o, gate_up, down = ([linear.q, linear.scales, none if linear.mins is None else linear.mins,
+                                      none if linear.bias is None else linear.bias] for linear in linears)
             params += [layer.input_layernorm.weight, *qkv, *o, layer.post_attention_layernorm.weight, *gate_up, *down]
-        self._q8_0_decode = (kernels, params)
+        self._int8_decode = (kernels, params)
         return True
 
-    def _forward_q8_0_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+    def _forward_int8_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                              meta: AttentionMetadata) -> torch.Tensor:
-        kernels, params = self._q8_0_decode
+        kernels, params = self._int8_decode
         attn = self.layers[0].self_attn
-        return kernels.llama_decode_q8_0(
+        return kernels.llama_decode_int8(
             self.embed_tokens(input_ids), positions, meta.slot_mapping, meta.decode_block_tables,
             meta.decode_context_lens, kv_caches, params, self.norm.weight, self.rotary.cos, self.rotary.sin,
             attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norm.eps, attn.scale)
@@ -149,13 +150,22 @@ class LlamaForCausalLM(nn.Module):
         return self.lm_head(hidden).float()
 
     def convert_linear_layers(self, make: LinearFactory) -> None:
-        """After loading: every projection and the LM head rebuilt by make(weight, bias) (packed, Q8_0).
+        """After loading: every projection and the LM head rebuilt by make(name, weight, bias) (packed,
+        block-int8).
 
         A tied head gets its own converted copy; the embedding lookup keeps its plain weights.
         """
         replace_linear_layers(self, make)
         if self.lm_head is None:
-            self.lm_head = make(self.embed_tokens.weight, None)
+            self.lm_head = make("lm_head", self.embed_tokens.weight, None)
+
+    def checkpoint_weight_names(self, module_name: str) -> list[str]:
+        """The checkpoint tensors whose rows, stacked in order, are this linear module's weight."""
+        if module_name == "lm_head":
+            return ["model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"]
+        prefix, _, leaf = module_name.rpartition(".")
+        parts = [theirs for ours, theirs, _ in self._FUSED if ours == leaf] or [leaf]
+        return [f"model.{prefix}.{part}.weight" for part in parts]
 
     # ---- weights -------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

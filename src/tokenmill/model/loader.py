@@ -19,6 +19,7 @@ import torch
 from tokenmill.errors import ModelLoadError
 from tokenmill.model import gguf_loader
 from tokenmill.model.default_model import DEFAULT_MODEL_NAME, default_model_path
+from tokenmill.model.layers.linear import Int8Blocks
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -43,14 +44,17 @@ class ModelSource:
     # long-lived ModelSource does not pin its per-field numpy views.
     _gguf_reader: Any = field(default=None, repr=False, compare=False)
 
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, dtype: torch.dtype, int8_blocks: dict[str, Int8Blocks] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (HF parameter name, tensor in dtype), one tensor alive at a time.
 
-        lm_head.weight is absent when the embeddings are tied and the file stores no head.
+        lm_head.weight is absent when the embeddings are tied and the file stores no head. With
+        `int8_blocks`, a GGUF's block-quantized matrices are also kept there as stored (see
+        gguf_loader.iter_gguf_weights); other formats leave it empty.
         """
         if self.is_gguf:
             reader, self._gguf_reader = self._gguf_reader, None
-            yield from gguf_loader.iter_gguf_weights(self.path, self.hf_config, dtype, reader)
+            yield from gguf_loader.iter_gguf_weights(self.path, self.hf_config, dtype, reader, int8_blocks)
         else:
             yield from _iter_safetensors(self.path, dtype)
 

@@ -12,7 +12,8 @@ from tokenmill.core.sched_output import SchedulerOutput
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import get_attention_backend
 from tokenmill.model.layers.basic import use_cpu_kernels
-from tokenmill.model.layers.linear import Q8_0_MAX_KERNEL_ROWS, PackedLinear, Q8_0Linear, onednn_packing_supported
+from tokenmill.model.layers.linear import (INT8_KERNEL_MAX_ROWS, Int8BlockLinear, Int8Blocks, PackedLinear,
+                                          onednn_packing_supported)
 from tokenmill.model.registry import get_model_class
 from tokenmill.outputs import Logprob
 from tokenmill.runner.input_batch import build_model_inputs
@@ -56,6 +57,12 @@ def resolve_device(name: Optional[str]) -> torch.device:
     return torch.device(name)
 
 
+# --quantization values: None keeps a GGUF's block-quantized weights where the int8 kernels run
+# (see ModelRunner.keeps_int8_blocks) and dequantizes everything else.
+QUANTIZATIONS = (None, "gguf", "q8_0", "none")
+INT8_KERNELS_NEEDED = "needs the CPU device, dtype float32 and tokenmill's CPU kernels (attention backend 'cpu')"
+
+
 class ModelRunner:
     def __init__(self, hf_config, architecture: str, dtype: str, device: torch.device, max_model_len: int,
                  block_size: int, seed: int = 0, num_threads: Optional[int] = None,
@@ -96,33 +103,88 @@ class ModelRunner:
         self.sampler = Sampler(seed)
         self.packed_linear_rows = packed_linear_rows
         self.packed_linear = False
+        self.linear_layers = ""  # how the projections run, once loaded (logged; reported by benchmarks)
         self.quantization = quantization
-        if quantization not in (None, "q8_0"):
-            raise ModelLoadError(f"unsupported quantization {quantization!r} (supported: q8_0)")
+        if quantization not in QUANTIZATIONS:
+            raise ModelLoadError(f"unsupported quantization {quantization!r} (supported: {', '.join(QUANTIZATIONS[1:])})")
 
-    def load_weights(self, weights) -> None:
+    def _int8_kernels(self):
+        """tokenmill's C++ kernels when block-int8 layers can run here (CPU backend, float32), else None."""
+        kernels = getattr(self.attention_backend, "kernels", None)
+        if kernels is None or self.dtype != torch.float32 or not hasattr(self.model, "convert_linear_layers"):
+            return None
+        return kernels
+
+    def keeps_int8_blocks(self, is_gguf: bool) -> bool:
+        """Whether loading keeps a GGUF's block-quantized matrices as stored: `--quantization gguf`, and by
+        default for GGUF files wherever the int8 kernels run (as vLLM and llama.cpp serve a GGUF in its own
+        quantization). The values are the file's, bit for bit; only the summation order differs from a
+        dense float32 copy."""
+        if self.quantization == "gguf":
+            if not is_gguf:
+                raise ModelLoadError("--quantization gguf needs a GGUF model file")
+            if self._int8_kernels() is None:
+                raise ModelLoadError(f"--quantization gguf {INT8_KERNELS_NEEDED}")
+            return True
+        return self.quantization is None and is_gguf and self._int8_kernels() is not None
+
+    def load_weights(self, weights, int8_blocks: Optional[dict[str, Int8Blocks]] = None) -> None:
+        """Copies `weights` into the model, then builds its linear layers; `int8_blocks` (filled while
+        `weights` is consumed) holds the checkpoint matrices to keep in block-int8 form."""
         self.model.load_weights(weights)
-        logger.info("linear layers: %s", self._prepare_linear_layers())
+        self.linear_layers = self._prepare_linear_layers(int8_blocks)
+        logger.info("linear layers: %s", self.linear_layers)
 
-    def _prepare_linear_layers(self) -> str:
+    def _dense_linear(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Module:
+        """A layer GGUF blocks do not cover (a Q6_K head, an F16 matrix): oneDNN-packed when available."""
+        if self.packed_linear_rows and onednn_packing_supported(self.dtype):
+            return PackedLinear(weight, bias, self.packed_linear_rows)
+        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            linear.bias = torch.nn.Parameter(bias, requires_grad=False)
+        return linear
+
+    def _prepare_linear_layers(self, int8_blocks: Optional[dict[str, Int8Blocks]] = None) -> str:
         convertible = hasattr(self.model, "convert_linear_layers")
         rows = self.packed_linear_rows or 64
+        limit = INT8_KERNEL_MAX_ROWS
+        kernels = self._int8_kernels()
         if self.quantization == "q8_0":
-            kernels = getattr(self.attention_backend, "kernels", None)
-            if kernels is None or self.dtype != torch.float32 or not convertible:
-                raise ModelLoadError("--quantization q8_0 needs the CPU device, dtype float32 and tokenmill's CPU "
-                                     "kernels (attention backend 'cpu')")
-            self.model.convert_linear_layers(lambda weight, bias: Q8_0Linear(weight, bias, rows, kernels))
-            fused = getattr(self.model, "enable_q8_0_decode", lambda _: False)(kernels)
-            limit = Q8_0_MAX_KERNEL_ROWS
-            return (f"Q8_0 weights (int8 kernel for steps of up to {limit} rows, dense dequantized copy above"
-                    + (f"; decode steps of up to {limit} rows run the decoder stack in one C++ call)" if fused else ")"))
+            if kernels is None:
+                raise ModelLoadError(f"--quantization q8_0 {INT8_KERNELS_NEEDED}")
+            self.model.convert_linear_layers(
+                lambda name, weight, bias: Int8BlockLinear.from_weight(weight, bias, rows, kernels))
+            return (f"Q8_0 weights rounded at load (int8 kernel for steps of up to {limit} rows, dense "
+                    "dequantized copy above" + self._enable_int8_decode(kernels))
+        if int8_blocks:
+            kept = []
+
+            def make(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Module:
+                parts = [int8_blocks.get(part) for part in self.model.checkpoint_weight_names(name)]
+                if all(part is not None for part in parts):
+                    kept.append(name)
+                    return Int8BlockLinear(Int8Blocks.cat(parts) if len(parts) > 1 else parts[0], bias, rows, kernels)
+                return self._dense_linear(weight, bias)
+
+            self.model.convert_linear_layers(make)
+            int8_blocks.clear()  # the layers hold their packed copies now
+            return (f"GGUF weights kept quantized in {len(kept)} layers (int8 kernel for steps of up to {limit} rows, "
+                    "dense copy of the same values above" + self._enable_int8_decode(kernels))
+        if self.quantization == "gguf":
+            raise ModelLoadError("--quantization gguf: the file has no matrices in a type kept quantized "
+                                 "(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K)")
         if (self.packed_linear_rows and self.device.type == "cpu" and onednn_packing_supported(self.dtype)
                 and convertible):
-            self.model.convert_linear_layers(lambda weight, bias: PackedLinear(weight, bias, rows))
+            self.model.convert_linear_layers(lambda name, weight, bias: PackedLinear(weight, bias, rows))
             self.packed_linear = True
             return "oneDNN packed weights"
         return "torch F.linear"
+
+    def _enable_int8_decode(self, kernels) -> str:
+        fused = getattr(self.model, "enable_int8_decode", lambda _: False)(kernels)
+        limit = INT8_KERNEL_MAX_ROWS
+        return f"; decode steps of up to {limit} rows run the decoder stack in one C++ call)" if fused else ")"
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)

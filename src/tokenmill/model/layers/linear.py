@@ -9,6 +9,7 @@ Results differ from F.linear only by float summation order.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -43,81 +44,125 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
-# Builds a replacement layer from a loaded (weight, bias).
-LinearFactory = Callable[[torch.Tensor, Optional[torch.Tensor]], nn.Module]
+# Builds a replacement layer from a loaded (module name, weight, bias).
+LinearFactory = Callable[[str, torch.Tensor, Optional[torch.Tensor]], nn.Module]
 
 
 def replace_linear_layers(model: nn.Module, make: LinearFactory) -> int:
-    """Swap every nn.Linear in `model` for make(weight, bias); returns how many were replaced."""
+    """Swap every nn.Linear in `model` for make(name, weight, bias); returns how many were replaced."""
     targets = [(name, module) for name, module in model.named_modules() if isinstance(module, nn.Linear)]
     for name, linear in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, make(linear.weight, linear.bias))
+        setattr(parent, child, make(name, linear.weight, linear.bias))
     return len(targets)
 
 
-# ---- Q8_0 weight-only quantization ------------------------------------------------------------
-Q8_0_BLOCK = 32
-# Up to this many rows a Q8_0 layer runs tokenmill's int8 kernel: decode steps (bandwidth-bound at a
-# few rows, and ~1.7x ahead of oneDNN's fp32 GEMM at 16 rows here, even at 64); above it the dense copy
-# of the same dequantized values (prefill chunks, where oneDNN's cache blocking wins).
-Q8_0_MAX_KERNEL_ROWS = 64
+# ---- Block-int8 weights (GGUF's Q8_0, Q4_*, Q5_* kept quantized) --------------------------------
+INT8_BLOCK = 32
+# Up to this many rows a block-int8 layer runs tokenmill's int8 kernel: decode steps (bandwidth-bound at
+# a few rows, and ~1.7x ahead of oneDNN's fp32 GEMM at 16 rows here, even at 64); above it the dense
+# copy of the same dequantized values (prefill chunks, where oneDNN's cache blocking wins).
+INT8_KERNEL_MAX_ROWS = 64
+
+
+@dataclass
+class Int8Blocks:
+    """A weight stored as w[n, k] = q[n, k] * scales[n, k // 32] (+ mins[n, k // 32]).
+
+    q holds small integers (int8), one fp32 scale (and optionally one fp32 offset) per block of 32
+    inputs. GGUF's Q8_0, Q4_0 and Q5_0 have no offset; Q4_1, Q5_1 and the 32-value sub-blocks of
+    Q4_K / Q5_K have one. `dequantize` computes q * scale + min in float32, one rounding, as gguf-py
+    does, so a file's weights are reproduced bit for bit.
+    """
+
+    q: torch.Tensor  # int8 [out_features, in_features]
+    scales: torch.Tensor  # float32 [out_features, in_features // 32]
+    mins: Optional[torch.Tensor] = None  # float32 like scales, or None
+
+    def dequantize(self) -> torch.Tensor:
+        out_features, in_features = self.q.shape
+        blocks = self.q.float().reshape(out_features, in_features // INT8_BLOCK, INT8_BLOCK)
+        blocks = blocks * self.scales.unsqueeze(-1)
+        if self.mins is not None:
+            blocks = blocks + self.mins.unsqueeze(-1)
+        return blocks.reshape(out_features, in_features)
+
+    def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Int8Blocks":
+        """The same permutation of output features applied to q, scales and mins."""
+        return Int8Blocks(fn(self.q).contiguous(), fn(self.scales).contiguous(),
+                          None if self.mins is None else fn(self.mins).contiguous())
+
+    @staticmethod
+    def cat(parts: list["Int8Blocks"]) -> "Int8Blocks":
+        """Stacked along the output features (fused q/k/v or gate/up); a part without mins gets zeros."""
+        with_mins = any(part.mins is not None for part in parts)
+        mins = None
+        if with_mins:
+            mins = torch.cat([part.mins if part.mins is not None else torch.zeros_like(part.scales)
+                              for part in parts])
+        return Int8Blocks(torch.cat([part.q for part in parts]), torch.cat([part.scales for part in parts]), mins)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF's Q8_0: per block of 32 inputs, scale = max|w| / 127 and q = round(w / scale)."""
     out_features, in_features = weight.shape
-    if in_features % Q8_0_BLOCK:
-        raise ValueError(f"Q8_0 needs in_features divisible by {Q8_0_BLOCK}, got {in_features}")
-    blocks = weight.detach().float().reshape(out_features, in_features // Q8_0_BLOCK, Q8_0_BLOCK)
+    if in_features % INT8_BLOCK:
+        raise ValueError(f"Q8_0 needs in_features divisible by {INT8_BLOCK}, got {in_features}")
+    blocks = weight.detach().float().reshape(out_features, in_features // INT8_BLOCK, INT8_BLOCK)
     scales = blocks.abs().amax(dim=-1) / 127.0
     safe = torch.where(scales == 0, torch.ones_like(scales), scales)
     q = torch.round(blocks / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
     return q.reshape(out_features, in_features).contiguous(), scales.contiguous()
 
 
-Q8_0_PANEL = 16
-
-
-def pack_q8_0(q: torch.Tensor, scales: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The int8 kernel's layout: output features in panels of 16, q as [panel][block][k in 32][16]
-    and scales as [panel][block][16], so the 16 features of one input are one 16-byte row and a panel
-    is one sequential stream. The last panel is zero-padded to 16 features."""
-    out_features, in_features = q.shape
-    blocks = in_features // Q8_0_BLOCK
-    panels = -(-out_features // Q8_0_PANEL)
-    padded = panels * Q8_0_PANEL
-    q_padded = torch.zeros(padded, in_features, dtype=torch.int8)
-    q_padded[:out_features] = q
-    scales_padded = torch.zeros(padded, blocks, dtype=torch.float32)
-    scales_padded[:out_features] = scales
-    packed_q = q_padded.reshape(panels, Q8_0_PANEL, blocks, Q8_0_BLOCK).permute(0, 2, 3, 1).contiguous()
-    packed_scales = scales_padded.reshape(panels, Q8_0_PANEL, blocks).permute(0, 2, 1).contiguous()
-    return packed_q, packed_scales
-
-
 def dequantize_q8_0(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return Int8Blocks(q, scales).dequantize()
+
+
+INT8_PANEL = 16
+
+
+def _pack_panel_values(values: torch.Tensor, panels: int) -> torch.Tensor:
+    """Per-block values [out, blocks] as [panel][block][16], the last panel zero-padded."""
+    out_features, blocks = values.shape
+    padded = torch.zeros(panels * INT8_PANEL, blocks, dtype=torch.float32)
+    padded[:out_features] = values
+    return padded.reshape(panels, INT8_PANEL, blocks).permute(0, 2, 1).contiguous()
+
+
+def pack_int8_blocks(q: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The int8 kernel's layout: output features in panels of 16, q as [panel][block][k in 32][16]
+    and scales (and mins) as [panel][block][16], so the 16 features of one input are one 16-byte row
+    and a panel is one sequential stream. The last panel is zero-padded to 16 features."""
     out_features, in_features = q.shape
-    blocks = q.float().reshape(out_features, in_features // Q8_0_BLOCK, Q8_0_BLOCK) * scales.unsqueeze(-1)
-    return blocks.reshape(out_features, in_features)
+    blocks = in_features // INT8_BLOCK
+    panels = -(-out_features // INT8_PANEL)
+    q_padded = torch.zeros(panels * INT8_PANEL, in_features, dtype=torch.int8)
+    q_padded[:out_features] = q
+    packed_q = q_padded.reshape(panels, INT8_PANEL, blocks, INT8_BLOCK).permute(0, 2, 3, 1).contiguous()
+    packed_mins = None if mins is None else _pack_panel_values(mins, panels)
+    return packed_q, _pack_panel_values(scales, panels), packed_mins
 
 
-class Q8_0Linear(nn.Module):
-    """A float32 linear whose weights are rounded to Q8_0 once at load.
+class Int8BlockLinear(nn.Module):
+    """A float32 linear whose weights are block-int8 (`Int8Blocks`): GGUF blocks kept as the file
+    stores them, or a float weight rounded to Q8_0 at load (`from_weight`).
 
-    Steps with few rows run tokenmill's int8 kernel (a quarter of the weight bytes); larger steps
+    Steps with few rows run tokenmill's int8 kernel (a quarter of fp32's weight bytes); larger steps
     run a dense (oneDNN-packed when available) copy of the very same dequantized values, so a
     request's numbers do not depend on which path its step took beyond float summation order.
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int, kernels) -> None:
+    def __init__(self, blocks: Int8Blocks, bias: torch.Tensor | None, rows_hint: int, kernels) -> None:
         super().__init__()
-        self.out_features, self.in_features = weight.shape
-        q, scales = quantize_q8_0(weight)
-        self.q, self.scales = pack_q8_0(q, scales)  # the int8 kernel's layout
+        self.out_features, self.in_features = blocks.q.shape
+        if self.in_features % INT8_BLOCK:
+            raise ValueError(f"block-int8 weights need in_features divisible by {INT8_BLOCK}")
+        self.q, self.scales, self.mins = pack_int8_blocks(blocks.q, blocks.scales, blocks.mins)
         self.bias = None if bias is None else bias.detach().float()
-        dense = dequantize_q8_0(q, scales)
+        dense = blocks.dequantize()
         if onednn_packing_supported(torch.float32):
             self.dense: nn.Module = PackedLinear(dense, self.bias, rows_hint)
         else:
@@ -127,10 +172,17 @@ class Q8_0Linear(nn.Module):
                 self.dense.bias.data = self.bias
         self.kernels = kernels
 
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int, kernels) -> "Int8BlockLinear":
+        """`--quantization q8_0`: the float weight rounded to GGUF's Q8_0 at load."""
+        return cls(Int8Blocks(*quantize_q8_0(weight)), bias, rows_hint, kernels)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= Q8_0_MAX_KERNEL_ROWS:
-            return self.kernels.q8_0_linear(x.contiguous(), self.q, self.scales, self.bias, self.out_features)
+        if x.dim() == 2 and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
+            return self.kernels.int8_block_linear(x.contiguous(), self.q, self.scales, self.mins, self.bias,
+                                                  self.out_features)
         return self.dense(x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, q8_0"
+        kind = "int8 blocks with mins" if self.mins is not None else "int8 blocks"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"

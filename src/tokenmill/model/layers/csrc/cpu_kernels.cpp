@@ -501,20 +501,22 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
   });
 }
 
-// ---- Q8_0 weight-only linear for small and medium steps ---------------------------------------
-// y[m, n] = sum_k x[m, k] * w[n, k] + bias[n] with w[n, k] = q[n, k] * scale[n, k / 32] (GGUF's
-// Q8_0: blocks of 32 int8 values sharing one fp32 scale). A decode step with few rows is bound by
-// reading the weights, and int8 reads a quarter of fp32's bytes; with more rows the widened weights
-// are reused across rows and the kernel reaches ~105-150 GFLOP/s (60-80% of the FMA peak) at 8-64 rows
-// on a 2-core AVX2 machine, ahead of oneDNN's fp32 GEMM up to ~64 rows (docs/performance.md).
+// ---- Block-int8 weight-only linear for small and medium steps --------------------------------
+// y[m, n] = sum_k x[m, k] * w[n, k] + bias[n] with w[n, k] = q[n, k] * scale[n, k / 32] (+ min[n, k / 32])
+// for int8 q: GGUF's Q8_0 and Q4_0/Q5_0 (no min), and Q4_1/Q5_1 and the sub-blocks of Q4_K/Q5_K (with
+// a min), whose small integers fit int8 exactly. A decode step with few rows is bound by reading the
+// weights, and int8 reads a quarter of fp32's bytes; with more rows the widened weights are reused
+// across rows and the kernel reaches ~105-150 GFLOP/s (60-80% of the FMA peak) at 8-64 rows on a
+// 2-core AVX2 machine, ahead of oneDNN's fp32 GEMM up to ~64 rows (docs/performance.md).
 //
-// Layout (tokenmill.model.layers.linear.pack_q8_0): output features in panels of 16; panel p holds
-// features 16p..16p+15 as q[p][block][k in 0..32][16] (int8) and scale[p][block][16] (fp32), so for
-// each input k the 16 features are one contiguous 16-byte row, and a panel is one sequential stream.
-// The last panel is zero-padded to 16 features. Per row and panel the kernel keeps two 8-wide
-// accumulators per block (x[m, k] broadcast times the widened int8 row), and folds them into the
-// running sums with the block's scales once per 32 inputs: the scale costs 1/32 of an FMA per
-// weight instead of a multiply per weight.
+// Layout (tokenmill.model.layers.linear.pack_int8_blocks): output features in panels of 16; panel p
+// holds features 16p..16p+15 as q[p][block][k in 0..32][16] (int8) and scale[p][block][16] (fp32; mins
+// alike), so for each input k the 16 features are one contiguous 16-byte row, and a panel is one
+// sequential stream. The last panel is zero-padded to 16 features. Per row and panel the kernel keeps
+// two 8-wide accumulators per block (x[m, k] broadcast times the widened int8 row), and folds them into
+// the running sums with the block's scales once per 32 inputs: the scale costs 1/32 of an FMA per
+// weight instead of a multiply per weight. A min adds min * sum(x over the block) to the same sums,
+// with the block sums of x computed once per call.
 //
 // Every row goes through the same operations in the same order whatever the tile it lands in and
 // however many rows the call has, so a row's result does not depend on the batch it was computed in.
@@ -529,15 +531,29 @@ constexpr int64_t kQ8PrefetchBytes = 1024;
 // Rows of x per work item for larger steps: the panel stays in L1/L2 while a chunk of x streams past.
 constexpr int64_t kQ8RowChunk = 64;
 
+// Per row and block of 32 inputs, the sum of x in a fixed order (the min term's factor).
+void block_sums(const float* x, int64_t rows, int64_t in_features, float* out) {
+  const int64_t blocks = in_features / kQ8Block;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float* xb = x + r * in_features + b * kQ8Block;
+      float s = 0.0f;
+      for (int64_t k = 0; k < kQ8Block; ++k) s += xb[k];
+      out[r * blocks + b] = s;
+    }
+}
+
 #ifdef TOKENMILL_AVX2
 inline __m256 widen_int8x8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 // R rows of x (row stride in_features) against one panel; y gets the panel's `width` valid columns.
+// mp/xs: the panel's mins and the rows' block sums of x (both null without mins).
 template <int R>
-inline void q8_0_panel_tile(const float* x, int64_t in_features, const int8_t* qp, const float* sp, int64_t width,
-                            const float* bias, bool prefetch, float* y, int64_t y_stride) {
+inline void int8_panel_tile(const float* x, int64_t in_features, const int8_t* qp, const float* sp, const float* mp,
+                            const float* xs, int64_t width, const float* bias, bool prefetch, float* y,
+                            int64_t y_stride) {
   const int64_t blocks = in_features / kQ8Block;
   __m256 sum[R][2];
   for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
@@ -563,6 +579,14 @@ inline void q8_0_panel_tile(const float* x, int64_t in_features, const int8_t* q
       sum[r][0] = _mm256_fmadd_ps(acc[r][0], s0, sum[r][0]);
       sum[r][1] = _mm256_fmadd_ps(acc[r][1], s1, sum[r][1]);
     }
+    if (mp != nullptr) {
+      const __m256 m0 = _mm256_loadu_ps(mp + b * kQ8Panel), m1 = _mm256_loadu_ps(mp + b * kQ8Panel + 8);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xsum = _mm256_broadcast_ss(xs + r * blocks + b);
+        sum[r][0] = _mm256_fmadd_ps(m0, xsum, sum[r][0]);
+        sum[r][1] = _mm256_fmadd_ps(m1, xsum, sum[r][1]);
+      }
+    }
   }
   for (int r = 0; r < R; ++r) {
     alignas(32) float out[kQ8Panel];
@@ -572,14 +596,15 @@ inline void q8_0_panel_tile(const float* x, int64_t in_features, const int8_t* q
   }
 }
 
-using Q8TileFn = void (*)(const float*, int64_t, const int8_t*, const float*, int64_t, const float*, bool, float*,
-                          int64_t);
-constexpr Q8TileFn kQ8TileByRows[kQ8TileRows] = {q8_0_panel_tile<1>, q8_0_panel_tile<2>, q8_0_panel_tile<3>,
-                                                 q8_0_panel_tile<4>};
+using Int8TileFn = void (*)(const float*, int64_t, const int8_t*, const float*, const float*, const float*, int64_t,
+                            const float*, bool, float*, int64_t);
+constexpr Int8TileFn kInt8TileByRows[kQ8TileRows] = {int8_panel_tile<1>, int8_panel_tile<2>, int8_panel_tile<3>,
+                                                     int8_panel_tile<4>};
 #else
 // Portable fallback: the same arithmetic (per-block partial sums, then scaled), one value at a time.
-inline void q8_0_panel_tile_scalar(const float* x, int64_t rows, int64_t in_features, const int8_t* qp,
-                                   const float* sp, int64_t width, const float* bias, float* y, int64_t y_stride) {
+inline void int8_panel_tile_scalar(const float* x, int64_t rows, int64_t in_features, const int8_t* qp,
+                                   const float* sp, const float* mp, const float* xs, int64_t width,
+                                   const float* bias, float* y, int64_t y_stride) {
   const int64_t blocks = in_features / kQ8Block;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < width; ++j) {
@@ -589,18 +614,24 @@ inline void q8_0_panel_tile_scalar(const float* x, int64_t rows, int64_t in_feat
         for (int64_t k = 0; k < kQ8Block; ++k)
           acc += static_cast<float>(qp[(b * kQ8Block + k) * kQ8Panel + j]) * x[r * in_features + b * kQ8Block + k];
         sum += acc * sp[b * kQ8Panel + j];
+        if (mp != nullptr) sum += mp[b * kQ8Panel + j] * xs[r * blocks + b];
       }
       y[r * y_stride + j] = sum + (bias == nullptr ? 0.0f : bias[j]);
     }
 }
 #endif
 
-void q8_0_linear_rows(const float* x, int64_t rows, int64_t in_features, const int8_t* q, const float* scales,
-                      int64_t out_features, const float* bias, float* y) {
+void int8_linear_rows(const float* x, int64_t rows, int64_t in_features, const int8_t* q, const float* scales,
+                      const float* mins, int64_t out_features, const float* bias, float* y) {
   if (rows == 0) return;
   const int64_t blocks = in_features / kQ8Block;
   const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel;
   const int64_t chunks = (rows + kQ8RowChunk - 1) / kQ8RowChunk;
+  std::vector<float> x_block_sums;
+  if (mins != nullptr) {
+    x_block_sums.resize(rows * blocks);
+    block_sums(x, rows, in_features, x_block_sums.data());
+  }
   // Work item = (row chunk, panel), panels innermost so a thread's consecutive items share x.
   at::parallel_for(0, chunks * panels, 4, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
@@ -608,15 +639,17 @@ void q8_0_linear_rows(const float* x, int64_t rows, int64_t in_features, const i
       const int64_t n0 = p * kQ8Panel, width = std::min(kQ8Panel, out_features - n0);
       const int8_t* qp = q + p * blocks * kQ8Block * kQ8Panel;
       const float* sp = scales + p * blocks * kQ8Panel;
+      const float* mp = mins == nullptr ? nullptr : mins + p * blocks * kQ8Panel;
       const float* bp = bias == nullptr ? nullptr : bias + n0;
       const int64_t r_end = std::min(rows, (chunk + 1) * kQ8RowChunk);
       for (int64_t r0 = chunk * kQ8RowChunk; r0 < r_end; r0 += kQ8TileRows) {
         const int64_t tile = std::min(kQ8TileRows, r_end - r0);
+        const float* xs = mins == nullptr ? nullptr : x_block_sums.data() + r0 * blocks;
 #ifdef TOKENMILL_AVX2
-        kQ8TileByRows[tile - 1](x + r0 * in_features, in_features, qp, sp, width, bp, r0 == chunk * kQ8RowChunk,
-                                y + r0 * out_features + n0, out_features);
+        kInt8TileByRows[tile - 1](x + r0 * in_features, in_features, qp, sp, mp, xs, width, bp,
+                                  r0 == chunk * kQ8RowChunk, y + r0 * out_features + n0, out_features);
 #else
-        q8_0_panel_tile_scalar(x + r0 * in_features, tile, in_features, qp, sp, width, bp,
+        int8_panel_tile_scalar(x + r0 * in_features, tile, in_features, qp, sp, mp, xs, width, bp,
                                y + r0 * out_features + n0, out_features);
 #endif
       }
@@ -626,16 +659,23 @@ void q8_0_linear_rows(const float* x, int64_t rows, int64_t in_features, const i
 
 }  // namespace
 
-torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales, c10::optional<torch::Tensor> bias,
-                          int64_t out_features) {
+torch::Tensor int8_block_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales,
+                                c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias,
+                                int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: contiguous float32 [rows, K]");
   TORCH_CHECK(x.size(1) % kQ8Block == 0, "K must be a multiple of 32");
   const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel, blocks = x.size(1) / kQ8Block;
   TORCH_CHECK(out_features > 0 && q.is_contiguous() && q.scalar_type() == torch::kInt8 &&
               q.numel() == panels * blocks * kQ8Block * kQ8Panel,
-              "q: contiguous int8 in pack_q8_0's layout [panels, K / 32, 32, 16] matching x and out_features");
+              "q: contiguous int8 in pack_int8_blocks's layout [panels, K / 32, 32, 16] matching x and out_features");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat &&
               scales.numel() == panels * blocks * kQ8Panel, "scales: contiguous float32 [panels, K / 32, 16]");
+  const float* mins_ptr = nullptr;
+  if (mins.has_value() && mins->defined() && mins->numel() > 0) {
+    TORCH_CHECK(mins->is_contiguous() && mins->scalar_type() == torch::kFloat && mins->numel() == scales.numel(),
+                "mins: contiguous float32 shaped like scales");
+    mins_ptr = mins->data_ptr<float>();
+  }
   const float* bias_ptr = nullptr;
   if (bias.has_value() && bias->defined()) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == out_features,
@@ -643,24 +683,29 @@ torch::Tensor q8_0_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales
     bias_ptr = bias->data_ptr<float>();
   }
   auto y = torch::empty({x.size(0), out_features}, x.options());
-  q8_0_linear_rows(x.data_ptr<float>(), x.size(0), x.size(1), q.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                   out_features, bias_ptr, y.data_ptr<float>());
+  int8_linear_rows(x.data_ptr<float>(), x.size(0), x.size(1), q.data_ptr<int8_t>(), scales.data_ptr<float>(),
+                   mins_ptr, out_features, bias_ptr, y.data_ptr<float>());
   return y;
 }
 
-// ---- A whole Llama decoder stack for a decode-only step with Q8_0 weights --------------------
+// ---- A whole Llama decoder stack for a decode-only step with block-int8 weights ---------------
 // The same kernels, in the same order, as the Python layers (so the result is bit-identical), called
 // from one C++ loop: a decode step of a few rows spends most of its non-matmul time in Python and in
 // per-op dispatch (~0.2 ms per layer on 2 cores), not in the kernels themselves.
 //
-// layer_params holds kQ8LayerParams tensors per layer: input norm weight; qkv q, scales, bias;
-// o q, scales, bias; post-attention norm weight; gate_up q, scales, bias; down q, scales, bias.
-// An empty (or undefined) bias tensor means no bias. Returns the final norm of the residual stream, [rows, hidden].
+// layer_params holds kInt8LayerParams tensors per layer: input norm weight; qkv q, scales, mins, bias;
+// o q, scales, mins, bias; post-attention norm weight; gate_up q, scales, mins, bias; down q, scales,
+// mins, bias. An empty (or undefined) mins or bias tensor means none. Returns the final norm of the residual stream, [rows, hidden].
 namespace {
-constexpr size_t kQ8LayerParams = 14;
+constexpr size_t kInt8LayerParams = 18;
 
-c10::optional<torch::Tensor> optional_bias(const torch::Tensor& bias) {
-  return bias.defined() && bias.numel() > 0 ? c10::optional<torch::Tensor>(bias) : c10::nullopt;
+c10::optional<torch::Tensor> optional_tensor(const torch::Tensor& t) {
+  return t.defined() && t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
+
+// One projection of the stack: w points at its (q, scales, mins, bias).
+torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor* w, int64_t out_features) {
+  return int8_block_linear(x, w[0], w[1], optional_tensor(w[2]), optional_tensor(w[3]), out_features);
 }
 
 // K and V of each new token into its cache slot (the Python backend's index_copy_).
@@ -693,14 +738,14 @@ void write_kv(const torch::Tensor& qkv, int64_t q_size, int64_t kv_size, torch::
 }
 }  // namespace
 
-torch::Tensor llama_decode_q8_0(torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
+torch::Tensor llama_decode_int8(torch::Tensor hidden, torch::Tensor positions, torch::Tensor slot_mapping,
                                 torch::Tensor block_tables, torch::Tensor context_lens,
                                 std::vector<torch::Tensor> kv_caches, std::vector<torch::Tensor> layer_params,
                                 torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
                                 int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == torch::kFloat,
               "hidden: contiguous float32 [rows, hidden]");
-  TORCH_CHECK(layer_params.size() == kv_caches.size() * kQ8LayerParams, "14 parameters per layer");
+  TORCH_CHECK(layer_params.size() == kv_caches.size() * kInt8LayerParams, "18 parameters per layer");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous() &&
               slot_mapping.numel() == hidden.size(0), "slot_mapping: int64 [rows]");
   const int64_t rows = hidden.size(0);
@@ -708,7 +753,7 @@ torch::Tensor llama_decode_q8_0(torch::Tensor hidden, torch::Tensor positions, t
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
   torch::Tensor x = hidden, residual;
   for (size_t l = 0; l < kv_caches.size(); ++l) {
-    const torch::Tensor* w = layer_params.data() + l * kQ8LayerParams;
+    const torch::Tensor* w = layer_params.data() + l * kInt8LayerParams;
     torch::Tensor& cache = kv_caches[l];
     const auto cache_type = cache.scalar_type();
     TORCH_CHECK(cache.is_contiguous() &&
@@ -722,16 +767,16 @@ torch::Tensor llama_decode_q8_0(torch::Tensor hidden, torch::Tensor positions, t
     } else {
       h = rms_norm(x, residual, w[0], eps);  // residual += x, in place
     }
-    torch::Tensor qkv = q8_0_linear(h, w[1], w[2], optional_bias(w[3]), q_size + 2 * kv_size);
+    torch::Tensor qkv = stack_linear(h, w + 1, q_size + 2 * kv_size);
     rotary_inplace(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim);
     write_kv(qkv, q_size, kv_size, cache, slots);
     torch::Tensor query = qkv.narrow(1, 0, q_size).contiguous().view({rows, num_heads, head_dim});
     torch::Tensor attn = paged_decode_attention(query, cache, block_tables, context_lens, scale);
-    h = q8_0_linear(attn.view({rows, q_size}), w[4], w[5], optional_bias(w[6]), hidden_size);
-    h = rms_norm(h, residual, w[7], eps);
-    const int64_t intermediate_size = w[11].size(1) * kQ8Block;  // down's inputs ([panels, K / 32, 32, 16])
-    h = silu_and_mul(q8_0_linear(h, w[8], w[9], optional_bias(w[10]), 2 * intermediate_size));
-    x = q8_0_linear(h, w[11], w[12], optional_bias(w[13]), hidden_size);
+    h = stack_linear(attn.view({rows, q_size}), w + 5, hidden_size);
+    h = rms_norm(h, residual, w[9], eps);
+    const int64_t intermediate_size = w[14].size(1) * kQ8Block;  // down's inputs ([panels, K / 32, 32, 16])
+    h = silu_and_mul(stack_linear(h, w + 10, 2 * intermediate_size));
+    x = stack_linear(h, w + 14, hidden_size);
   }
   return rms_norm(x, residual, final_norm, eps);
 }
@@ -740,14 +785,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every kernel runs without the GIL (arguments are converted before, results after), so the
   // server's HTTP thread can stream and tokenize while the engine thread is inside one.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("q8_0_linear", &q8_0_linear,
-        "x @ dequant(Q8_0 weights)^T + bias for float32 x (weights in pack_q8_0's layout)", py::arg("x"), py::arg("q"),
-        py::arg("scales"), py::arg("bias"), py::arg("out_features"), nogil);
+  m.def("int8_block_linear", &int8_block_linear,
+        "x @ dequant(block-int8 weights)^T + bias for float32 x (weights in pack_int8_blocks's layout)",
+        py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("out_features"),
+        nogil);
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (one query token per request)", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:]", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (residual updated in place)", nogil);
-  m.def("llama_decode_q8_0", &llama_decode_q8_0, "a Llama decoder stack (Q8_0 weights) for a decode-only step",
+  m.def("llama_decode_int8", &llama_decode_int8, "a Llama decoder stack (block-int8 weights) for a decode-only step",
         nogil);
   m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding in place on the first heads of each row",
         nogil);
