@@ -515,8 +515,8 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
 // sequential stream. The last panel is zero-padded to 16 features. Per row and panel the kernel keeps
 // two 8-wide accumulators per block (x[m, k] broadcast times the widened int8 row), and folds them into
 // the running sums with the block's scales once per 32 inputs: the scale costs 1/32 of an FMA per
-// weight instead of a multiply per weight. A min adds min * sum(x over the block) to the same sums,
-// with the block sums of x computed once per call.
+// weight instead of a multiply per weight. Mins add min * sum(x over the block) to the same sums in a
+// second pass over the blocks, with the block sums of x computed once per call.
 //
 // Every row goes through the same operations in the same order whatever the tile it lands in and
 // however many rows the call has, so a row's result does not depend on the batch it was computed in.
@@ -579,7 +579,11 @@ inline void int8_panel_tile(const float* x, int64_t in_features, const int8_t* q
       sum[r][0] = _mm256_fmadd_ps(acc[r][0], s0, sum[r][0]);
       sum[r][1] = _mm256_fmadd_ps(acc[r][1], s1, sum[r][1]);
     }
-    if (mp != nullptr) {
+  }
+  // The offsets in a second pass: inside the block loop their updates would touch the running sums
+  // (spilled to the stack there) twice per block; here the sums stay in registers (~10% at 64 rows).
+  if (mp != nullptr)
+    for (int64_t b = 0; b < blocks; ++b) {
       const __m256 m0 = _mm256_loadu_ps(mp + b * kQ8Panel), m1 = _mm256_loadu_ps(mp + b * kQ8Panel + 8);
       for (int r = 0; r < R; ++r) {
         const __m256 xsum = _mm256_broadcast_ss(xs + r * blocks + b);
@@ -587,7 +591,6 @@ inline void int8_panel_tile(const float* x, int64_t in_features, const int8_t* q
         sum[r][1] = _mm256_fmadd_ps(m1, xsum, sum[r][1]);
       }
     }
-  }
   for (int r = 0; r < R; ++r) {
     alignas(32) float out[kQ8Panel];
     _mm256_store_ps(out, sum[r][0]);
@@ -614,8 +617,9 @@ inline void int8_panel_tile_scalar(const float* x, int64_t rows, int64_t in_feat
         for (int64_t k = 0; k < kQ8Block; ++k)
           acc += static_cast<float>(qp[(b * kQ8Block + k) * kQ8Panel + j]) * x[r * in_features + b * kQ8Block + k];
         sum += acc * sp[b * kQ8Panel + j];
-        if (mp != nullptr) sum += mp[b * kQ8Panel + j] * xs[r * blocks + b];
       }
+      if (mp != nullptr)
+        for (int64_t b = 0; b < blocks; ++b) sum += mp[b * kQ8Panel + j] * xs[r * blocks + b];
       y[r * y_stride + j] = sum + (bias == nullptr ? 0.0f : bias[j]);
     }
 }
