@@ -548,6 +548,16 @@ inline __m256 widen_int8x8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// out[r] += (v0, v1) * v[r * stride] for R rows: one input (or block sum) of each row against 16 features.
+template <int R>
+inline void fma_broadcast_rows(__m256 (&out)[R][2], __m256 v0, __m256 v1, const float* v, int64_t stride) {
+  for (int r = 0; r < R; ++r) {
+    const __m256 b = _mm256_broadcast_ss(v + r * stride);
+    out[r][0] = _mm256_fmadd_ps(v0, b, out[r][0]);
+    out[r][1] = _mm256_fmadd_ps(v1, b, out[r][1]);
+  }
+}
+
 // R rows of x (row stride in_features) against one panel; y gets the panel's `width` valid columns.
 // mp/xs: the panel's mins and the rows' block sums of x (both null without mins).
 template <int R>
@@ -567,12 +577,8 @@ inline void int8_panel_tile(const float* x, int64_t in_features, const int8_t* q
     const float* xb = x + b * kQ8Block;
 #pragma GCC unroll 4
     for (int k = 0; k < kQ8Block; ++k) {
-      const __m256 w0 = widen_int8x8(qb + k * kQ8Panel), w1 = widen_int8x8(qb + k * kQ8Panel + 8);
-      for (int r = 0; r < R; ++r) {
-        const __m256 xv = _mm256_broadcast_ss(xb + r * in_features + k);
-        acc[r][0] = _mm256_fmadd_ps(w0, xv, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(w1, xv, acc[r][1]);
-      }
+      fma_broadcast_rows<R>(acc, widen_int8x8(qb + k * kQ8Panel), widen_int8x8(qb + k * kQ8Panel + 8),
+                            xb + k, in_features);
     }
     const __m256 s0 = _mm256_loadu_ps(sp + b * kQ8Panel), s1 = _mm256_loadu_ps(sp + b * kQ8Panel + 8);
     for (int r = 0; r < R; ++r) {
@@ -583,14 +589,9 @@ inline void int8_panel_tile(const float* x, int64_t in_features, const int8_t* q
   // The offsets in a second pass: inside the block loop their updates would touch the running sums
   // (spilled to the stack there) twice per block; here the sums stay in registers (~10% at 64 rows).
   if (mp != nullptr)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const __m256 m0 = _mm256_loadu_ps(mp + b * kQ8Panel), m1 = _mm256_loadu_ps(mp + b * kQ8Panel + 8);
-      for (int r = 0; r < R; ++r) {
-        const __m256 xsum = _mm256_broadcast_ss(xs + r * blocks + b);
-        sum[r][0] = _mm256_fmadd_ps(m0, xsum, sum[r][0]);
-        sum[r][1] = _mm256_fmadd_ps(m1, xsum, sum[r][1]);
-      }
-    }
+    for (int64_t b = 0; b < blocks; ++b)
+      fma_broadcast_rows<R>(sum, _mm256_loadu_ps(mp + b * kQ8Panel), _mm256_loadu_ps(mp + b * kQ8Panel + 8), xs + b,
+                            blocks);
   for (int r = 0; r < R; ++r) {
     alignas(32) float out[kQ8Panel];
     _mm256_store_ps(out, sum[r][0]);
