@@ -272,7 +272,7 @@ def _notes(report: dict[str, Any]) -> list[str]:
 
 def settings_of(args: argparse.Namespace, threads: int) -> dict[str, Any]:
     return {
-        "model": args.model or "SmolLM2-135M-Instruct (embedded Q4_1 GGUF, dequantized)",
+        "model": args.model or "SmolLM2-135M-Instruct (embedded Q4_1 GGUF)",
         "dtype": args.dtype,
         "device": args.device,
         "max_num_seqs": args.max_num_seqs,
