@@ -13,7 +13,8 @@ from model_factory import hf_greedy, mixed_gguf_type, write_gguf
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import TokenmillError
 from tokenmill.model.gguf_loader import INT8_BLOCK_TYPES, gguf_int8_blocks
-from tokenmill.model.layers.linear import INT8_KERNEL_MAX_ROWS, Int8BlockLinear, Int8Blocks, pack_int8_blocks
+from tokenmill.model.layers.linear import (INT8_KERNEL_MAX_ROWS, Int8BlockLinear, Int8Blocks, dense_linear,
+                                          pack_int8_blocks)
 from tokenmill.model.loader import load_model_source
 
 # Offsets of the float16 scale fields in each block type (the rest of a block is arbitrary bits).
@@ -82,6 +83,18 @@ def test_cat_fills_missing_mins_with_zeros():
     both = Int8Blocks.cat([a, b])
     assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
     assert torch.equal(both.mins[:2], torch.zeros(2, 1))
+
+
+@pytest.mark.parametrize("rows_hint", [None, 16])
+def test_dense_linear_for_matrices_not_kept(rows_hint):
+    """A matrix no block type covers runs dense: oneDNN-packed given a row hint (where oneDNN is
+    built in), else a plain nn.Linear over the very tensors."""
+    gen = torch.Generator().manual_seed(1)
+    weight, bias, x = torch.randn(8, 64, generator=gen), torch.randn(8, generator=gen), torch.randn(3, 64, generator=gen)
+    layer = dense_linear(weight, bias, rows_hint)
+    assert isinstance(layer, torch.nn.Linear) == (rows_hint is None or not torch.backends.mkldnn.is_available())
+    torch.testing.assert_close(layer(x), x @ weight.T + bias, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dense_linear(weight, None, rows_hint)(x), x @ weight.T, atol=1e-5, rtol=1e-5)
 
 
 def hf_on_file_weights(path, tokenizer_dir):

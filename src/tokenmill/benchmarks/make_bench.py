@@ -99,7 +99,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "results": {},
     }
     report["results"]["tokenmill"] = run_tokenmill(args, requests, threads)
-    if report["results"]["tokenmill"]["linear_layers"].startswith("GGUF weights kept"):
+    if report["results"]["tokenmill"]["gguf_layers_kept"]:
         # The baselines hold the file's weights dequantized to float32; so does this run.
         report["results"]["tokenmill-dense"] = run_tokenmill(args, requests, threads, {"quantization": "none"})
     if quantized_run(args):
@@ -142,7 +142,8 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
               enable_prefix_caching=args.enable_prefix_caching, num_threads=threads, device=args.device,
               **engine_options)
-    linear_layers = llm.llm_engine.core.runner.linear_layers
+    runner = llm.llm_engine.core.runner
+    linear_layers, gguf_layers_kept = runner.linear_layers, runner.num_gguf_layers_kept
     try:
         result = run_offline_throughput(llm, requests, use_tqdm=not args.no_tqdm)
     finally:
@@ -151,6 +152,7 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
     result["concurrency"] = min(args.max_num_seqs, len(requests))
     result["engine_options"] = engine_options
     result["linear_layers"] = linear_layers
+    result["gguf_layers_kept"] = gguf_layers_kept
     _print_result(result)
     return result
 
@@ -323,8 +325,7 @@ def _notes(report: dict[str, Any]) -> list[str]:
     ratios_ = report.get("ratios") or {}
     same_dtype = {k: v for k, v in ratios_.items() if "q8_0" not in k}
     quantized = {k: v for k, v in ratios_.items() if "q8_0" in k}
-    kept = results.get("tokenmill", {}).get("linear_layers", "").startswith("GGUF weights kept")
-    if kept:
+    if results.get("tokenmill", {}).get("gguf_layers_kept"):
         notes.append("tokenmill keeps the GGUF's quantized matrices as stored (int8 values with a float32 scale "
                      "and offset per 32, the very values transformers dequantizes them to) and computes in float32; "
                      "the dense row and the baselines hold the same values as float32 tensors.")

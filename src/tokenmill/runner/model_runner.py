@@ -13,7 +13,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import get_attention_backend
 from tokenmill.model.layers.basic import use_cpu_kernels
 from tokenmill.model.layers.linear import (INT8_KERNEL_MAX_ROWS, Int8BlockLinear, Int8Blocks, PackedLinear,
-                                          onednn_packing_supported)
+                                          dense_linear, onednn_packing_supported)
 from tokenmill.model.registry import get_model_class
 from tokenmill.outputs import Logprob
 from tokenmill.runner.input_batch import build_model_inputs
@@ -104,6 +104,7 @@ class ModelRunner:
         self.packed_linear_rows = packed_linear_rows
         self.packed_linear = False
         self.linear_layers = ""  # how the projections run, once loaded (logged; reported by benchmarks)
+        self.num_gguf_layers_kept = 0  # linear layers holding a GGUF's own blocks
         self.quantization = quantization
         if quantization not in QUANTIZATIONS:
             raise ModelLoadError(f"unsupported quantization {quantization!r} (supported: {', '.join(QUANTIZATIONS[1:])})")
@@ -135,16 +136,6 @@ class ModelRunner:
         self.linear_layers = self._prepare_linear_layers(int8_blocks)
         logger.info("linear layers: %s", self.linear_layers)
 
-    def _dense_linear(self, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Module:
-        """A layer GGUF blocks do not cover (a Q6_K head, an F16 matrix): oneDNN-packed when available."""
-        if self.packed_linear_rows and onednn_packing_supported(self.dtype):
-            return PackedLinear(weight, bias, self.packed_linear_rows)
-        linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
-        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
-        if bias is not None:
-            linear.bias = torch.nn.Parameter(bias, requires_grad=False)
-        return linear
-
     def _prepare_linear_layers(self, int8_blocks: Optional[dict[str, Int8Blocks]] = None) -> str:
         convertible = hasattr(self.model, "convert_linear_layers")
         rows = self.packed_linear_rows or 64
@@ -158,19 +149,19 @@ class ModelRunner:
             return (f"Q8_0 weights rounded at load (int8 kernel for steps of up to {limit} rows, dense "
                     "dequantized copy above" + self._enable_int8_decode(kernels))
         if int8_blocks:
-            kept = []
-
             def make(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Module:
                 parts = [int8_blocks.get(part) for part in self.model.checkpoint_weight_names(name)]
                 if all(part is not None for part in parts):
-                    kept.append(name)
-                    return Int8BlockLinear(Int8Blocks.cat(parts) if len(parts) > 1 else parts[0], bias, rows, kernels)
-                return self._dense_linear(weight, bias)
+                    self.num_gguf_layers_kept += 1
+                    blocks = Int8Blocks.cat(parts) if len(parts) > 1 else parts[0]
+                    return Int8BlockLinear(blocks, bias, rows, kernels, dequantized=weight.detach())
+                # A matrix GGUF blocks do not cover (a Q6_K head, an F16 projection) stays dense.
+                return dense_linear(weight, bias, self.packed_linear_rows)
 
             self.model.convert_linear_layers(make)
             int8_blocks.clear()  # the layers hold their packed copies now
-            return (f"GGUF weights kept quantized in {len(kept)} layers (int8 kernel for steps of up to {limit} rows, "
-                    "dense copy of the same values above" + self._enable_int8_decode(kernels))
+            return (f"GGUF weights kept quantized in {self.num_gguf_layers_kept} layers (int8 kernel for steps of "
+                    f"up to {limit} rows, dense copy of the same values above" + self._enable_int8_decode(kernels))
         if self.quantization == "gguf":
             raise ModelLoadError("--quantization gguf: the file has no matrices in a type kept quantized "
                                  "(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K)")

@@ -44,6 +44,18 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
 
 
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: Optional[int]) -> nn.Module:
+    """`weight` as a float layer: oneDNN-packed for about rows_hint rows where that is available (and
+    rows_hint is given), else an nn.Linear holding the tensors as they are."""
+    if rows_hint and onednn_packing_supported(weight.dtype):
+        return PackedLinear(weight, bias, rows_hint)
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight.detach(), requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias.detach(), requires_grad=False)
+    return linear
+
+
 # Builds a replacement layer from a loaded (module name, weight, bias).
 LinearFactory = Callable[[str, torch.Tensor, Optional[torch.Tensor]], nn.Module]
 
@@ -155,21 +167,17 @@ class Int8BlockLinear(nn.Module):
     request's numbers do not depend on which path its step took beyond float summation order.
     """
 
-    def __init__(self, blocks: Int8Blocks, bias: torch.Tensor | None, rows_hint: int, kernels) -> None:
+    def __init__(self, blocks: Int8Blocks, bias: torch.Tensor | None, rows_hint: int, kernels,
+                 dequantized: Optional[torch.Tensor] = None) -> None:
+        """`dequantized`: blocks.dequantize() when the caller already holds it (the loader checked a
+        GGUF's blocks against the dense weights bit for bit), so it is not computed twice at load."""
         super().__init__()
         self.out_features, self.in_features = blocks.q.shape
         if self.in_features % INT8_BLOCK:
             raise ValueError(f"block-int8 weights need in_features divisible by {INT8_BLOCK}")
         self.q, self.scales, self.mins = pack_int8_blocks(blocks.q, blocks.scales, blocks.mins)
         self.bias = None if bias is None else bias.detach().float()
-        dense = blocks.dequantize()
-        if onednn_packing_supported(torch.float32):
-            self.dense: nn.Module = PackedLinear(dense, self.bias, rows_hint)
-        else:
-            self.dense = nn.Linear(self.in_features, self.out_features, bias=self.bias is not None)
-            self.dense.weight.data = dense
-            if self.bias is not None:
-                self.dense.bias.data = self.bias
+        self.dense = dense_linear(blocks.dequantize() if dequantized is None else dequantized, self.bias, rows_hint)
         self.kernels = kernels
 
     @classmethod
