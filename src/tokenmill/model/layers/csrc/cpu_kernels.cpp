@@ -17,8 +17,10 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -111,25 +113,22 @@ constexpr bool kVectorCache = std::is_same_v<T, float> || std::is_same_v<T, at::
     ;
 #endif
 
-// Scores of `group` queries (pre-scaled fp32 [group][head_dim]) against one key row.
+// Asks for the rows of the next block early: a request's blocks are scattered over the cache, so the
+// hardware prefetcher loses the stream at every block boundary.
+template <typename T>
+inline void prefetch_block_rows(const T* rows, int64_t n, int64_t stride, int64_t width) {
+  const int64_t bytes = width * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < n; ++i) {
+    const char* row = reinterpret_cast<const char*>(rows + i * stride);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 3);
+  }
+}
+
+// Scores of `group` queries (pre-scaled fp32 [group][head_dim]) against one key row (the portable
+// path; score_keys is the vectorized one).
 template <typename scalar_t>
 inline void score_row(const float* qf, const scalar_t* k, int64_t group, int64_t head_dim, float* out,
                       int64_t out_stride) {
-#ifdef TOKENMILL_AVX2
-  if constexpr (kVectorCache<scalar_t>) {
-    if (head_dim % 8 == 0 && group <= 16) {
-      __m256 acc[16];
-      for (int64_t g = 0; g < group; ++g) acc[g] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < head_dim; d += 8) {
-        const __m256 kv = load8(k + d);  // each key chunk is loaded once for the whole group
-        for (int64_t g = 0; g < group; ++g)
-          acc[g] = _mm256_fmadd_ps(_mm256_loadu_ps(qf + g * head_dim + d), kv, acc[g]);
-      }
-      for (int64_t g = 0; g < group; ++g) out[g * out_stride] = hsum256(acc[g]);
-      return;
-    }
-  }
-#endif
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = qf + g * head_dim;
     float dot = 0.0f;
@@ -200,37 +199,89 @@ inline void accumulate_weighted_rows(const float* p, const scalar_t* rows, int64
 }
 
 #ifdef TOKENMILL_AVX2
-// Pass 1, two tokens at a time: 2 * G independent accumulator chains, held in registers because G is
-// a compile-time constant. Each dot product is summed in the same order as score_row's, so the
-// scores are the same bits. Returns the first token not scored (ctx_len & ~1).
-template <int G, typename T>
-int64_t score_token_pairs(const float* qf, const T* k_cache, const int32_t* blocks, int64_t ctx_len,
-                          int64_t block_size, int64_t token_stride, int64_t h0, int64_t h1, int64_t head_dim,
-                          float* scores) {
-  int64_t t = 0;
-  for (; t + 2 <= ctx_len; t += 2) {
-    const T* row0 = k_cache + (blocks[t / block_size] * block_size + t % block_size) * token_stride;
-    const T* row1 = k_cache + (blocks[(t + 1) / block_size] * block_size + (t + 1) % block_size) * token_stride;
-    for (int64_t h = h0; h < h1; ++h) {
-      const int64_t j = (h - h0) * G;
-      const float* qh = qf + j * head_dim;
-      __m256 acc0[G], acc1[G];
-      for (int g = 0; g < G; ++g) acc0[g] = acc1[g] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < head_dim; d += 8) {
-        const __m256 k0 = load8(row0 + h * head_dim + d), k1 = load8(row1 + h * head_dim + d);
-        for (int g = 0; g < G; ++g) {
-          const __m256 qv = _mm256_loadu_ps(qh + g * head_dim + d);
-          acc0[g] = _mm256_fmadd_ps(qv, k0, acc0[g]);
-          acc1[g] = _mm256_fmadd_ps(qv, k1, acc1[g]);
-        }
-      }
-      for (int g = 0; g < G; ++g) {
-        scores[(j + g) * ctx_len + t] = hsum256(acc0[g]);
-        scores[(j + g) * ctx_len + t + 1] = hsum256(acc1[g]);
-      }
+// Pass 1 scores a block of key rows at a time. Four tokens per step against up to three queries that
+// share a KV head: 12 accumulators in registers, each query chunk loaded once per four keys. The lane
+// sums reduce with horizontal adds, four tokens' at once, in the order hsum256_pairwise uses for a
+// lone token, so a score is the same bits however its token was grouped.
+inline float hsum256_pairwise(__m256 v) {  // ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7))
+  const __m256 h = _mm256_hadd_ps(v, v);
+  const __m256 h2 = _mm256_hadd_ps(h, h);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(h2), _mm256_extractf128_ps(h2, 1)));
+}
+
+inline __m128 hsum4_pairwise(__m256 a, __m256 b, __m256 c, __m256 d) {  // hsum256_pairwise of each
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// QC queries (pre-scaled fp32, [QC][head_dim]) against 4 key rows `stride` apart: out[c * out_stride + i].
+template <int QC, typename T>
+inline void score_four_keys(const float* q, const T* k, int64_t stride, int64_t head_dim, float* out,
+                            int64_t out_stride) {
+  __m256 acc[QC][4];
+  for (int c = 0; c < QC; ++c)
+    for (int i = 0; i < 4; ++i) acc[c][i] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    __m256 qv[QC];
+    for (int c = 0; c < QC; ++c) qv[c] = _mm256_loadu_ps(q + c * head_dim + d);
+    for (int i = 0; i < 4; ++i) {
+      const __m256 kv = load8(k + i * stride + d);
+      for (int c = 0; c < QC; ++c) acc[c][i] = _mm256_fmadd_ps(qv[c], kv, acc[c][i]);
     }
   }
-  return t;
+  for (int c = 0; c < QC; ++c)
+    _mm_storeu_ps(out + c * out_stride, hsum4_pairwise(acc[c][0], acc[c][1], acc[c][2], acc[c][3]));
+}
+
+template <int QC, typename T>
+inline void score_one_key(const float* q, const T* k, int64_t head_dim, float* out, int64_t out_stride) {
+  __m256 acc[QC];
+  for (int c = 0; c < QC; ++c) acc[c] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < head_dim; d += 8) {
+    const __m256 kv = load8(k + d);
+    for (int c = 0; c < QC; ++c) acc[c] = _mm256_fmadd_ps(_mm256_loadu_ps(q + c * head_dim + d), kv, acc[c]);
+  }
+  for (int c = 0; c < QC; ++c) out[c * out_stride] = hsum256_pairwise(acc[c]);
+}
+
+// n key rows of one block; meanwhile the first next_n rows at `next` (the same head in the request's
+// next block) are prefetched, four rows per four scored, so the requests to memory stay spread out.
+template <int QC, typename T>
+inline void score_block_keys(const float* q, const T* k, int64_t n, int64_t stride, int64_t head_dim, float* out,
+                             int64_t out_stride, const T* next, int64_t next_n) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    if (i < next_n) prefetch_block_rows(next + i * stride, std::min<int64_t>(4, next_n - i), stride, head_dim);
+    score_four_keys<QC, T>(q, k + i * stride, stride, head_dim, out + i, out_stride);
+  }
+  if (i < next_n) prefetch_block_rows(next + i * stride, next_n - i, stride, head_dim);
+  for (; i < n; ++i) score_one_key<QC, T>(q, k + i * stride, head_dim, out + i, out_stride);
+}
+
+// scores[j][t] = q_j . k_t for the item's heads [h0, h1) (query j reads kv head h0 + j / group).
+template <typename T>
+void score_keys(const float* qf, const T* k_cache, const int32_t* blocks, int64_t ctx_len, int64_t block_size,
+                int64_t token_stride, int64_t h0, int64_t h1, int64_t group, int64_t head_dim, float* scores) {
+  for (int64_t t0 = 0; t0 < ctx_len; t0 += block_size) {
+    const int64_t n = std::min(block_size, ctx_len - t0);
+    const T* rows = k_cache + blocks[t0 / block_size] * block_size * token_stride;
+    const int64_t next_n = std::max<int64_t>(0, std::min(block_size, ctx_len - t0 - block_size));
+    const T* next_rows = next_n ? k_cache + blocks[t0 / block_size + 1] * block_size * token_stride : rows;
+    for (int64_t h = h0; h < h1; ++h)
+      for (int64_t c0 = 0; c0 < group; c0 += 3) {
+        const int64_t j = (h - h0) * group + c0;
+        const float* q = qf + j * head_dim;
+        const T* k = rows + h * head_dim;
+        const T* next = next_rows + h * head_dim;
+        const int64_t prefetch_n = c0 == 0 ? next_n : 0;
+        float* out = scores + j * ctx_len + t0;
+        switch (std::min<int64_t>(3, group - c0)) {
+          case 1: score_block_keys<1, T>(q, k, n, token_stride, head_dim, out, ctx_len, next, prefetch_n); break;
+          case 2: score_block_keys<2, T>(q, k, n, token_stride, head_dim, out, ctx_len, next, prefetch_n); break;
+          default: score_block_keys<3, T>(q, k, n, token_stride, head_dim, out, ctx_len, next, prefetch_n); break;
+        }
+      }
+  }
 }
 #endif
 
@@ -254,21 +305,17 @@ void decode_one(const q_t* __restrict__ q,               // [(h1 - h0) * group, 
   for (int64_t i = 0; i < num_q * head_dim; ++i) qf[i] = to_float(q[i]) * scale;
 
   // Pass 1: scores[j][t] = q_j . k_t (query j reads kv head h0 + j / group)
-  int64_t t = 0;
+  bool scored = false;
 #ifdef TOKENMILL_AVX2
   if constexpr (kVectorCache<scalar_t>) {
     if (head_dim % 8 == 0) {
-      using PairFn = int64_t (*)(const float*, const scalar_t*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
-                                 int64_t, int64_t, float*);
-      constexpr PairFn by_group[4] = {score_token_pairs<1, scalar_t>, score_token_pairs<2, scalar_t>,
-                                      score_token_pairs<3, scalar_t>, score_token_pairs<4, scalar_t>};
-      if (group <= 4)
-        t = by_group[group - 1](qf.data(), k_cache, blocks, ctx_len, block_size, token_stride, h0, h1, head_dim,
-                                scores.data());
+      score_keys<scalar_t>(qf.data(), k_cache, blocks, ctx_len, block_size, token_stride, h0, h1, group, head_dim,
+                           scores.data());
+      scored = true;
     }
   }
 #endif
-  for (; t < ctx_len; ++t) {
+  for (int64_t t = 0; t < ctx_len && !scored; ++t) {
     const scalar_t* row = k_cache + (blocks[t / block_size] * block_size + t % block_size) * token_stride;
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t j = (h - h0) * group;
@@ -276,7 +323,9 @@ void decode_one(const q_t* __restrict__ q,               // [(h1 - h0) * group, 
                           scores.data() + j * ctx_len + t, ctx_len);
     }
   }
-  // Pass 2: softmax per query head.
+  // Pass 2: softmax per query head (while the first block of V is on its way).
+  prefetch_block_rows(v_cache + blocks[0] * block_size * token_stride + h0 * head_dim,
+                      std::min(block_size, ctx_len), token_stride, (h1 - h0) * head_dim);
   std::vector<float> inv_sum(num_q);
   for (int64_t j = 0; j < num_q; ++j) {
     float* s = scores.data() + j * ctx_len;
@@ -288,6 +337,9 @@ void decode_one(const q_t* __restrict__ q,               // [(h1 - h0) * group, 
   for (int64_t t0 = 0; t0 < ctx_len; t0 += block_size) {
     const int64_t t1 = std::min(ctx_len, t0 + block_size);
     const scalar_t* block_rows = v_cache + blocks[t0 / block_size] * block_size * token_stride;
+    if (t1 < ctx_len)
+      prefetch_block_rows(v_cache + blocks[t1 / block_size] * block_size * token_stride + h0 * head_dim,
+                          std::min(block_size, ctx_len - t1), token_stride, (h1 - h0) * head_dim);
     for (int64_t j = 0; j < num_q; ++j) {
       const scalar_t* v0 = block_rows + (h0 + j / group) * head_dim;
       accumulate_weighted_rows<scalar_t>(scores.data() + j * ctx_len + t0, v0, t1 - t0, token_stride, head_dim,
@@ -321,15 +373,25 @@ void run_paged_decode(const torch::Tensor& query, const torch::Tensor& kv_cache,
   // threads to keep busy, one (request, kv head) pair, so a single long request still spreads.
   const int64_t heads_per_item = batch >= 4 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t items_per_request = num_kv_heads / heads_per_item;
-  at::parallel_for(0, batch * items_per_request, 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_items = batch * items_per_request;
+  for (int64_t b = 0; b < batch; ++b)
+    TORCH_CHECK(lens[b] > 0 && lens[b] <= max_blocks * block_size, "context length out of range");
+  // Items cost in proportion to their context and contexts differ widely, so an even split of the
+  // items leaves one thread idle while another finishes its long ones: threads instead take the next
+  // item from a shared counter, longest first (an item's result does not depend on who computes it).
+  std::vector<int64_t> order(num_items);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return lens[a / items_per_request] > lens[b / items_per_request]; });
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, std::min<int64_t>(num_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     std::vector<float> scores, acc, qf;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t i = next_item.fetch_add(1); i < num_items; i = next_item.fetch_add(1)) {
+      const int64_t item = order[i];
       const int64_t b = item / items_per_request;
       const int64_t h0 = (item % items_per_request) * heads_per_item, h1 = h0 + heads_per_item;
-      const int64_t ctx_len = lens[b];
-      TORCH_CHECK(ctx_len > 0 && ctx_len <= max_blocks * block_size, "context length out of range");
       const int64_t q_offset = (b * num_heads + h0 * group) * head_dim;
-      decode_one<q_t, cache_t>(q_base + q_offset, k_base, v_base, tables + b * max_blocks, ctx_len, block_size,
+      decode_one<q_t, cache_t>(q_base + q_offset, k_base, v_base, tables + b * max_blocks, lens[b], block_size,
                                token_stride, h0, h1, group, head_dim, static_cast<float>(scale),
                                out_base + q_offset, scores, acc, qf);
     }
