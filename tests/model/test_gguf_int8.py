@@ -73,7 +73,7 @@ def test_int8_kernel_with_mins(kernels, rows):
     torch.testing.assert_close(y, x @ blocks.dequantize().T + bias, atol=1e-5, rtol=1e-5)
     for r in (0, rows - 1):
         assert torch.equal(y[r:r + 1], kernels.int8_block_linear(x[r:r + 1].contiguous(), *packed, bias, 37))
-    layer = Int8BlockLinear(blocks, bias, rows_hint=16, kernels=kernels)  # dense path above 64 rows
+    layer = Int8BlockLinear(blocks, bias, kernels=kernels)  # dense path above 64 rows
     torch.testing.assert_close(layer(x), x @ blocks.dequantize().T + bias, atol=1e-5, rtol=1e-5)
 
 

@@ -50,7 +50,7 @@ def test_pack_int8_blocks_panels_of_sixteen_features():
 def test_q8_0_linear_both_paths_compute_the_dequantized_weights(kernels, rows):
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(96, 128, generator=gen), torch.randn(96, generator=gen)
-    layer = Int8BlockLinear.from_weight(weight, bias, rows_hint=16, kernels=kernels)
+    layer = Int8BlockLinear.from_weight(weight, bias, kernels=kernels)
     x = torch.randn(rows, 128, generator=gen)
     expected = x @ dequantize_q8_0(*quantize_q8_0(weight)).T + bias
     torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)

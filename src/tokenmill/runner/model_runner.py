@@ -145,7 +145,7 @@ class ModelRunner:
             if kernels is None:
                 raise ModelLoadError(f"--quantization q8_0 {INT8_KERNELS_NEEDED}")
             self.model.convert_linear_layers(
-                lambda name, weight, bias: Int8BlockLinear.from_weight(weight, bias, rows, kernels))
+                lambda name, weight, bias: Int8BlockLinear.from_weight(weight, bias, kernels))
             return (f"Q8_0 weights rounded at load (int8 kernel for steps of up to {limit} rows, dense "
                     "dequantized copy above" + self._enable_int8_decode(kernels))
         if int8_blocks:
@@ -154,7 +154,7 @@ class ModelRunner:
                 if all(part is not None for part in parts):
                     self.num_gguf_layers_kept += 1
                     blocks = Int8Blocks.cat(parts) if len(parts) > 1 else parts[0]
-                    return Int8BlockLinear(blocks, bias, rows, kernels, dequantized=weight.detach())
+                    return Int8BlockLinear(blocks, bias, kernels, dequantized=weight.detach())
                 # A matrix GGUF blocks do not cover (a Q6_K head, an F16 projection) stays dense.
                 return dense_linear(weight, bias, self.packed_linear_rows)
 

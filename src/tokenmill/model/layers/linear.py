@@ -163,11 +163,14 @@ class Int8BlockLinear(nn.Module):
     stores them, or a float weight rounded to Q8_0 at load (`from_weight`).
 
     Steps with few rows run tokenmill's int8 kernel (a quarter of fp32's weight bytes); larger steps
-    run a dense (oneDNN-packed when available) copy of the very same dequantized values, so a
-    request's numbers do not depend on which path its step took beyond float summation order.
+    run a dense copy of the very same dequantized values, so a request's numbers do not depend on
+    which path its step took beyond float summation order. The copy is a plain float32 weight for
+    torch's `F.linear` (MKL), not oneDNN-packed: the steps that reach it have over 64 rows (prefill
+    chunks), where MKL ran 5-10% faster than the packed weight at 384-2048 rows on a 2-core AVX2 host
+    (oneDNN wins at 65-256 rows, which decode steps never reach here).
     """
 
-    def __init__(self, blocks: Int8Blocks, bias: torch.Tensor | None, rows_hint: int, kernels,
+    def __init__(self, blocks: Int8Blocks, bias: torch.Tensor | None, kernels,
                  dequantized: Optional[torch.Tensor] = None) -> None:
         """`dequantized`: blocks.dequantize() when the caller already holds it (the loader checked a
         GGUF's blocks against the dense weights bit for bit), so it is not computed twice at load."""
@@ -177,13 +180,13 @@ class Int8BlockLinear(nn.Module):
             raise ValueError(f"block-int8 weights need in_features divisible by {INT8_BLOCK}")
         self.q, self.scales, self.mins = pack_int8_blocks(blocks.q, blocks.scales, blocks.mins)
         self.bias = None if bias is None else bias.detach().float()
-        self.dense = dense_linear(blocks.dequantize() if dequantized is None else dequantized, self.bias, rows_hint)
+        self.dense = dense_linear(blocks.dequantize() if dequantized is None else dequantized, self.bias, None)
         self.kernels = kernels
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, rows_hint: int, kernels) -> "Int8BlockLinear":
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> "Int8BlockLinear":
         """`--quantization q8_0`: the float weight rounded to GGUF's Q8_0 at load."""
-        return cls(Int8Blocks(*quantize_q8_0(weight)), bias, rows_hint, kernels)
+        return cls(Int8Blocks(*quantize_q8_0(weight)), bias, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
