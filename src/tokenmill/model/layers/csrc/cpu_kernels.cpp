@@ -11,8 +11,9 @@
 //                block_tables[b][t / block_size] at offset t % block_size
 //   context_lens [batch] int32 (including the token being decoded, already written)
 //
-// Work item = (request, kv head): the `group` query heads that share a KV head are scored together,
-// so each K/V row is loaded once per group. Softmax is exact (two passes over the scores in fp32).
+// Work item = a request (or, with few requests, a (request, kv head) pair), taken longest first by
+// whichever thread is free: the `group` query heads that share a KV head are scored together, so
+// each K/V row is loaded once per group. Softmax is exact (two passes over the scores in fp32).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
