@@ -140,6 +140,24 @@ def test_engine_keeps_every_block_type_and_matches_hf(kernels, tiny_gguf_path, t
     assert greedy(dense, smollm2_tokenizer, lengths)[1] == tokens
 
 
+@pytest.mark.parametrize("max_num_seqs", [64, 128])
+def test_dense_copy_is_packed_only_where_decode_steps_reach_it(kernels, tiny_gguf_path, tiny_llama_dir, max_num_seqs):
+    """Steps over the int8 kernel's rows use the dense copy: with at most 64 running requests those are
+    prefill chunks only, served by a plain weight (MKL); with more, decode batches too, which the
+    oneDNN-packed weight serves faster. Either way the copy computes the kept blocks' values."""
+    from tokenmill.model.layers.linear import PackedLinear
+
+    llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=512,
+              max_num_seqs=max_num_seqs)
+    layer = llm.llm_engine.core.runner.model.layers[0].mlp.gate_up_proj
+    packed = max_num_seqs > INT8_KERNEL_MAX_ROWS and torch.backends.mkldnn.is_available()
+    assert isinstance(layer, Int8BlockLinear) and isinstance(layer.dense, PackedLinear) == packed
+    assert isinstance(layer.dense, torch.nn.Linear) == (not packed)
+    x = torch.randn(INT8_KERNEL_MAX_ROWS + 36, layer.in_features, generator=torch.Generator().manual_seed(4))
+    expected = layer.kernels.int8_block_linear(x, layer.q, layer.scales, layer.mins, layer.bias, layer.out_features)
+    torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-4)
+
+
 def test_tensors_of_other_types_stay_dense(kernels, tmp_path, tiny_llama_dir, smollm2_tokenizer):
     """A float16 down projection (as a Q6_K one would) stays a dense layer next to the kept ones; the
     fused decode stack needs every projection in int8, so it is off, and tokens still equal HF's."""

@@ -141,11 +141,14 @@ class ModelRunner:
         rows = self.packed_linear_rows or 64
         limit = INT8_KERNEL_MAX_ROWS
         kernels = self._int8_kernels()
+        # Block-int8 layers' dense copy serves prefill chunks, and decode steps too where more requests
+        # than the int8 kernel's rows may run at once: packed for oneDNN then, plain (MKL) otherwise.
+        dense_rows = self.packed_linear_rows if (self.packed_linear_rows or 0) > limit else None
         if self.quantization == "q8_0":
             if kernels is None:
                 raise ModelLoadError(f"--quantization q8_0 {INT8_KERNELS_NEEDED}")
             self.model.convert_linear_layers(
-                lambda name, weight, bias: Int8BlockLinear.from_weight(weight, bias, kernels))
+                lambda name, weight, bias: Int8BlockLinear.from_weight(weight, bias, kernels, dense_rows))
             return (f"Q8_0 weights rounded at load (int8 kernel for steps of up to {limit} rows, dense "
                     "dequantized copy above" + self._enable_int8_decode(kernels))
         if int8_blocks:
@@ -154,7 +157,7 @@ class ModelRunner:
                 if all(part is not None for part in parts):
                     self.num_gguf_layers_kept += 1
                     blocks = Int8Blocks.cat(parts) if len(parts) > 1 else parts[0]
-                    return Int8BlockLinear(blocks, bias, kernels, dequantized=weight.detach())
+                    return Int8BlockLinear(blocks, bias, kernels, dense_rows, dequantized=weight.detach())
                 # A matrix GGUF blocks do not cover (a Q6_K head, an F16 projection) stays dense.
                 return dense_linear(weight, bias, self.packed_linear_rows)
 

@@ -164,14 +164,15 @@ class Int8BlockLinear(nn.Module):
 
     Steps with few rows run tokenmill's int8 kernel (a quarter of fp32's weight bytes); larger steps
     run a dense copy of the very same dequantized values, so a request's numbers do not depend on
-    which path its step took beyond float summation order. The copy is a plain float32 weight for
-    torch's `F.linear` (MKL), not oneDNN-packed: the steps that reach it have over 64 rows (prefill
-    chunks), where MKL ran 5-10% faster than the packed weight at 384-2048 rows on a 2-core AVX2 host
-    (oneDNN wins at 65-256 rows, which decode steps never reach here).
+    which path its step took beyond float summation order. Without `dense_rows_hint` the copy is a
+    plain float32 weight for torch's `F.linear` (MKL): when no decode step exceeds the kernel's rows,
+    only prefill chunks of hundreds of rows reach it, and there MKL ran 5-10% faster than the
+    oneDNN-packed weight (384-2048 rows, 2-core AVX2 host). With a hint (decode batches of up to that
+    many rows) it is packed for oneDNN, which was ~15% faster at 65-128 rows.
     """
 
     def __init__(self, blocks: Int8Blocks, bias: torch.Tensor | None, kernels,
-                 dequantized: Optional[torch.Tensor] = None) -> None:
+                 dense_rows_hint: Optional[int] = None, dequantized: Optional[torch.Tensor] = None) -> None:
         """`dequantized`: blocks.dequantize() when the caller already holds it (the loader checked a
         GGUF's blocks against the dense weights bit for bit), so it is not computed twice at load."""
         super().__init__()
@@ -180,13 +181,15 @@ class Int8BlockLinear(nn.Module):
             raise ValueError(f"block-int8 weights need in_features divisible by {INT8_BLOCK}")
         self.q, self.scales, self.mins = pack_int8_blocks(blocks.q, blocks.scales, blocks.mins)
         self.bias = None if bias is None else bias.detach().float()
-        self.dense = dense_linear(blocks.dequantize() if dequantized is None else dequantized, self.bias, None)
+        self.dense = dense_linear(blocks.dequantize() if dequantized is None else dequantized, self.bias,
+                                  dense_rows_hint)
         self.kernels = kernels
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> "Int8BlockLinear":
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels,
+                    dense_rows_hint: Optional[int] = None) -> "Int8BlockLinear":
         """`--quantization q8_0`: the float weight rounded to GGUF's Q8_0 at load."""
-        return cls(Int8Blocks(*quantize_q8_0(weight)), bias, kernels)
+        return cls(Int8Blocks(*quantize_q8_0(weight)), bias, kernels, dense_rows_hint)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
