@@ -7,7 +7,9 @@ import torch
 
 from tokenmill.core.request import Request
 from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput
-from tokenmill.model.layers.attention import CpuPagedAttentionBackend, TorchAttentionBackend, get_attention_backend
+from tokenmill.model.layers import attention
+from tokenmill.model.layers.attention import (CpuPagedAttentionBackend, TorchAttentionBackend,
+                                              chunk_after_prefix_attention, get_attention_backend)
 from tokenmill.runner.input_batch import build_model_inputs
 from tokenmill.sampling_params import SamplingParams
 
@@ -104,11 +106,40 @@ def _scheduled(rid: str, prompt_len: int, start: int, count: int, blocks: list[i
     return ScheduledRequest(request, start, count, blocks)
 
 
+@pytest.mark.skipif(attention._FLASH_WITH_LSE is None, reason="this torch has no CPU flash kernel with log-sum-exp")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 1, 24)])
+@pytest.mark.parametrize("prefix_len,num_q", [(1, 1), (1, 7), (37, 5), (300, 64), (64, 300)])
+def test_chunk_after_prefix_matches_causal_reference(dtype, num_heads, num_kv_heads, head_dim, prefix_len, num_q):
+    """A chunk's attention as prefix part + causal square merged by log-sum-exp equals one causal
+    softmax over the whole context, with GQA and any prefix/chunk proportions."""
+    gen = torch.Generator().manual_seed(prefix_len * 1000 + num_q)
+    ctx = prefix_len + num_q
+    q = torch.randn(num_q, num_heads, head_dim, generator=gen).to(dtype)
+    keys = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
+    values = torch.randn(ctx, num_kv_heads, head_dim, generator=gen).to(dtype)
+    # The layouts _prefill passes: transposed views, not contiguous copies.
+    out = chunk_after_prefix_attention(q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+                                       values.transpose(0, 1).unsqueeze(0), 0.3)
+    assert out.shape == (1, num_heads, num_q, head_dim) and out.dtype == dtype
+    expected = reference(q, keys, values, 0.3, causal_offset=prefix_len)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.squeeze(0).transpose(0, 1).float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.fixture(params=["masked", "split"])
+def chunk_path(request, monkeypatch):
+    """Runs a test with continuation chunks through the masked SDPA call, then through the split."""
+    threshold = 1 if request.param == "split" else 10**9
+    monkeypatch.setattr(attention, "SPLIT_CHUNK_MIN_TOKENS", threshold)
+    return request.param
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
-def test_backends_agree_on_a_mixed_batch(kernels, backend_name, cache_dtype):
+def test_backends_agree_on_a_mixed_batch(kernels, backend_name, cache_dtype, chunk_path):
     """Two decodes and two prefill chunks (one continuing a cached prefix) in one flat batch, with
-    float32 activations over a float32 or float16 cache."""
+    float32 activations over a float32 or float16 cache; the continuing chunk both ways."""
     gen = torch.Generator().manual_seed(1)
     num_heads, num_kv_heads, head_dim, num_blocks = 6, 2, 8, 32
     cache = torch.randn(2, num_blocks, BLOCK, num_kv_heads, head_dim, generator=gen).to(cache_dtype)
