@@ -3,6 +3,7 @@
 #
 #   make bench-peers                      # all peers
 #   make bench-peers PEERS="llama.cpp"    # a subset: any of tokenmill llama.cpp vllm
+#   make bench-peers LONG_PROMPTS=1       # 8 prompts of 3000 tokens (128 output each) at 4 streams
 #
 # Each peer lives in its own directory under .bench/ (never in tokenmill's venv):
 #   llama.cpp  built from the source inside PyPI's llama-cpp-python sdist (vendor/llama.cpp) with
@@ -19,11 +20,32 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PEERS=${PEERS:-"tokenmill llama.cpp vllm"}
+BENCH=.bench
+if [ -n "${LONG_PROMPTS:-}" ]; then
+  # Long prompts: random token ids (seed 1), so prefill attention over 2-3k tokens of context and decode
+  # steps reading long KV histories dominate. llama.cpp splits its context between its slots, so it gets
+  # 4 slots of 4096 tokens; vLLM a 4096-token max_model_len.
+  WORKLOAD=${WORKLOAD:-$BENCH/long-8x3000.jsonl}
+  CONCURRENCIES=${CONCURRENCIES:-4}
+  LLAMA_PARALLEL=${LLAMA_PARALLEL:-4}
+  MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
+  OUT_DIR=${OUT_DIR:-bench-results/peers-long}
+  mkdir -p "$BENCH"
+  [ -f "$WORKLOAD" ] || python3 -c '
+import json, random, sys
+rng = random.Random(1)
+with open(sys.argv[1], "w") as f:
+    for i in range(8):
+        ids = [rng.randrange(100, 40000) for _ in range(3000)]
+        f.write(json.dumps({"id": i, "prompt_token_ids": ids, "prompt_len": len(ids), "max_tokens": 128}) + "\n")
+' "$WORKLOAD"
+fi
 WORKLOAD=${WORKLOAD:-../shared/bench/workload-64.jsonl}
 CONCURRENCIES=${CONCURRENCIES:-16,1}
+LLAMA_PARALLEL=${LLAMA_PARALLEL:-16}  # llama-server slots (-np); its 16,384-token context is split between them
+MAX_MODEL_LEN=${MAX_MODEL_LEN:-1024}  # vLLM's --max-model-len
 THREADS=${THREADS:-$(nproc)}
 OUT_DIR=${OUT_DIR:-bench-results/peers}
-BENCH=.bench
 PY=.venv/bin/python
 TM=.venv/bin/tokenmill
 LLAMA_CPP_VERSION=${LLAMA_CPP_VERSION:-0.3.36}
@@ -113,7 +135,7 @@ run_llama_cpp() {
   f32=$(llama_cpp_f32_gguf)
   for variant in "q4_1:$q4" "f32:$f32"; do
     local name=${variant%%:*} model=${variant#*:}
-    "$server" -m "$model" -np 16 -c 16384 -t "$THREADS" --port 8202 > "$OUT_DIR/llama.cpp-$name-server.log" 2>&1 &
+    "$server" -m "$model" -np "$LLAMA_PARALLEL" -c 16384 -t "$THREADS" --port 8202 > "$OUT_DIR/llama.cpp-$name-server.log" 2>&1 &
     local pid=$!
     wait_healthy http://127.0.0.1:8202/health "$pid"
     # llama.cpp reuses a slot's cached prompt by default; the workload measures full prefills.
@@ -136,7 +158,7 @@ run_vllm() {
   model=$(hf_copy)
   VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" \
     "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name smollm2 \
-    --dtype "$VLLM_DTYPE" --max-model-len 1024 --max-num-seqs 64 --no-enable-prefix-caching --port 8203 \
+    --dtype "$VLLM_DTYPE" --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 64 --no-enable-prefix-caching --port 8203 \
     > "$OUT_DIR/vllm-server.log" 2>&1 &
   local pid=$!
   wait_healthy http://127.0.0.1:8203/health "$pid"
