@@ -191,8 +191,9 @@ def chunk_after_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values
     weight_prefix = (lse_prefix - top).exp_()
     weight_own = (lse_own - top).exp_()
     total = weight_prefix + weight_own
-    out = out_prefix.reshape(1, num_heads, num_q, head_dim).float() * (weight_prefix / total)
-    out.addcmul_(out_own.float(), weight_own / total)
+    acc_dtype = torch.promote_types(query.dtype, torch.float32)
+    out = out_prefix.reshape(1, num_heads, num_q, head_dim).to(acc_dtype) * (weight_prefix / total).to(acc_dtype)
+    out.addcmul_(out_own.to(acc_dtype), (weight_own / total).to(acc_dtype))
     return out.to(query.dtype)
 
 
