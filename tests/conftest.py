@@ -48,3 +48,15 @@ def kernels():
     if module is None:
         pytest.skip(f"cpu kernels unavailable: {cpu_kernels.build_error()}")
     return module
+
+
+@pytest.fixture(params=["masked", "split"])
+def chunk_path(request, monkeypatch):
+    """Runs a test with prefill chunks that follow cached context through SDPA with a bottom-right
+    mask, then through the CPU split into prefix + causal square (attention.chunk_after_prefix_attention),
+    whatever the chunks' size."""
+    from tokenmill.model.layers import attention
+
+    threshold = 1 if request.param == "split" else 10**9
+    monkeypatch.setattr(attention, "SPLIT_CHUNK_MIN_TOKENS", threshold)
+    return request.param

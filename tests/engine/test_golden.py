@@ -46,16 +46,11 @@ def test_tiny_llama_matches_hf(request, tiny_llama_dir, smollm2_tokenizer, backe
     assert llm.llm_engine.core.kv_cache.usage == 0.0
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_long_prompt_in_chunks_matches_hf(tiny_llama_dir, smollm2_tokenizer, monkeypatch, split):
+def test_long_prompt_in_chunks_matches_hf(tiny_llama_dir, smollm2_tokenizer, chunk_path):
     """A 700-token prompt prefilled in chunks of up to 160 tokens, each attending to the cache before
-    it: through SDPA with a bottom-right mask, or split into prefix + causal square (the CPU path for
-    chunks of SPLIT_CHUNK_MIN_TOKENS or more, lowered here so these chunks take it)."""
+    it, through either attention path for such chunks (`chunk_path`)."""
     from transformers import AutoModelForCausalLM
 
-    from tokenmill.model.layers import attention
-
-    monkeypatch.setattr(attention, "SPLIT_CHUNK_MIN_TOKENS", 1 if split else 10**9)
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     prompt = smollm2_tokenizer.encode(" ".join(PROMPTS) * 6)[:700]
     assert len(prompt) == 700

@@ -127,14 +127,6 @@ def test_chunk_after_prefix_matches_causal_reference(dtype, num_heads, num_kv_he
     torch.testing.assert_close(out.squeeze(0).transpose(0, 1).float(), expected, atol=tol, rtol=tol)
 
 
-@pytest.fixture(params=["masked", "split"])
-def chunk_path(request, monkeypatch):
-    """Runs a test with continuation chunks through the masked SDPA call, then through the split."""
-    threshold = 1 if request.param == "split" else 10**9
-    monkeypatch.setattr(attention, "SPLIT_CHUNK_MIN_TOKENS", threshold)
-    return request.param
-
-
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 def test_backends_agree_on_a_mixed_batch(kernels, backend_name, cache_dtype, chunk_path):
