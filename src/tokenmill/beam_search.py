@@ -2,26 +2,26 @@
 
 The user-facing shapes are vLLM's: `LLM.beam_search(prompts, BeamSearchParams(...))` returns one
 `BeamSearchOutput` per prompt whose `sequences` are sorted best first; a sequence's `tokens` hold
-the prompt followed by the generated ids.
+the prompt followed by the generated ids. The server's `use_beam_search` runs the same search.
 
-Unlike vLLM's offline beam search (which re-submits every beam as a new one-token request and
-relies on the prefix cache for the full blocks), each beam here is a live core `Request`, and the
-next beams fork from it through the scheduler's fork machinery (the one n > 1 uses):
+Each beam is a live core request that parks after every sampled token (`park_after_sample`), and
+the next beams fork from it through the scheduler's fork machinery (the one n > 1 uses), driven by
+messages only:
 
     step s   every live beam computes its newest token and samples once, asking for the top
-             2 * beam_width logprobs; the search then parks it (fork_children = []), so it keeps
-             its blocks and computes nothing more.
+             2 * beam_width logprobs, then parks: it keeps its blocks and computes nothing more.
     select   once every live beam of a prompt has reported: candidate (beam b, token t) scores
              cum_logprob(b) + logprob(t | b); EOS candidates become finished hypotheses, the best
              beam_width others become the next beams.
-    fork     each picked candidate is a child Request holding b's tokens + t; setting
-             b.fork_children = [children] lets the scheduler fork them from b in its next step:
-             every block of b is shared (ref counts up) and the partially filled last block is
-             copied on a child's first write. Beams nobody picked are aborted, dropping their
-             references.
+    fork     an EngineCoreFork names b's children (each replacing b's last sampled token with its
+             own t); the scheduler forks them at its next step: every block of b is shared (ref
+             counts up) and the partially filled last block is copied on a child's first write.
+             Beams nobody picked are aborted, dropping their references.
 
 So the prompt is computed once and each further step costs one token per beam, whatever the
 context length. Prompts advance independently: one prompt's selection never waits for another's.
+`BeamSearch` is the selection logic for one prompt; `run_beam_search` drives it over the offline
+engine's in-process core, `async_beam_search` over the server's AsyncLLM.
 """
 from __future__ import annotations
 
@@ -29,16 +29,16 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from tokenmill.core.request import Request
+from tokenmill.engine.messages import EngineCoreAbort, EngineCoreFork, EngineCoreOutput, EngineCoreRequest, \
+    ForkChild
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import Logprob
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 
 if TYPE_CHECKING:
-    from tokenmill.engine.engine_core import EngineCore
+    from tokenmill.engine.async_llm import AsyncLLM
     from tokenmill.engine.input_processor import ProcessedPrompt
     from tokenmill.engine.llm_engine import LLMEngine
-    from tokenmill.engine.messages import EngineCoreOutput
 
 
 @dataclass
@@ -97,161 +97,106 @@ def get_beam_search_score(tokens: Sequence[int], cumulative_logprob: float, eos_
 @dataclass(eq=False)
 class _Beam:
     sequence: BeamSearchSequence
-    request: Request  # the core request computing this beam
+    core_id: str  # the core request computing this beam
     top: Optional[dict[int, Logprob]] = None  # its sampler logprobs, once it has sampled this step
     ended: bool = False  # the core finished it (max_tokens) when it sampled: nothing can fork from it
 
 
-@dataclass(eq=False)
-class _Instance:
-    """The search for one prompt."""
+class BeamSearch:
+    """The search for one prompt: turns the beams' outputs into the next fork and abort messages."""
 
-    prompt_token_ids: list[int]
-    beams: list[_Beam]
-    completed: list[BeamSearchSequence] = field(default_factory=list)
-    num_generated: int = 0
+    _ids = itertools.count()
+
+    def __init__(self, prompt_token_ids: list[int], params: BeamSearchParams, eos_token_ids: Sequence[int],
+                 id_prefix: str = "beam") -> None:
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = list(eos_token_ids)
+        self.id_prefix = id_prefix
+        # EOS is the search's business (a finished hypothesis), so the core never stops on it; the
+        # core ends a beam only at max_tokens, which every beam of a prompt reaches in the same round.
+        self.core_params = SamplingParams(temperature=params.temperature, max_tokens=params.max_tokens,
+                                          logprobs=2 * params.beam_width, ignore_eos=True, detokenize=False)
+        self.beams: list[_Beam] = []
+        self.live: dict[str, _Beam] = {}
+        self.completed: list[BeamSearchSequence] = []
+        self.num_generated = 0
+
+    def _new_id(self) -> str:
+        return f"{self.id_prefix}-{next(self._ids)}"
+
+    def first_request(self, arrival_time: float = 0.0) -> EngineCoreRequest:
+        beam = _Beam(BeamSearchSequence(list(self.prompt_token_ids)), self._new_id())
+        self._add_beam(beam)
+        return EngineCoreRequest(beam.core_id, list(self.prompt_token_ids), self.core_params,
+                                 self.eos_token_ids[0] if self.eos_token_ids else None,
+                                 arrival_time=arrival_time, park_after_sample=True)
+
+    def _add_beam(self, beam: _Beam) -> None:
+        self.beams.append(beam)
+        self.live[beam.core_id] = beam
+
+    @property
+    def done(self) -> bool:
+        return not self.beams
 
     @property
     def ready(self) -> bool:
         return bool(self.beams) and all(b.top is not None for b in self.beams)
 
-
-class BeamSearchRunner:
-    """Drives the engine core step by step for a batch of prompts (offline; needs an idle engine,
-    since it reads the core's outputs itself)."""
-
-    _ids = itertools.count()
-
-    def __init__(self, engine: "LLMEngine", params: BeamSearchParams) -> None:
-        self.engine = engine
-        self.core: "EngineCore" = engine.core
-        self.params = params
-        self.eos_token_ids = list(engine.eos_token_ids)
-        # EOS is the search's business (a finished hypothesis), so the core never stops on it; the
-        # core ends a beam only at max_tokens, which every beam of a prompt reaches in the same round.
-        self.core_params = SamplingParams(temperature=params.temperature, max_tokens=params.max_tokens,
-                                          logprobs=2 * params.beam_width, ignore_eos=True, detokenize=False)
-        self.live: dict[str, tuple[_Instance, _Beam]] = {}
-        # Parents handed their children this round; the scheduler forks them in the next step.
-        self.forking: list[Request] = []
-
-    # ---- driving -------------------------------------------------------------------------
-    def run(self, prompts: Sequence["ProcessedPrompt"], use_tqdm: bool = False) -> list[BeamSearchOutput]:
-        from tqdm.auto import tqdm
-
-        if self.engine.has_unfinished_requests() or self.core.has_unfinished_requests():
-            raise InvalidRequestError("beam search needs an idle engine (other requests are running)")
-        for prompt in prompts:  # all validated before any runs
-            self.engine.input_processor.validate_lengths(prompt.prompt_token_ids, self.core_params)
-        instances = [self._start(p.prompt_token_ids) for p in prompts]
-        bar = tqdm(total=len(instances), desc="Beam search", disable=not use_tqdm, leave=False)
-        try:
-            while any(inst.beams for inst in instances):
-                if not self.core.has_unfinished_requests():
-                    raise RuntimeError("beam search: live beams but no work left in the engine core")
-                outputs = self.core.step()
-                self.forking.clear()
-                for out in outputs:
-                    self._record(out)
-                for inst in instances:
-                    if inst.ready:
-                        self._advance(inst)
-                        bar.update(0 if inst.beams else 1)
-        except BaseException:
-            # Unforked parents too, or the next step would fork their children into the engine.
-            self.core.abort_requests([r.request_id for r in self.forking] + list(self.live))
-            self.live.clear()
-            raise
-        finally:
-            bar.close()
-        return [self._result(inst) for inst in instances]
-
-    def _start(self, prompt_token_ids: list[int]) -> _Instance:
-        request = Request(self._new_id(), list(prompt_token_ids), self.core_params,
-                          self.eos_token_ids[0] if self.eos_token_ids else None)
-        inst = _Instance(list(prompt_token_ids), [])
-        self._add_beam(inst, _Beam(BeamSearchSequence(list(prompt_token_ids)), request))
-        self.core.add_request(request)
-        return inst
-
-    def _new_id(self) -> str:
-        return f"beam-{next(self._ids)}"
-
-    def _add_beam(self, inst: _Instance, beam: _Beam) -> None:
-        inst.beams.append(beam)
-        self.live[beam.request.request_id] = (inst, beam)
-
-    def _record(self, out: "EngineCoreOutput") -> None:
-        entry = self.live.get(out.request_id)
-        if entry is None:
+    def record(self, out: EngineCoreOutput) -> None:
+        beam = self.live.get(out.request_id)
+        if beam is None:
             return
-        inst, beam = entry
+        if out.error is not None:
+            raise InvalidRequestError(out.error)
         if out.new_token_ids:
             beam.top = out.new_logprobs[0]
-            if out.finish_reason is None:
-                beam.request.fork_children = []  # park: hold the blocks until the children are known
-            else:
-                beam.ended = True
+            beam.ended = out.finish_reason is not None
         elif out.finish_reason is not None:  # ended without sampling (e.g. a queue timeout)
-            inst.beams.remove(beam)
+            self.beams.remove(beam)
             del self.live[out.request_id]
 
-    # ---- selection -----------------------------------------------------------------------
     def _score(self, seq: BeamSearchSequence) -> float:
         return get_beam_search_score(seq.tokens, seq.cum_logprob, self.eos_token_ids, self.params.length_penalty)
 
-    def _advance(self, inst: _Instance) -> None:
-        """All beams of the prompt sampled: pick the next beams and fork them from their parents."""
-        inst.num_generated += 1
+    def advance(self) -> tuple[list[EngineCoreFork], list[str]]:
+        """All beams sampled: pick the next beams. Returns the forks to send and the core ids to abort."""
+        self.num_generated += 1
         candidates: list[tuple[_Beam, int, BeamSearchSequence]] = []
-        for beam in inst.beams:
+        for beam in self.beams:
             for token in beam.top:
                 seq = beam.sequence.extended(token, beam.top)
                 if token in self.eos_token_ids and not self.params.ignore_eos:
                     seq.finish_reason, seq.stop_reason = "stop", None
-                    inst.completed.append(seq)
+                    self.completed.append(seq)
                 else:
                     candidates.append((beam, token, seq))
         # A stable sort: among equal scores, earlier beams and higher-ranked tokens win (as vLLM).
         candidates.sort(key=lambda c: self._score(c[2]), reverse=True)
         chosen = candidates[:self.params.beam_width]
-        old_beams, inst.beams = inst.beams, []
+        old_beams, self.beams = self.beams, []
         for beam in old_beams:
-            del self.live[beam.request.request_id]
-        if inst.num_generated >= self.params.max_tokens or not chosen:
+            del self.live[beam.core_id]
+        if self.num_generated >= self.params.max_tokens or not chosen:
             for _, _, seq in chosen:
                 seq.finish_reason = "length"
-                inst.completed.append(seq)
-            self.core.abort_requests([b.request.request_id for b in old_beams if not b.ended])
-            return
-        children: dict[_Beam, list[Request]] = {}
+                self.completed.append(seq)
+            return [], [b.core_id for b in old_beams if not b.ended]
+        children: dict[str, list[ForkChild]] = {}
         for parent, token, seq in chosen:
-            child = self._child_request(parent, token)
-            children.setdefault(parent, []).append(child)
-            self._add_beam(inst, _Beam(seq, child))
-        for beam in old_beams:
-            if beam in children:
-                beam.request.fork_children = children[beam]  # the scheduler forks them next step
-                self.forking.append(beam.request)
-            else:
-                self.core.abort_requests([beam.request.request_id])
+            if parent.ended:
+                raise RuntimeError("beam search: a finished beam cannot be continued")
+            child = _Beam(seq, self._new_id())
+            children.setdefault(parent.core_id, []).append(ForkChild(child.core_id, last_token_id=token))
+            self._add_beam(child)
+        forks = [EngineCoreFork(parent_id, kids) for parent_id, kids in children.items()]
+        aborts = [b.core_id for b in old_beams if b.core_id not in children]
+        return forks, aborts
 
-    def _child_request(self, parent: _Beam, token: int) -> Request:
-        if parent.ended:
-            raise RuntimeError("beam search: a finished beam cannot be continued")
-        request = parent.request
-        child = Request(self._new_id(), list(request.prompt_token_ids), request.sampling_params,
-                        request.eos_token_id, arrival_time=request.arrival_time)
-        # The parent's last output token is its own sample, never computed: the child replaces it.
-        for generated in request.output_token_ids[:-1]:
-            child.append_output_token(generated)
-        child.append_output_token(token)
-        return child
-
-    def _result(self, inst: _Instance) -> BeamSearchOutput:
-        best = sorted(inst.completed, key=self._score, reverse=True)[:self.params.beam_width]
-        tokenizer = self.engine.tokenizer
-        num_prompt = len(inst.prompt_token_ids)
+    def result(self, tokenizer) -> BeamSearchOutput:
+        best = sorted(self.completed, key=self._score, reverse=True)[:self.params.beam_width]
+        num_prompt = len(self.prompt_token_ids)
         for seq in best:
             generated = seq.tokens[num_prompt:]
             if seq.finish_reason == "stop":
@@ -262,4 +207,69 @@ class BeamSearchRunner:
 
 def run_beam_search(engine: "LLMEngine", prompts: Sequence["ProcessedPrompt"],
                     params: BeamSearchParams, use_tqdm: bool = False) -> list[BeamSearchOutput]:
-    return BeamSearchRunner(engine, params).run(prompts, use_tqdm)
+    """Offline: drives the searches over the engine's in-process core (which must be idle, since the
+    search reads the core's outputs itself)."""
+    from tqdm.auto import tqdm
+
+    if engine.has_unfinished_requests():
+        raise InvalidRequestError("beam search needs an idle engine (other requests are running)")
+    searches = [BeamSearch(p.prompt_token_ids, params, engine.eos_token_ids) for p in prompts]
+    for search in searches:  # all validated before any runs
+        engine.input_processor.validate_lengths(search.prompt_token_ids, search.core_params)
+    core = engine.core
+    owner: dict[str, BeamSearch] = {}
+    bar = tqdm(total=len(searches), desc="Beam search", disable=not use_tqdm, leave=False)
+    try:
+        for search in searches:
+            core.add_request(search.first_request())
+            owner.update(dict.fromkeys(search.live, search))
+        while any(not s.done for s in searches):
+            for out in core.get_output().outputs:
+                search = owner.get(out.request_id)
+                if search is not None:
+                    search.record(out)
+            for search in searches:
+                if search.ready:
+                    forks, aborts = search.advance()
+                    for fork in forks:
+                        core.fork(fork)
+                    core.abort(EngineCoreAbort(aborts))
+                    owner.update(dict.fromkeys(search.live, search))
+                    bar.update(1 if search.done else 0)
+    except BaseException:
+        core.abort(EngineCoreAbort([core_id for s in searches for core_id in s.live]))
+        raise
+    finally:
+        bar.close()
+    return [search.result(engine.tokenizer) for search in searches]
+
+
+async def async_beam_search(engine: "AsyncLLM", prompt: "ProcessedPrompt", params: BeamSearchParams,
+                            request_id: str) -> BeamSearchOutput:
+    """The server's beam search: the same search, its beams' outputs routed to it by the AsyncLLM
+    while the engine keeps serving other requests."""
+    import asyncio
+    import time
+
+    search = BeamSearch(prompt.prompt_token_ids, params, engine.eos_token_ids, id_prefix=f"{request_id}-beam")
+    engine.input_processor.validate_lengths(search.prompt_token_ids, search.core_params)
+    outputs: asyncio.Queue = asyncio.Queue()
+    known: set[str] = set()
+    try:
+        await engine.add_core_request(search.first_request(time.monotonic()), outputs)
+        known.update(search.live)
+        while not search.done:
+            out = await outputs.get()
+            if isinstance(out, BaseException):
+                raise out
+            search.record(out)
+            if search.ready:
+                forks, aborts = search.advance()
+                for fork in forks:
+                    await engine.fork_core_request(fork, outputs)
+                engine.release_core_requests(aborts, abort=True)
+                known.update(search.live)
+    finally:
+        engine.release_core_requests(list(search.live), abort=True)
+        engine.release_core_requests(list(known), abort=False)
+    return search.result(engine.tokenizer)

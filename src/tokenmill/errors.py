@@ -51,6 +51,13 @@ class EngineDeadError(TokenmillError):
     error_type = "service_unavailable"
 
 
+class EngineFailedError(TokenmillError):
+    """The engine core died while this request was in flight (the server then exits to be restarted)."""
+
+    http_status = 500
+    error_type = "internal_server_error"
+
+
 class ModelLoadError(TokenmillError):
     """The model could not be found or loaded (bad path, unsupported architecture)."""
 

@@ -1,6 +1,7 @@
 """SamplingParams: vLLM's field names and defaults, validated on construction."""
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -47,6 +48,16 @@ class StructuredOutputsParams:
         return self._constraints()[0]
 
 
+class RequestOutputKind(enum.IntEnum):
+    """What each RequestOutput of a request holds (vLLM's names): CUMULATIVE, everything so far;
+    DELTA, only what is new since the last one (streaming: O(1) per token); FINAL_ONLY, one output
+    when the request ends."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -71,6 +82,7 @@ class SamplingParams:
     logit_bias: Optional[dict[int, float]] = None
     detokenize: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

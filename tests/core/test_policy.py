@@ -146,7 +146,7 @@ def _share_of_b(sched: Scheduler, num_steps: int) -> float:
         out, sampled, _ = step(sched)
         for item in out.scheduled:
             if item.request_id in sampled:
-                tokens[item.request.user] += 1
+                tokens[sched.step_request(item.request_id).user] += 1
     return tokens["B"] / (tokens["A"] + tokens["B"])
 
 

@@ -155,7 +155,11 @@ def test_n_samples_fork_through_the_scheduler_and_copy_once_per_extra_sample():
     assert [(s.request_id, s.start_position, s.num_new_tokens) for s in out.scheduled] == \
         [("r#0", 9, 1), ("r#1", 9, 1), ("r#2", 9, 1)]
     assert out.block_copies == [(2, 3), (2, 4)]
-    assert [s.block_ids for s in out.scheduled] == [[0, 1, 3], [0, 1, 4], [0, 1, 2]]
+    assert [sched.kv_cache.block_ids(s.request_id) for s in out.scheduled] == [[0, 1, 3], [0, 1, 4], [0, 1, 2]]
+    # The samples are new to the runner: each is described once, with its whole block table.
+    assert [n.request_id for n in out.new_requests] == ["r#0", "r#1", "r#2"]
+    assert [s.new_block_ids for s in out.scheduled] == [[0, 1, 3], [0, 1, 4], [0, 1, 2]]
+    assert "r#prompt" in out.finished_ids  # the runner drops the parent's state
     assert parent.status == RequestStatus.FINISHED_STOPPED and "r#prompt" not in sched.kv_cache.req_to_blocks
     drain(sched)
     assert all(c.num_output_tokens == 3 for c in children)

@@ -150,7 +150,7 @@ def test_prefix_cache_hit_starts_the_count_ahead():
     out, _ = run_step(sched)
     item = out.scheduled[0]
     assert (item.start_position, item.num_new_tokens) == (8, 2)
-    assert item.request.num_cached_tokens == 8
+    assert sched.step_request(item.request_id).num_cached_tokens == 8
 
 
 class _GrammarDoneAfter:
@@ -207,8 +207,9 @@ def test_speculative_drafts_are_verified_as_one_catch_up_and_rejected_ones_roll_
     (item,) = out.scheduled
     # The last token and three drafts: positions 5..8, one catch-up of 4, with blocks for all of them.
     assert (item.start_position, item.num_new_tokens, item.spec_token_ids) == (5, 4, [30, 31, 32])
-    assert item.token_ids == [7, 30, 31, 32] and item.samples
-    assert len(item.block_ids) == 3 and a.spec_token_ids == []  # 9 positions in blocks of 4
+    assert item.token_ids == [7] and item.spec_token_ids == [30, 31, 32] and item.samples
+    assert len(sched.kv_cache.block_ids("a")) == 3 and a.spec_token_ids == []  # 9 positions in blocks of 4
+    assert item.new_block_ids == sched.kv_cache.block_ids("a")[2:]  # the runner already holds the first two
     # Drafts 30, 31 kept, 32 rejected; 40 is the token sampled after 31.
     sched.update_from_output(out, {"a": 40}, accepted={"a": [30, 31]})
     assert a.output_token_ids == [7, 30, 31, 40]

@@ -29,12 +29,12 @@ def test_float32_on_cuda_matches_hf(tiny_llama_dir, smollm2_tokenizer):
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval().to("cuda")
     llm = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", max_num_batched_tokens=24,
               num_kv_blocks=64, max_model_len=512)
-    runner = llm.llm_engine.core.runner
+    runner = llm.llm_engine.core.core.runner
     assert runner.device.type == "cuda" and runner.attention_backend.name == "torch"
     prompt_ids = [smollm2_tokenizer.encode(p) for p in PROMPTS]
     for ids, tokens in zip(prompt_ids, greedy(llm, prompt_ids, 16)):
         assert tokens == hf_greedy(hf, ids, 16), f"mismatch for {smollm2_tokenizer.decode(ids)!r}"
-    assert llm.llm_engine.core.kv_cache.usage == 0.0
+    assert llm.llm_engine.core.core.kv_cache.usage == 0.0
 
 
 @pytest.mark.slow
@@ -57,7 +57,7 @@ def test_smollm2_bfloat16_on_cuda_tracks_hf(smollm2_path, smollm2_tokenizer):
     from transformers import AutoModelForCausalLM
 
     llm = LLM(dtype="auto", kv_cache_memory_bytes="512MiB", max_model_len=1024, max_num_batched_tokens=64)
-    assert llm.llm_engine.core.runner.dtype == torch.bfloat16
+    assert llm.llm_engine.core.core.runner.dtype == torch.bfloat16
     hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
                                               dtype=torch.bfloat16).eval().to("cuda")
     prompt_ids = [smollm2_tokenizer.encode(p) for p in PROMPTS]
@@ -75,7 +75,7 @@ def test_smollm2_bfloat16_on_cuda_tracks_hf(smollm2_path, smollm2_tokenizer):
 def test_gpu_memory_utilization_sizes_the_kv_cache(tiny_llama_dir):
     total = torch.cuda.get_device_properties(0).total_memory
     llm = LLM(str(tiny_llama_dir), device="cuda", gpu_memory_utilization=0.2, max_model_len=256)
-    core = llm.llm_engine.core
+    core = llm.llm_engine.core.core
     cache_bytes = core.kv_cache.pool.num_blocks * core.runner.kv_spec.bytes_per_block
     assert 0.15 * total < cache_bytes <= 0.2 * total
     # A second engine in the same process with the same share finds it taken: a clear error, not an OOM.
@@ -93,4 +93,4 @@ def test_generation_after_abort_and_preemption_on_cuda(tiny_llama_dir):
     small = LLM(str(tiny_llama_dir), device="cuda", num_kv_blocks=10, max_model_len=192,
                 max_num_batched_tokens=32, preemption_mode="recompute")
     assert greedy(small, prompts, 40) == reference
-    assert small.llm_engine.core.scheduler.num_preemptions > 0
+    assert small.llm_engine.core.core.scheduler.num_preemptions > 0

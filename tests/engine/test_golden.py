@@ -39,11 +39,11 @@ def test_tiny_llama_matches_hf(request, tiny_llama_dir, smollm2_tokenizer, backe
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     llm = LLM(str(tiny_llama_dir), device="cpu", max_num_batched_tokens=24, num_kv_blocks=64, max_model_len=512,
               attention_backend=backend, packed_linear=packed_linear)
-    runner = llm.llm_engine.core.runner
+    runner = llm.llm_engine.core.core.runner
     assert runner.attention_backend.name == backend
     assert runner.packed_linear == (packed_linear and torch.backends.mkldnn.is_available())
     check_against_hf(llm, hf, smollm2_tokenizer, [12, 20, 5, 16, 24, 9, 30, 14, 22])
-    assert llm.llm_engine.core.kv_cache.usage == 0.0
+    assert llm.llm_engine.core.core.kv_cache.usage == 0.0
 
 
 def test_long_prompt_in_chunks_matches_hf(tiny_llama_dir, smollm2_tokenizer, chunk_path):
@@ -71,4 +71,4 @@ def test_smollm2_gguf_matches_hf(request, smollm2_path, smollm2_tokenizer, backe
     llm = LLM(device="cpu", max_num_batched_tokens=32, kv_cache_memory_bytes="256MiB", max_model_len=1024,
               attention_backend=backend)
     check_against_hf(llm, hf, smollm2_tokenizer, [10, 16, 12, 20, 8, 12, 10, 16, 14])
-    assert llm.llm_engine.core.kv_cache.usage == 0.0
+    assert llm.llm_engine.core.core.kv_cache.usage == 0.0

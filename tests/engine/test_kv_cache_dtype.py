@@ -38,11 +38,11 @@ def test_16_bit_cache_halves_its_memory_and_backends_agree(request, tiny_llama_d
             for backend in ("torch", "cpu")}
     dtype = getattr(torch, kv_cache_dtype)
     for llm in runs.values():
-        core = llm.llm_engine.core
+        core = llm.llm_engine.core.core
         assert all(cache.dtype == dtype for cache in core.runner.kv_caches)
         assert core.runner.model.embed_tokens.weight.dtype == torch.float32  # the model stays float32
         # the same byte budget holds twice the blocks
-        assert core.runner.kv_caches[0].shape[1] == 2 * base.llm_engine.core.runner.kv_caches[0].shape[1]
+        assert core.runner.kv_caches[0].shape[1] == 2 * base.llm_engine.core.core.runner.kv_caches[0].shape[1]
     reference = _greedy(base, prompts)
     outputs = {backend: _greedy(llm, prompts) for backend, llm in runs.items()}
     # Both backends read the same rounded K/V and compute in float32: the same greedy tokens.

@@ -26,7 +26,7 @@ def test_preemption_gives_identical_outputs_and_frees_every_block(tiny_llama_dir
     small = LLM(str(tiny_llama_dir), num_kv_blocks=12, max_model_len=192, enable_prefix_caching=False,
                 max_num_batched_tokens=32)
     outputs = small.generate(PROMPTS, greedy(40), use_tqdm=False)
-    core = small.llm_engine.core
+    core = small.llm_engine.core.core
     assert core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert core.kv_cache.num_free_blocks == 12 and core.kv_cache.usage == 0.0
@@ -131,7 +131,7 @@ def test_lpm_wait_bound_reaches_the_policy(tiny_llama_dir):
     config = engine_config_from_args(parser.parse_args(["--scheduling-policy", "lpm", "--lpm-max-wait", "0.5"]))
     assert config.lpm_max_wait == 0.5
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=32, max_model_len=128, scheduling_policy="lpm", lpm_max_wait=0.5)
-    policy = llm.llm_engine.core.scheduler.policy
+    policy = llm.llm_engine.core.core.scheduler.policy
     assert policy.name == "lpm" and policy.max_wait_s == 0.5
 
 
@@ -140,15 +140,15 @@ def test_step_budget_defaults_by_device_and_fits_unchunked_prompts(tiny_llama_di
     from tokenmill.errors import ModelLoadError
 
     cpu = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
-    assert cpu.llm_engine.core.scheduler.config.max_num_batched_tokens == 1024
+    assert cpu.llm_engine.core.core.scheduler.config.max_num_batched_tokens == 1024
     explicit = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, max_num_batched_tokens=96)
-    assert explicit.llm_engine.core.scheduler.config.max_num_batched_tokens == 96
+    assert explicit.llm_engine.core.core.scheduler.config.max_num_batched_tokens == 96
 
     # Without chunked prefill a prompt must fit one step: the default budget grows to the model length ...
     long_model = build_tiny_llama(tmp_path / "long", tokenizer, max_position_embeddings=1536)
     unchunked = LLM(str(long_model), device="cpu", num_kv_blocks=100, enable_chunked_prefill=False)
-    assert unchunked.llm_engine.core.max_model_len == 1536
-    assert unchunked.llm_engine.core.scheduler.config.max_num_batched_tokens == 1536
+    assert unchunked.llm_engine.core.core.max_model_len == 1536
+    assert unchunked.llm_engine.core.core.scheduler.config.max_num_batched_tokens == 1536
     long_prompt = {"prompt_token_ids": [5 + i % 300 for i in range(1400)]}
     out = unchunked.generate([long_prompt], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 2

@@ -20,7 +20,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 def record_schedules(llm: LLM, monkeypatch) -> list:
     """Wrap the scheduler (for this test) so every SchedulerOutput is kept for inspection."""
-    scheduler = llm.llm_engine.core.scheduler
+    scheduler = llm.llm_engine.core.core.scheduler
     outputs, schedule = [], scheduler.schedule
 
     def recording():
@@ -56,7 +56,7 @@ def test_greedy_n3_gives_three_copies_of_n1(llm, monkeypatch):
     # Block 4 (partial) was shared by the three samples: the first two copied it, the last wrote in place.
     copies = [c for out in outputs for c in out.block_copies]
     assert len(copies) == 2 and len({src for src, _ in copies}) == 1
-    assert llm.llm_engine.core.kv_cache.num_free_blocks == 64
+    assert llm.llm_engine.core.core.kv_cache.num_free_blocks == 64
 
 
 def test_seeded_n3_samples_differ_and_each_equals_its_own_seed(llm):
@@ -74,7 +74,7 @@ def test_seeded_n3_samples_differ_and_each_equals_its_own_seed(llm):
 def peak_blocks_used(llm: LLM, requests: list[tuple[str, SamplingParams]]) -> int:
     """Add the requests, step the engine by hand, and return the most blocks held at once."""
     engine = llm.llm_engine
-    kv = engine.core.kv_cache
+    kv = engine.core.core.kv_cache
     for request_id, params in requests:
         engine.add_request(request_id, engine.input_processor.process_prompt({"prompt_token_ids": PROMPT}), params)
     peak = 0
@@ -176,7 +176,7 @@ def test_beam_search_matches_a_full_recompute_reference(peaky_dir, hf_peaky, smo
     assert total == sum(prompt_lens) + len(BEAM_PROMPTS) * width * (max_tokens - 1)
     # Beams forked from each other: partial blocks were copied, nothing leaked.
     assert any(out.block_copies for out in outputs)
-    assert llm.llm_engine.core.kv_cache.num_free_blocks == 64 and not llm.llm_engine.core.has_unfinished_requests()
+    assert llm.llm_engine.core.core.kv_cache.num_free_blocks == 64 and not llm.llm_engine.core.core.has_unfinished_requests()
 
 
 def test_eos_finishes_a_beam_that_stays_a_candidate(tmp_path, hf_peaky, peaky_dir, smollm2_tokenizer):
@@ -197,12 +197,12 @@ def test_eos_finishes_a_beam_that_stays_a_candidate(tmp_path, hf_peaky, peaky_di
     finished = [s for s in results[0].sequences if s.finish_reason == "stop"]
     assert finished and all(s.tokens[-1] == stop_token and stop_token not in s.tokens[len(prompt):-1]
                             for s in finished)
-    assert llm.llm_engine.core.kv_cache.num_free_blocks == 64
+    assert llm.llm_engine.core.core.kv_cache.num_free_blocks == 64
 
 
 def test_an_interrupted_beam_search_leaves_nothing_behind(tiny_llama_dir, monkeypatch):
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256)
-    core = llm.llm_engine.core
+    core = llm.llm_engine.core.core
     step, calls = core.step, []
 
     def interrupted_step():
@@ -228,4 +228,4 @@ def test_beam_search_validates_its_params(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=64)
     with pytest.raises(InvalidRequestError):
         llm.beam_search("hello", BeamSearchParams(beam_width=2, max_tokens=100))
-    assert not llm.llm_engine.core.has_unfinished_requests()
+    assert not llm.llm_engine.core.core.has_unfinished_requests()

@@ -42,7 +42,7 @@ def reference(tiny_llama_dir) -> LLM:
 def test_identical_prompts(tiny_llama_dir, reference):
     prompt = ids(5, 45)
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256)
-    stats = llm.llm_engine.core.kv_cache.prefix_stats
+    stats = llm.llm_engine.core.core.kv_cache.prefix_stats
     expected = tokens(run(reference, [prompt] * 3))
     # Submitted together: the first registers its blocks as it allocates them, so the next two hit in
     # the same step and read KV the same forward pass writes.
@@ -67,7 +67,7 @@ def test_shared_prefix_of_three_blocks_then_diverging(tiny_llama_dir, reference)
     hits = [o.num_cached_tokens for o in outputs]
     assert hits[0] == 0 and all(h >= 3 * BLOCK for h in hits[1:])
     assert all(h <= cacheable(p) for h, p in zip(hits, prompts))
-    assert llm.llm_engine.core.kv_cache.prefix_stats.hits == sum(hits)
+    assert llm.llm_engine.core.core.kv_cache.prefix_stats.hits == sum(hits)
     # The suffixes differ, so no hit reaches past the shared blocks.
     assert all(h == 3 * BLOCK for h in hits[1:])
 
@@ -75,7 +75,7 @@ def test_shared_prefix_of_three_blocks_then_diverging(tiny_llama_dir, reference)
 def test_evicted_prefix_is_recomputed_correctly(tiny_llama_dir, reference):
     # 12 blocks of 16 tokens = 192 token slots.
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=12, max_model_len=192)
-    kv = llm.llm_engine.core.kv_cache
+    kv = llm.llm_engine.core.core.kv_cache
     a = ids(3, 60)  # 60 + 4 tokens -> blocks 0-2 full (cached), block 3 partial
     big = ids(20000, 170)  # 170 + 4 tokens -> 11 blocks
     expected_a, expected_big = tokens(run(reference, [a], 4)), tokens(run(reference, [big], 4))
@@ -97,4 +97,4 @@ def test_evicted_prefix_is_recomputed_correctly(tiny_llama_dir, reference):
     assert tokens(after) == expected_a
     assert after[0].num_cached_tokens == 16  # only the head block survived
     assert kv.prefix_stats.hits - hits_before == 16
-    assert kv.num_free_blocks == 12 and not llm.llm_engine.core.has_unfinished_requests()
+    assert kv.num_free_blocks == 12 and not llm.llm_engine.core.core.has_unfinished_requests()

@@ -66,7 +66,7 @@ def test_engine_step_loop_high_priority_overtakes_queued_low_priority(tiny_llama
     for index in range(3):  # saturated: two low-priority requests decode, six wait
         for out in engine.step():
             first.setdefault(out.request_id, index)
-    queued = [r.request_id for r in engine.core.scheduler.waiting]
+    queued = [r.request_id for r in engine.core.core.scheduler.waiting]
     assert len(queued) == 6
     engine.add_request("high", token_prompt(10, 900), greedy(6), priority=0)
     outputs: dict = {}
@@ -84,7 +84,7 @@ PREEMPTION_MAX_TOKENS = 40
 def unconstrained_outputs(tiny_llama_dir) -> list[list[int]]:
     big = LLM(str(tiny_llama_dir), num_kv_blocks=256, max_model_len=256, enable_prefix_caching=False)
     outputs = big.generate(PROMPTS, greedy(PREEMPTION_MAX_TOKENS), use_tqdm=False)
-    assert big.llm_engine.core.scheduler.num_preemptions == 0
+    assert big.llm_engine.core.core.scheduler.num_preemptions == 0
     return [o.outputs[0].token_ids for o in outputs]
 
 
@@ -103,7 +103,7 @@ def test_preemption_under_a_tiny_kv_cache_loses_nothing_and_respects_the_cap(tin
                            priority=priorities[i], user=f"tenant{i % 2}")
     outputs: dict = {}
     step_until_done(engine, {}, outputs)
-    core = engine.core
+    core = engine.core.core
     assert core.scheduler.num_preemptions > 0
     assert sorted(outputs) == sorted(f"r{i}" for i in range(len(PROMPTS)))  # each id exactly once
     for i in range(len(PROMPTS)):
@@ -122,7 +122,7 @@ def test_swap_space_is_accepted_and_preemption_recomputes(tiny_llama_dir):
               max_num_batched_tokens=32, swap_space=1.0, device="cpu")
     outputs = llm.generate(PROMPTS[:5], greedy(40), use_tqdm=False)
     assert llm.llm_engine.config.swap_space == 1.0
-    assert llm.llm_engine.core.scheduler.num_preemptions > 0
+    assert llm.llm_engine.core.core.scheduler.num_preemptions > 0
     assert all(len(o.outputs[0].token_ids) == 40 for o in outputs)
 
 
@@ -154,7 +154,7 @@ def test_queue_timeout_finishes_a_waiting_request_with_a_clear_reason(tiny_llama
     assert (late.finish_reason, late.stop_reason, late.token_ids) == ("abort", QUEUE_TIMEOUT, [])
     assert outputs["long"].outputs[0].finish_reason == "length"
     assert len(outputs["long"].outputs[0].token_ids) == 200
-    assert engine.core.get_stats().num_queue_timeouts == 1
+    assert engine.core.core.get_stats().num_queue_timeouts == 1
     assert time.monotonic() - started >= 0.2
 
 

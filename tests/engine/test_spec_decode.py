@@ -49,9 +49,9 @@ def test_greedy_outputs_equal_plain_decoding_and_drafts_are_kept(tiny_llama_dir,
     outputs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert [len(o.outputs[0].token_ids) for o in outputs] == [40, 33, 25, 7]
-    stats = spec.llm_engine.core.get_stats()
+    stats = spec.llm_engine.core.core.get_stats()
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
-    assert spec.llm_engine.core.kv_cache.usage == 0.0
+    assert spec.llm_engine.core.core.kv_cache.usage == 0.0
 
 
 def test_speculation_under_preemption_and_beside_sampled_requests(tiny_llama_dir, smollm2_tokenizer):
@@ -69,7 +69,7 @@ def test_speculation_under_preemption_and_beside_sampled_requests(tiny_llama_dir
     outputs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
     assert outputs[2].outputs[0].logprobs is not None and len(outputs[2].outputs[0].logprobs) == 30
-    core = spec.llm_engine.core
+    core = spec.llm_engine.core.core
     assert core.scheduler.num_preemptions > 0 and core.get_stats().spec_num_accepted_tokens > 0
     assert core.kv_cache.usage == 0.0
 
@@ -83,7 +83,7 @@ def test_smollm2_copying_prompt_keeps_drafts_and_matches_plain_decoding():
     spec = LLM(kv_cache_memory_bytes="128MiB", max_model_len=512, speculative_config=NGRAM)
     reference = plain.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids
     assert spec.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids == reference
-    stats = spec.llm_engine.core.get_stats()
+    stats = spec.llm_engine.core.core.get_stats()
     assert stats.spec_num_accepted_tokens >= 10  # copied code is mostly guessed right
 
 
@@ -97,7 +97,7 @@ def test_q8_0_verify_steps_run_the_fused_decode_stack(request, tiny_llama_dir, s
     reference = [o.outputs[0].token_ids for o in LLM(str(tiny_llama_dir), **kwargs).generate(prompts, params,
                                                                                             use_tqdm=False)]
     spec = LLM(str(tiny_llama_dir), speculative_config=NGRAM, **kwargs)
-    model = spec.llm_engine.core.runner.model
+    model = spec.llm_engine.core.core.runner.model
     fused_rows = []
     original = model._forward_int8_decode
 
@@ -108,5 +108,5 @@ def test_q8_0_verify_steps_run_the_fused_decode_stack(request, tiny_llama_dir, s
     model._forward_int8_decode = counting
     outputs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
-    assert spec.llm_engine.core.get_stats().spec_num_accepted_tokens > 0
+    assert spec.llm_engine.core.core.get_stats().spec_num_accepted_tokens > 0
     assert max(fused_rows) > len(prompts)  # some fused steps carried draft rows

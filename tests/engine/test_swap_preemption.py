@@ -16,7 +16,7 @@ def test_swap_preemption_gives_identical_outputs(tiny_llama_dir):
     reference = [o.outputs[0].token_ids for o in big.generate(PROMPTS, params, use_tqdm=False)]
     small = LLM(str(tiny_llama_dir), num_kv_blocks=12, max_model_len=192, enable_prefix_caching=False,
                 max_num_batched_tokens=32, preemption_mode="swap", swap_space=0.01)
-    scheduler = small.llm_engine.core.scheduler
+    scheduler = small.llm_engine.core.core.scheduler
     computed = []
     original = scheduler.schedule
 
@@ -33,7 +33,7 @@ def test_swap_preemption_gives_identical_outputs(tiny_llama_dir):
     prompt_tokens = sum(len(o.prompt_token_ids) for o in outputs)
     recomputed = sum(computed) - prompt_tokens - sum(len(r) - 1 for r in reference)
     assert recomputed < scheduler.num_preemptions * 20
-    kv = small.llm_engine.core.kv_cache
+    kv = small.llm_engine.core.core.kv_cache
     assert kv.num_free_blocks == 12 and kv.num_free_host_blocks == kv.host_pool.num_blocks
     assert not scheduler.swapped
 
@@ -48,4 +48,4 @@ def test_swap_preemption_on_cuda(tiny_llama_dir):
     small = LLM(str(tiny_llama_dir), num_kv_blocks=12, max_model_len=192, max_num_batched_tokens=32,
                 device="cuda", swap_space=0.01)
     assert [o.outputs[0].token_ids for o in small.generate(PROMPTS, params, use_tqdm=False)] == reference
-    assert small.llm_engine.core.scheduler.num_swap_outs > 0
+    assert small.llm_engine.core.core.scheduler.num_swap_outs > 0

@@ -5,12 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.core.request import Request
-from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput
 from tokenmill.model.layers import attention
 from tokenmill.model.layers.attention import (CpuPagedAttentionBackend, TorchAttentionBackend,
                                               chunk_after_prefix_attention, get_attention_backend)
-from tokenmill.runner.input_batch import build_model_inputs
+from tokenmill.runner.input_batch import StepRow, build_model_inputs
 from tokenmill.sampling_params import SamplingParams
 
 BLOCK = 4
@@ -101,9 +99,9 @@ def test_paged_decode_kernel_reads_a_16_bit_cache_as_its_float32_values(kernels,
         kernels.paged_decode_attention(q.to(cache_dtype), cache.float(), tables, lens, 0.2)
 
 
-def _scheduled(rid: str, prompt_len: int, start: int, count: int, blocks: list[int]) -> ScheduledRequest:
-    request = Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=4))
-    return ScheduledRequest(request, start, count, blocks)
+def _scheduled(rid: str, prompt_len: int, start: int, count: int, blocks: list[int]) -> StepRow:
+    tokens = list(range(1, prompt_len + 1))
+    return StepRow(start, count, tokens[start:start + count], blocks, [])
 
 
 @pytest.mark.skipif(attention._FLASH_WITH_LSE is None, reason="this torch has no CPU flash kernel with log-sum-exp")
@@ -143,7 +141,7 @@ def test_backends_agree_on_a_mixed_batch(kernels, backend_name, cache_dtype, chu
     ]
     backend = get_attention_backend(torch.device("cpu"), backend_name)
     assert isinstance(backend, CpuPagedAttentionBackend if backend_name == "cpu" else TorchAttentionBackend)
-    inputs = build_model_inputs(SchedulerOutput(scheduled=items), BLOCK, torch.device("cpu"),
+    inputs = build_model_inputs(items, BLOCK, torch.device("cpu"),
                                 backend.uses_decode_buckets)
     num_tokens = inputs.input_ids.numel()
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)

@@ -32,7 +32,7 @@ def test_auto_dtype_engine_runs_here(tiny_llama_dir):
 
     llm = LLM(str(tiny_llama_dir), dtype="auto", num_kv_blocks=16)
     expected = resolve_dtype("auto", torch.device("cpu"))
-    assert llm.llm_engine.core.runner.dtype == expected
+    assert llm.llm_engine.core.core.runner.dtype == expected
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
                        use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 3

@@ -125,7 +125,7 @@ def test_engine_keeps_every_block_type_and_matches_hf(kernels, tiny_gguf_path, t
     C++ stack; greedy tokens equal HF's on the dequantized weights and the dense float32 engine's."""
     llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64,
               max_model_len=512)
-    model = llm.llm_engine.core.runner.model
+    model = llm.llm_engine.core.core.runner.model
     linears = [m for m in model.modules() if isinstance(m, Int8BlockLinear)]
     assert len(linears) == 4 * len(model.layers) + 1 and model._int8_decode is not None
     assert model.layers[0].self_attn.qkv_proj.mins is not None and model.layers[0].mlp.down_proj.mins is None
@@ -136,7 +136,7 @@ def test_engine_keeps_every_block_type_and_matches_hf(kernels, tiny_gguf_path, t
         assert got == hf_greedy(hf, prompt, m)
     dense = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64,
                 max_model_len=512, quantization="none")
-    assert not any(isinstance(m, Int8BlockLinear) for m in dense.llm_engine.core.runner.model.modules())
+    assert not any(isinstance(m, Int8BlockLinear) for m in dense.llm_engine.core.core.runner.model.modules())
     assert greedy(dense, smollm2_tokenizer, lengths)[1] == tokens
 
 
@@ -149,7 +149,7 @@ def test_dense_copy_is_packed_only_where_decode_steps_reach_it(kernels, tiny_ggu
 
     llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=512,
               max_num_seqs=max_num_seqs)
-    layer = llm.llm_engine.core.runner.model.layers[0].mlp.gate_up_proj
+    layer = llm.llm_engine.core.core.runner.model.layers[0].mlp.gate_up_proj
     packed = max_num_seqs > INT8_KERNEL_MAX_ROWS and torch.backends.mkldnn.is_available()
     assert isinstance(layer, Int8BlockLinear) and isinstance(layer.dense, PackedLinear) == packed
     assert isinstance(layer.dense, torch.nn.Linear) == (not packed)
@@ -167,7 +167,7 @@ def test_tensors_of_other_types_stay_dense(kernels, tmp_path, tiny_llama_dir, sm
     write_gguf(path, tiny_llama_dir, tensor_type=lambda name: GGMLQuantizationType.F16 if "down_proj" in name
                else mixed_gguf_type(name))
     llm = LLM(str(path), tokenizer=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, quantization="gguf")
-    model = llm.llm_engine.core.runner.model
+    model = llm.llm_engine.core.core.runner.model
     assert not isinstance(model.layers[0].mlp.down_proj, Int8BlockLinear)
     assert isinstance(model.layers[0].mlp.gate_up_proj, Int8BlockLinear) and model._int8_decode is None
     hf = hf_on_file_weights(path, tiny_llama_dir)
@@ -183,4 +183,4 @@ def test_quantization_gguf_errors(tiny_gguf_path, tiny_llama_dir):
             attention_backend="torch")
     # unset: without the CPU kernels the same file simply loads dense
     llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), num_kv_blocks=16, attention_backend="torch")
-    assert not any(isinstance(m, Int8BlockLinear) for m in llm.llm_engine.core.runner.model.modules())
+    assert not any(isinstance(m, Int8BlockLinear) for m in llm.llm_engine.core.core.runner.model.modules())

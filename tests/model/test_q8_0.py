@@ -131,10 +131,10 @@ def test_int8_fused_decode_stack_is_bit_identical_to_the_layers(request, kernels
     else:
         llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, quantization="q8_0",
                   kv_cache_dtype=kv_cache_dtype)
-    model = llm.llm_engine.core.runner.model
+    model = llm.llm_engine.core.core.runner.model
     assert model._int8_decode is not None
     expected_dtype = torch.float32 if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
-    assert all(cache.dtype == expected_dtype for cache in llm.llm_engine.core.runner.kv_caches)
+    assert all(cache.dtype == expected_dtype for cache in llm.llm_engine.core.core.runner.kv_caches)
     captured = []
     original = model.forward
 

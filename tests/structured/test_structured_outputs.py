@@ -61,7 +61,7 @@ def test_params_need_exactly_one_constraint():
 
 
 def test_bad_grammars_are_refused_with_the_field_named(llm):
-    backend = llm.llm_engine.structured_backend
+    backend = llm.llm_engine.input_processor.structured_backend
     for params, text in [(StructuredOutputsParams(regex="a(b", param="guided_regex"), "invalid regex"),
                          (StructuredOutputsParams(json={"type": "objectx"}), "invalid json"),
                          (StructuredOutputsParams(json="{not json"), "not valid JSON"),
@@ -133,7 +133,7 @@ def test_grammar_state_survives_preemption(tiny_llama_dir, fast_forward):
     # 5 blocks of 16 tokens hold one ~35-token sequence and part of a second.
     tight_llm = LLM(str(tiny_llama_dir), num_kv_blocks=5, max_model_len=80, max_num_batched_tokens=16, **options)
     tight = tight_llm.generate(prompts, params, use_tqdm=False)
-    assert tight_llm.llm_engine.core.scheduler.num_preemptions > 0
+    assert tight_llm.llm_engine.core.core.scheduler.num_preemptions > 0
     assert [o.outputs[0].token_ids for o in tight] == [o.outputs[0].token_ids for o in roomy]
     for out in tight:
         json.loads(out.outputs[0].text)
@@ -151,7 +151,7 @@ def test_unconstrained_rows_in_the_same_batch_are_untouched(llm):
 
 def _count_steps(llm: LLM) -> list[int]:
     """Wraps the runner so each model step is counted."""
-    runner, calls = llm.llm_engine.core.runner, []
+    runner, calls = llm.llm_engine.core.core.runner, []
     execute = runner.execute
 
     def counted(output):

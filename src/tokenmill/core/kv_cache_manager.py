@@ -42,6 +42,8 @@ class KVCacheManager:
         self.prefix_stats = PrefixCacheStats()
         # (src, dst) block copies the runner must do before the next forward pass (copy-on-write).
         self.pending_copies: list[tuple[int, int]] = []
+        # Requests whose existing block ids changed (copy-on-write): the runner gets their table anew.
+        self.rewritten_tables: set[str] = set()
         # Swap space: host blocks holding the KV of swapped-out requests.
         self.host_pool = BlockPool(num_host_blocks, enable_caching=False) if num_host_blocks > 0 else None
         self.req_to_host_blocks: dict[str, list[KVBlock]] = {}
@@ -60,6 +62,14 @@ class KVCacheManager:
 
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+
+    def block_ids_from(self, request_id: str, start: int) -> list[int]:
+        """The request's block ids from index `start` on (what a runner that holds `start` lacks)."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, ())[start:]]
+
+    def take_rewritten_tables(self) -> set[str]:
+        rewritten, self.rewritten_tables = self.rewritten_tables, set()
+        return rewritten
 
     # ---- hashing -------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
@@ -120,6 +130,7 @@ class KVCacheManager:
             return None
         if shared_partial is not None:
             self._copy_on_write(blocks, shared_partial)
+            self.rewritten_tables.add(request.request_id)
         self.pool.touch(new_computed_blocks)
         blocks.extend(new_computed_blocks)
         new_blocks = self.pool.get_new_blocks(num_needed) if num_needed > 0 else []

@@ -63,6 +63,9 @@ class Request:
     # Speculative decoding: tokens guessed to follow (a proposer's drafts), verified by the next
     # decode step as a catch-up of 1 + len(spec_token_ids); never part of all_token_ids.
     spec_token_ids: list[int] = field(default_factory=list)
+    # Beam search: park after every sampled token (fork_children = []) until the search forks the
+    # beams that continue from this one.
+    park_after_sample: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)

@@ -1,51 +1,80 @@
-"""What the scheduler hands the model runner for one step."""
+"""What crosses between the engine core and the model runner each step: plain data, no live objects.
+
+core -> runner (`SchedulerOutput`): requests the runner has not seen yet are described once
+(`NewRequestData`: prompt, tokens generated so far, sampling parameters); every scheduled request
+then gets a per-step delta (`ScheduledRequest`: where its chunk starts, the chunk's token ids, the
+block ids appended since the runner last heard of it, drafts to verify); preempted and finished ids
+tell the runner which of its per-request states to drop. The grammar bitmask of constrained rows is
+computed on the core side and sent as bytes.
+
+runner -> core (`ModelRunnerOutput`): sampled token ids, logprobs, prompt logprobs and the drafts
+each verify kept.
+
+All of them are msgspec Structs, so the same values travel in-process or encoded (see
+`tokenmill.engine.messages`).
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from typing import Optional
 
-from tokenmill.core.request import Request
+import msgspec
+
+from tokenmill.outputs import Logprob
+from tokenmill.sampling_params import SamplingParams
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    request: Request
+class NewRequestData(msgspec.Struct, omit_defaults=True):
+    """A request the runner has no state for: fresh, resumed after preemption, forked, or swapped in."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: Optional[int] = None
+    # Tokens generated before the runner heard of it (resumed or forked requests).
+    output_token_ids: list[int] = []
+
+
+class ScheduledRequest(msgspec.Struct, omit_defaults=True):
+    request_id: str
     # Position of the first new token: the request's computed count before this step.
     start_position: int
     num_new_tokens: int
-    block_ids: list[int]
+    # The known tokens this step computes (num_new_tokens - len(spec_token_ids) of them).
+    token_ids: list[int]
+    # Block ids appended to the request's block table since the runner last saw it.
+    new_block_ids: list[int] = []
     # True when this step reaches the request's last known token, so a new token is sampled.
     samples: bool = False
-    # Speculative decoding: drafts computed after the request's last token (the step's last
-    # len(spec_token_ids) tokens); each position's logits verify the next draft.
-    spec_token_ids: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.samples = (self.start_position + self.num_new_tokens >= self.request.num_tokens
-                        and self.request.fork_children is None)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    @property
-    def token_ids(self) -> list[int]:
-        end = self.start_position + self.num_new_tokens - len(self.spec_token_ids)
-        known = self.request.all_token_ids[self.start_position:end]
-        return known + self.spec_token_ids if self.spec_token_ids else known
+    # Speculative decoding: drafts computed after the known tokens (the step's last
+    # len(spec_token_ids) positions); each position's logits verify the next draft.
+    spec_token_ids: list[int] = []
 
 
-@dataclass(slots=True)
-class SchedulerOutput:
+class SchedulerOutput(msgspec.Struct, omit_defaults=True):
     # Decodes (one new token) come first, then prefill chunks: the attention backend relies on it.
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    preempted_ids: list[str] = field(default_factory=list)
-    finished_ids: list[str] = field(default_factory=list)
+    scheduled: list[ScheduledRequest] = []
+    new_requests: list[NewRequestData] = []
+    preempted_ids: list[str] = []
+    finished_ids: list[str] = []
     # Copy-on-write block copies (src, dst) to do before the forward pass.
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = []
     # Swapping: (device, host) copies out, then (host, device) copies in, before the forward pass.
-    swap_out: list[tuple[int, int]] = field(default_factory=list)
-    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    swap_out: list[tuple[int, int]] = []
+    swap_in: list[tuple[int, int]] = []
+    # Structured outputs: request id -> row of `grammar_bitmask`, an int32 [rows, ceil(vocab / 32)]
+    # array as raw bytes (bit j of word w allows token 32 w + j), filled by the engine core.
+    grammar_rows: dict[str, int] = {}
+    grammar_bitmask: Optional[bytes] = None
 
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class ModelRunnerOutput(msgspec.Struct, omit_defaults=True):
+    sampled: dict[str, int] = {}
+    logprobs: dict[str, dict[int, Logprob]] = {}
+    # request id -> (position of the first scored prompt token, one entry per scored token)
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = {}
+    # Speculative decoding: the drafts each verifying request keeps (they precede its sampled token).
+    accepted: dict[str, list[int]] = {}

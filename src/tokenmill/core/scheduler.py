@@ -17,15 +17,27 @@ frees the blocks of finished requests in the same step.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.policy import SchedulingPolicy, make_policy
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput
+from tokenmill.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 
 QUEUE_TIMEOUT = "queue_timeout"
+# stop_reason of a request refused at admission because max_num_queued_requests were waiting.
+QUEUE_FULL = "queue_full"
+
+
+@dataclass(slots=True)
+class _Item:
+    """A request picked for this step, before it is described to the runner."""
+
+    request: Request
+    start_position: int
+    num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -80,6 +92,11 @@ class Scheduler:
         self._finished_ids: list[str] = []
         # Requests finished inside schedule() (queue timeouts), reported by the next update.
         self._timed_out: list[Request] = []
+        # What the model runner holds: request id -> how many of its block ids it has been sent.
+        # A request missing here is described in full (NewRequestData) when it is next scheduled.
+        self._runner_blocks: dict[str, int] = {}
+        # The requests behind the last schedule()'s items, for update_from_output.
+        self._step_requests: dict[str, Request] = {}
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -107,7 +124,16 @@ class Scheduler:
     def _free(self, request: Request) -> None:
         self.kv_cache.free(request)
         self.requests.pop(request.request_id, None)
-        self._finished_ids.append(request.request_id)
+        self._forget(request)
+
+    def _forget(self, request: Request) -> None:
+        """The runner drops its state for the request at the next step."""
+        if self._runner_blocks.pop(request.request_id, None) is not None:
+            self._finished_ids.append(request.request_id)
+
+    def step_request(self, request_id: str) -> Optional[Request]:
+        """The request behind an item of the last schedule() (finished ones included)."""
+        return self._step_requests.get(request_id)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._timed_out)
@@ -124,7 +150,7 @@ class Scheduler:
         output = SchedulerOutput(finished_ids=self._finished_ids)
         self._finished_ids = []
         budget = self.config.max_num_batched_tokens
-        scheduled: list[ScheduledRequest] = []
+        scheduled: list[_Item] = []
 
         self._swap_in()
         self.running.sort(key=self.policy.rank)
@@ -134,16 +160,42 @@ class Scheduler:
             # would only cause another one.
             self._schedule_waiting(scheduled, output, budget)
 
-        output.scheduled = scheduled
         output.block_copies = self.kv_cache.take_pending_copies()
         output.swap_out, output.swap_in = self.kv_cache.take_pending_swaps()
+        rewritten = self.kv_cache.take_rewritten_tables()
         now = time.monotonic()
+        self._step_requests = {}
         for item in scheduled:
-            if item.request.first_scheduled_time is None:
-                item.request.first_scheduled_time = now
+            request = item.request
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = now
+            output.scheduled.append(self._describe(item, output, rewritten))
+            self._step_requests[request.request_id] = request
             # The tokens count as computed from now on; their KV is written by this step's forward pass.
-            item.request.num_computed_tokens += item.num_new_tokens
+            request.num_computed_tokens += item.num_new_tokens
         return output
+
+    def _describe(self, item: "_Item", output: SchedulerOutput, rewritten: set[str]) -> ScheduledRequest:
+        """The step's message for one request: its full description the first time the runner sees it
+        (or after its block table was rewritten), then only what changed."""
+        request = item.request
+        rid = request.request_id
+        if rid in rewritten:
+            self._runner_blocks.pop(rid, None)
+        num_sent = self._runner_blocks.get(rid)
+        if num_sent is None:
+            num_sent = 0
+            output.new_requests.append(NewRequestData(
+                request_id=rid, prompt_token_ids=request.prompt_token_ids, sampling_params=request.sampling_params,
+                eos_token_id=request.eos_token_id, output_token_ids=list(request.output_token_ids)))
+        new_blocks = self.kv_cache.block_ids_from(rid, num_sent)
+        self._runner_blocks[rid] = num_sent + len(new_blocks)
+        start, count, spec = item.start_position, item.num_new_tokens, item.spec_token_ids
+        return ScheduledRequest(
+            request_id=rid, start_position=start, num_new_tokens=count,
+            token_ids=request.all_token_ids[start:start + count - len(spec)], new_block_ids=new_blocks,
+            samples=start + count >= request.num_tokens and request.fork_children is None,
+            spec_token_ids=spec)
 
     def _fork_ready_parents(self) -> None:
         """n > 1: once a parent's prompt is computed, its samples take over its blocks.
@@ -162,6 +214,7 @@ class Scheduler:
             self.running[index:index + 1] = parent.fork_children
             self.kv_cache.free(parent)
             self.requests.pop(parent.request_id, None)
+            self._forget(parent)
             parent.status = RequestStatus.FINISHED_STOPPED
 
     def _expire_waiting(self) -> None:
@@ -177,7 +230,7 @@ class Scheduler:
             self._free(request)
             self._timed_out.append(request)
 
-    def _schedule_running(self, scheduled: list[ScheduledRequest], output: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, scheduled: list[_Item], output: SchedulerOutput, budget: int) -> int:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -189,8 +242,7 @@ class Scheduler:
             num_new += len(spec)
             start = request.num_computed_tokens
             if self._make_room(index, num_new, output, can_wait=bool(scheduled)):
-                scheduled.append(ScheduledRequest(request, start, num_new, self.kv_cache.block_ids(request.request_id),
-                                                  spec_token_ids=spec))
+                scheduled.append(_Item(request, start, num_new, spec))
                 budget -= num_new
                 index += 1
             elif request.status == RequestStatus.RUNNING:
@@ -254,6 +306,7 @@ class Scheduler:
         request.num_preemptions += 1
         self.num_preemptions += 1
         output.preempted_ids.append(request.request_id)
+        self._runner_blocks.pop(request.request_id, None)  # its blocks change: described anew when resumed
         if (self.config.preemption_mode == "swap" and request.request_id not in self._swapped_in_now
                 and self.kv_cache.can_swap_out(request)):
             # Its KV survives in host memory, so nothing is recomputed when it comes back.
@@ -284,7 +337,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
 
-    def _schedule_waiting(self, scheduled: list[ScheduledRequest], output: SchedulerOutput, budget: int) -> None:
+    def _schedule_waiting(self, scheduled: list[_Item], output: SchedulerOutput, budget: int) -> None:
         threshold = self.config.long_prefill_token_threshold
         num_long = sum(1 for s in scheduled if threshold is not None and
                        s.request.num_tokens_to_compute - s.start_position > threshold)
@@ -318,12 +371,11 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if num_new > 0:
-                scheduled.append(ScheduledRequest(request, num_cached, num_new,
-                                                  self.kv_cache.block_ids(request.request_id)))
+                scheduled.append(_Item(request, num_cached, num_new))
                 budget -= num_new
 
     def _preempt_for(self, request: Request, output: SchedulerOutput,
-                     scheduled: list[ScheduledRequest]) -> None:
+                     scheduled: list[_Item]) -> None:
         """Priority policy: make room for a waiting request by preempting a strictly lower-priority
         running one. The freed blocks are used from the next step on."""
         if not self.policy.preempts_for_waiting or not self.running:
@@ -351,7 +403,9 @@ class Scheduler:
         """
         finished, self._timed_out = self._timed_out, []
         for item in output.scheduled:
-            request = item.request
+            request = self._step_requests.get(item.request_id)
+            if request is None:
+                continue
             self.policy.on_tokens(request, item.num_new_tokens)
             token = sampled.get(request.request_id)
             if token is None or request.is_finished:
@@ -373,6 +427,8 @@ class Scheduler:
                     self._free(request)
                     finished.append(request)
                     break
+            if request.park_after_sample and not request.is_finished:
+                request.fork_children = []  # beam search: hold the blocks until the next beams are picked
         return finished
 
     def _check_stop(self, request: Request, token: int, last_of_run: bool = True) -> Optional[RequestStatus]:

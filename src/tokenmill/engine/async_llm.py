@@ -1,143 +1,191 @@
-"""AsyncLLM: the server's asyncio façade over one continuous-batching engine loop.
+"""AsyncLLM: the server's asyncio frontend over an engine core in its own process.
 
-The engine loop runs in a dedicated thread. The HTTP event loop only enqueues commands and awaits
-per-request queues; torch releases the GIL during kernels, so tokenization and HTTP work proceed
-while the model runs. (DESIGN.md's target is a separate engine-core process; the thread keeps one
-copy of the weights and no serialization, and its cost is measured in docs/benchmarks.md.)
-
-The engine is built on the thread that runs it. On CPU, torch's OpenMP runtime (libgomp) gives every
-thread that enters a parallel region its own worker team, and once the process holds more OpenMP
-threads than cores it stops spinning between regions and puts workers to sleep instead: a model
-loaded on the main thread and run on another decoded 1.75x slower per token (docs/performance.md).
+The API process keeps what is per request and cheap: validation, the core messages, and output
+processing (detokenization, stop strings, logprobs, metrics). The engine core (scheduler, KV cache,
+model) runs in a child process (`core_client.MPClient`); a receiver thread hands each step's outputs
+to the event loop, where they become RequestOutputs on per-request queues. If the core process dies,
+every request in flight fails at once with an error, `errored` turns true (so /health answers 503)
+and the server exits non-zero for its supervisor to restart it.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Optional, Union
+from typing import Any, AsyncIterator, Optional
 
 from tokenmill.config import EngineConfig
-from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt
-from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.core.scheduler import QUEUE_TIMEOUT
-from tokenmill.errors import EngineDeadError, InvalidRequestError, RequestRejectedError, TokenmillError
+from tokenmill.engine.core_client import MPClient
+from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt, eos_token_ids
+from tokenmill.engine.llm_engine import core_request, rejection, scheduler_snapshot
+from tokenmill.engine.messages import EngineCoreAbort, EngineCoreFork, EngineCoreOutput, EngineCoreOutputs, \
+    EngineCoreRequest
+from tokenmill.engine.output_processor import OutputProcessor
+from tokenmill.errors import EngineDeadError, EngineFailedError, InvalidRequestError
+from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
+from tokenmill.model.default_model import DEFAULT_MODEL_NAME
+from tokenmill.model.loader import load_model_source
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
+from tokenmill.structured.llguidance_backend import LLGuidanceBackend
 
 logger = logging.getLogger("tokenmill")
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-
-    def put(self, item: Any) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
 class AsyncLLM:
-    def __init__(self, engine: Union[LLMEngine, Callable[[], LLMEngine]]) -> None:
-        """engine: a built LLMEngine, or a factory that the engine thread calls to build it (preferred:
-        then one thread does all of the engine's torch work; see the module docstring)."""
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wakeup = threading.Event()
-        self._streams: dict[str, _Stream] = {}
-        self._streams_lock = threading.Lock()
-        self._stop = threading.Event()
-        self._dead: Optional[BaseException] = None
-        factory = (lambda: engine) if isinstance(engine, LLMEngine) else engine
-        built: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, args=(factory, built), name="tokenmill-engine",
-                                        daemon=True)
-        self._thread.start()
-        error = built.get()
-        if error is not None:
-            self._thread.join()
-            raise error
-        self.tokenizer = self.engine.tokenizer
-        self.input_processor: InputProcessor = self.engine.input_processor
-        self.served_model_name = self.engine.served_model_name
-        self.max_model_len = self.engine.max_model_len
-        self.config = self.engine.config
+    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
+        self.config = config
+        # The core loads the model in its process; here only the tokenizer and the model's config.
+        source = load_model_source(config.model, config.tokenizer)
+        self.tokenizer = source.tokenizer
+        hf_config = source.hf_config
+        self.served_model_name = config.served_model_name or (
+            DEFAULT_MODEL_NAME if config.model is None else source.served_model_name)
+        self.eos_token_ids = eos_token_ids(self.tokenizer, hf_config)
+        self.client = MPClient(config, log_level)
+        self.ready = self.client.ready
+        self.max_model_len = self.ready.max_model_len
+        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, hf_config.vocab_size,
+                                              config.max_prompt_tokens,
+                                              LLGuidanceBackend(self.tokenizer, hf_config.vocab_size,
+                                                                self.eos_token_ids))
+        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.stat_loggers: list[StatLogger] = []
+        self.num_rejected: dict[str, int] = {}  # reason -> count, for metrics
+        self._latest: Optional[SchedulerSnapshot] = None
+        self._dead: Optional[str] = None
+        self._stopped = False
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        # Core ids whose raw outputs go to a listener (beam search) instead of the output processor.
+        self._listeners: dict[str, asyncio.Queue] = {}
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "AsyncLLM":
-        return cls(lambda: LLMEngine(config))
+    def from_config(cls, config: EngineConfig, log_level: str = "INFO") -> "AsyncLLM":
+        return cls(config, log_level)
 
-    # ---- public API ----------------------------------------------------------------------
+    # ---- state ---------------------------------------------------------------------------
     @property
     def errored(self) -> bool:
-        return self._dead is not None or not self._thread.is_alive()
+        return self._dead is not None
 
     @property
     def is_running(self) -> bool:
-        return not self.errored and not self._stop.is_set()
+        return not self.errored and not self._stopped
 
     async def check_health(self) -> None:
         if self.errored:
-            raise EngineDeadError("the engine loop has stopped")
+            raise EngineDeadError(f"the engine has stopped: {self._dead}")
 
+    def _ensure_receiving(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            loop = self._loop
+            self.client.start_receiver(lambda outputs: loop.call_soon_threadsafe(self._on_outputs, outputs),
+                                       lambda reason: loop.call_soon_threadsafe(self._on_dead, reason))
+
+    # ---- requests ------------------------------------------------------------------------
     async def generate(self, prompt: ProcessedPrompt, sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0, user: Optional[str] = None) -> AsyncIterator[RequestOutput]:
-        """Cumulative outputs of one request; closing the iterator early aborts the request."""
+                       priority: int = 0, user: Optional[str] = None,
+                       validated: bool = False) -> AsyncIterator[RequestOutput]:
+        """The request's outputs (as its params' output_kind asks); closing the iterator early aborts it.
+        validated: the caller already ran input_processor.validate on these parameters."""
         await self.check_health()
-        params = self.input_processor.validate_lengths(prompt.prompt_token_ids, sampling_params)
-        if params.structured_outputs is not None:  # a bad grammar is a 400 before any stream starts
-            self.engine.structured_backend.validate(params.structured_outputs)
-        self._admit()
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        with self._streams_lock:
-            if request_id in self._streams:
-                raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-            self._streams[request_id] = stream
-        self._send(("add", request_id, prompt, params, priority, user, time.monotonic()))
+        self._ensure_receiving()
+        params = sampling_params if validated else self.input_processor.validate(prompt.prompt_token_ids,
+                                                                                   sampling_params)
+        if request_id in self.output_processor.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        message, params, core_ids = core_request(request_id, prompt, params, self.eos_token_ids,
+                                                 priority=priority, user=user)
+        queue: asyncio.Queue = asyncio.Queue()
+        parent = message.request_id if message.fork_children else None
+        self.output_processor.add_request(request_id, prompt.prompt, prompt.prompt_token_ids, params, core_ids,
+                                          parent, message.arrival_time, queue=queue)
+        self.client.add_request(message)
         finished = False
         try:
             while not finished:
-                item = await stream.queue.get()
-                # Outputs are cumulative: when the consumer lags, only the newest one matters.
-                while not stream.queue.empty() and not _is_final(item):
-                    item = stream.queue.get_nowait()
+                item = await queue.get()
                 if isinstance(item, BaseException):
+                    finished = True
                     raise item
                 finished = item.finished
-                if finished and any(o.stop_reason == QUEUE_TIMEOUT for o in item.outputs):
-                    self._count_rejection("queue_timeout")
-                    raise RequestRejectedError(
-                        f"the request waited longer than max_queue_time ({self.config.max_queue_time} s) "
-                        "without being scheduled; retry later", retry_after_s=1.0, code="queue_timeout")
                 yield item
         finally:
-            with self._streams_lock:
-                self._streams.pop(request_id, None)
             if not finished:
-                self._send(("abort", request_id))
-
-    def _admit(self) -> None:
-        """Admission control: refuse at once (429) when the waiting queue is full."""
-        limit = self.config.max_num_queued_requests
-        if limit is None:
-            return
-        waiting = len(self.engine.core.scheduler.waiting) + self._commands.qsize()
-        if waiting >= limit:
-            self._count_rejection("queue_full")
-            raise RequestRejectedError(f"the server is busy: {limit} requests are already queued; retry later",
-                                       retry_after_s=1.0, code="queue_full")
-
-    def _count_rejection(self, reason: str) -> None:
-        rejected = self.engine.num_rejected
-        rejected[reason] = rejected.get(reason, 0) + 1
+                await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        state = self.output_processor.remove_request(request_id)
+        if state is not None and self._dead is None:
+            self.client.abort(EngineCoreAbort(state.core_ids))
 
+    # ---- raw core access (beam search) ---------------------------------------------------
+    async def add_core_request(self, message: EngineCoreRequest, listener: asyncio.Queue) -> None:
+        await self.check_health()
+        self._ensure_receiving()
+        self._listeners[message.request_id] = listener
+        self.client.add_request(message)
+
+    async def fork_core_request(self, message: EngineCoreFork, listener: asyncio.Queue) -> None:
+        await self.check_health()
+        for child in message.children:
+            self._listeners[child.request_id] = listener
+        self.client.fork(message)
+
+    def release_core_requests(self, core_ids: list[str], abort: bool) -> None:
+        for core_id in core_ids:
+            self._listeners.pop(core_id, None)
+        if abort and self._dead is None:
+            self.client.abort(EngineCoreAbort(core_ids))
+
+    # ---- outputs (on the event loop) -------------------------------------------------------
+    def _on_outputs(self, core_outputs: EngineCoreOutputs) -> None:
+        outputs: list[EngineCoreOutput] = core_outputs.outputs
+        if self._listeners:
+            mine = [o for o in outputs if o.request_id not in self._listeners]
+            for out in outputs:
+                listener = self._listeners.get(out.request_id)
+                if listener is not None:
+                    listener.put_nowait(out)
+            outputs = mine
+        delivered, stopped = self.output_processor.process_outputs(outputs)
+        if stopped and self._dead is None:
+            self.client.abort(EngineCoreAbort(stopped, stopped=True))
+        for state, output in delivered:
+            item: Any = output
+            if state.finished:
+                refused = rejection(state, self.config.max_queue_time)
+                if refused is not None:
+                    self.num_rejected[refused.code] = self.num_rejected.get(refused.code, 0) + 1
+                    item = refused
+                elif state.error is not None:
+                    item = InvalidRequestError(state.error)
+            state.queue.put_nowait(item)
+        self._record_stats(core_outputs)
+
+    def _record_stats(self, core_outputs: EngineCoreOutputs) -> None:
+        iteration = self.output_processor.take_iteration_stats()
+        if core_outputs.stats is None:
+            return
+        self._latest = scheduler_snapshot(core_outputs)
+        iteration.timestamp = time.time()
+        for stat_logger in self.stat_loggers:
+            stat_logger.record(self._latest, iteration)
+
+    def _on_dead(self, reason: str) -> None:
+        self._dead = reason
+        error = EngineFailedError("the engine failed while serving this request", code="engine_dead")
+        for request_id, state in list(self.output_processor.requests.items()):
+            self.output_processor.remove_request(request_id)
+            state.queue.put_nowait(error)
+        for listener in set(self._listeners.values()):
+            listener.put_nowait(error)
+        self._listeners.clear()
+
+    # ---- stats and lifecycle ---------------------------------------------------------------
     def get_stats(self) -> dict[str, Any]:
-        stats = self.engine.core.get_stats()
+        stats = self._latest or SchedulerSnapshot()
         return {
             "num_requests_running": stats.num_running,
             "num_requests_waiting": stats.num_waiting,
@@ -148,67 +196,9 @@ class AsyncLLM:
             "prefix_cache_hits": stats.prefix_cache_hits,
             "num_cached_blocks": stats.num_cached_blocks,
             "num_evictions": stats.num_evictions,
-            "num_rejected": dict(self.engine.num_rejected),
+            "num_rejected": dict(self.num_rejected),
         }
 
     async def shutdown(self) -> None:
-        self._stop.set()
-        self._wakeup.set()
-        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, 30)
-
-    # ---- the engine thread ---------------------------------------------------------------
-    def _send(self, command: tuple) -> None:
-        self._commands.put(command)
-        self._wakeup.set()
-
-    def _run(self, factory: Callable[[], LLMEngine], built: queue.SimpleQueue) -> None:
-        try:
-            self.engine: LLMEngine = factory()
-        except BaseException as exc:  # reported to the constructor, which raises it
-            built.put(exc)
-            return
-        built.put(None)
-        self._loop()
-
-    def _loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self._drain_commands()
-                if not self.engine.has_unfinished_requests():
-                    self._wakeup.wait(timeout=0.5)
-                    self._wakeup.clear()
-                    continue
-                for output in self.engine.step():
-                    stream = self._streams.get(output.request_id)
-                    if stream is not None:
-                        stream.put(output)
-        except BaseException as exc:  # the loop must never die silently
-            logger.exception("engine loop died")
-            self._dead = exc
-            with self._streams_lock:
-                for stream in self._streams.values():
-                    stream.put(EngineDeadError("the engine failed while serving this request"))
-
-    def _drain_commands(self) -> None:
-        while True:
-            try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if command[0] == "add":
-                _, request_id, prompt, params, priority, user, arrival = command
-                if request_id not in self._streams:
-                    continue  # the client left before the request reached the engine
-                try:
-                    self.engine.add_request(request_id, prompt, params, priority=priority, user=user,
-                                            arrival_time=arrival)
-                except Exception as exc:  # a bad request fails alone
-                    stream = self._streams.get(request_id)
-                    if stream is not None:
-                        stream.put(exc if isinstance(exc, TokenmillError) else InvalidRequestError(str(exc)))
-            elif command[0] == "abort":
-                self.engine.abort_request(command[1])
-
-
-def _is_final(item: Any) -> bool:
-    return isinstance(item, BaseException) or item.finished
+        self._stopped = True
+        await asyncio.get_running_loop().run_in_executor(None, self.client.shutdown)

@@ -51,9 +51,12 @@ class IncrementalDetokenizer:
         self._read_offset = len(context)
         self._prefix_text = context_text
 
-        self._text = ""  # decoded output so far: complete characters, truncated at a stop string
+        # Text is released in pieces, and only the pieces' tail is ever searched or held back, so a
+        # token costs the same at the 4,000th position as at the first.
+        self._released: list[str] = []  # output text that is final (no stop string can cut it)
+        self._unsent: list[str] = []  # released pieces not yet handed out by get_delta
+        self._held = ""  # decoded text that could still be the start of a stop string
         self._finished = False  # a stop string matched or the caller said the sequence ended
-        self._sent = 0  # characters of output_text already handed out by get_delta
 
     # -- public API ---------------------------------------------------------------------------
 
@@ -66,9 +69,19 @@ class IncrementalDetokenizer:
         if self._finished:
             return None
         self._token_ids.extend(new_token_ids)
-        start = len(self._text)
-        self._text += self._decode_new_text(flush=finished)
-        stop = self._truncate_at_stop(start)
+        new_text = self._decode_new_text(flush=finished)
+        if not new_text and not finished:
+            return None
+        # A stop string must end in the new text; it can start in the held text at the earliest,
+        # since every suffix of released text that could begin one was held back.
+        text = self._held + new_text
+        stop = self._find_stop(text, len(self._held))
+        if stop is not None:
+            index, stop = stop
+            text = text[: index + len(stop) if self.include_stop_str_in_output else index]
+        hold = 0 if stop is not None or finished else self._partial_stop_len(text)
+        self._release(text[: len(text) - hold])
+        self._held = text[len(text) - hold:]
         if stop is not None or finished:
             self._finished = True
         return stop
@@ -76,10 +89,9 @@ class IncrementalDetokenizer:
     @property
     def output_text(self) -> str:
         """The text so far, without the stop string (unless included) or held-back characters."""
-        if self._finished:
-            return self._text
-        end = len(self._text) - self._partial_stop_len()
-        return self._text[: max(end, self._sent)]
+        if len(self._released) > 1:
+            self._released[:] = ["".join(self._released)]
+        return self._released[0] if self._released else ""
 
     @property
     def finished(self) -> bool:
@@ -87,9 +99,8 @@ class IncrementalDetokenizer:
 
     def get_delta(self) -> str:
         """Text not returned by a previous call; all deltas concatenate to output_text."""
-        text = self.output_text
-        delta = text[self._sent:]
-        self._sent = len(text)
+        delta = "".join(self._unsent)
+        self._unsent.clear()
         return delta
 
     # -- internals ----------------------------------------------------------------------------
@@ -111,29 +122,29 @@ class IncrementalDetokenizer:
         self._prefix_text = self._decode(self._token_ids)
         return delta
 
-    def _truncate_at_stop(self, start: int) -> str | None:
-        """Find the earliest stop string ending in text[start:] and cut the text there."""
-        if not self.stop or start == len(self._text):
+    def _release(self, text: str) -> None:
+        if text:
+            self._released.append(text)
+            self._unsent.append(text)
+
+    def _find_stop(self, text: str, new_start: int) -> tuple[int, str] | None:
+        """The earliest stop string ending in text[new_start:]: (its index, the string)."""
+        if not self.stop or new_start == len(text):
             return None
-        # A match must end in the new text, so it starts at most max_len - 1 chars before it.
-        search_from = max(0, start - self._max_stop_len + 1)
+        search_from = max(0, new_start - self._max_stop_len + 1)
         best: tuple[int, str] | None = None
         for stop in self.stop:
-            index = self._text.find(stop, search_from)
+            index = text.find(stop, search_from)
             if index != -1 and (best is None or index < best[0]):
                 best = (index, stop)
-        if best is None:
-            return None
-        index, stop = best
-        self._text = self._text[: index + len(stop) if self.include_stop_str_in_output else index]
-        return stop
+        return best
 
-    def _partial_stop_len(self) -> int:
-        """Length of the longest suffix of the text that is a proper prefix of a stop string."""
+    def _partial_stop_len(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
         longest = 0
         for stop in self.stop:
-            for length in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:length]):
+            for length in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:length]):
                     longest = length
                     break
         return longest

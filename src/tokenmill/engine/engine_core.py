@@ -1,19 +1,30 @@
-"""The step loop: schedule -> execute -> update, owning the scheduler, KV cache and model runner."""
+"""The engine core: scheduler, KV cache manager, structured-output grammars and the model runner,
+stepped as schedule -> execute -> update. It talks to its frontend only through the plain-data
+messages of `messages.py` (and to the runner through `core/sched_output.py`), so it can run in the
+frontend's process (the offline LLM, tests) or in its own (`core_proc.py`, what the server uses).
+"""
 from __future__ import annotations
 
 import logging
-from typing import Iterable
+import time
+from typing import Optional
 
 import torch
 
 from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, default_max_num_batched_tokens
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import Scheduler, SchedulerConfig, SchedulerStats
-from tokenmill.engine.messages import EngineCoreOutput
-from tokenmill.errors import ModelLoadError
+from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
+from tokenmill.core.scheduler import QUEUE_FULL, Scheduler, SchedulerConfig, SchedulerStats
+from tokenmill.engine.input_processor import eos_token_ids
+from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFork, EngineCoreOutput, EngineCoreOutputs,
+                                       EngineCoreReady, EngineCoreRequest, roundtrip)
+from tokenmill.errors import ModelLoadError, TokenmillError
+from tokenmill.model.loader import load_model_source
 from tokenmill.runner.model_runner import ModelRunner, resolve_device
 from tokenmill.spec_decode.ngram import NgramProposer, can_speculate
+from tokenmill.structured.backend import allocate_token_bitmask
+from tokenmill.structured.llguidance_backend import LLGuidanceBackend
 
 logger = logging.getLogger("tokenmill")
 
@@ -32,31 +43,37 @@ def derive_max_model_len(config: EngineConfig, hf_config) -> int:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig, source) -> None:
+    def __init__(self, config: EngineConfig, source=None, message_roundtrip: bool = False) -> None:
+        """source: the loaded model source (loaded here when None). message_roundtrip: encode and decode
+        every core <-> runner message, as a process boundary would (tests)."""
         self.config = config
+        self.message_roundtrip = message_roundtrip
+        source = source if source is not None else load_model_source(config.model, config.tokenizer)
         hf_config = source.hf_config
         device = resolve_device(config.device)
+        self.device = device
+        self.vocab_size = hf_config.vocab_size
+        # Resolved here, never written back into the (validated, shared) config.
         budget_was_defaulted = config.max_num_batched_tokens is None
-        if budget_was_defaulted:
-            config.max_num_batched_tokens = default_max_num_batched_tokens(device.type)
+        self.max_num_batched_tokens = config.max_num_batched_tokens or default_max_num_batched_tokens(device.type)
         max_model_len = derive_max_model_len(config, hf_config)
         self.runner = ModelRunner(hf_config, source.architecture, config.dtype, device, max_model_len,
                                   config.block_size, config.seed, config.num_threads,
                                   config.attention_backend,
                                   packed_linear_rows=min(config.max_num_seqs, 256) if config.packed_linear else None,
-                                  quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype,
-                                  structured_outputs_fast_forward=config.structured_outputs_fast_forward)
+                                  quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
         int8_blocks = {} if self.runner.keeps_int8_blocks(source.is_gguf) else None
         self.runner.load_weights(source.iter_weights(self.runner.dtype, int8_blocks), int8_blocks)
         num_blocks = self._num_kv_blocks(device)
+        self.num_kv_blocks = num_blocks
         self.runner.initialize_kv_cache(num_blocks)
         # A request must fit in the cache on its own, or preemption could never make room for it.
         self.max_model_len = min(max_model_len, num_blocks * config.block_size)
         self.runner.max_model_len = self.max_model_len
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+        if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             # Without chunking a prompt must fit one step, or a long one would wait forever.
             if budget_was_defaulted:
-                config.max_num_batched_tokens = self.max_model_len
+                self.max_num_batched_tokens = self.max_model_len
             else:
                 raise ModelLoadError(
                     f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
@@ -74,7 +91,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             SchedulerConfig(
                 max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=config.max_num_batched_tokens,
+                max_num_batched_tokens=self.max_num_batched_tokens,
                 max_model_len=self.max_model_len,
                 enable_chunked_prefill=config.enable_chunked_prefill,
                 policy=config.scheduling_policy,
@@ -87,16 +104,26 @@ class EngineCore:
             ),
             self.kv_cache,
         )
+        # Structured outputs: grammars compiled against the tokenizer, masks sized to the model's logits.
+        self.structured_backend = LLGuidanceBackend(source.tokenizer, self.vocab_size,
+                                                    eos_token_ids(source.tokenizer, hf_config))
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
         if spec is not None:
             logger.info("speculative decoding: %s, %d tokens per step (n-grams of %d..%d)", spec.method,
                         spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        # Answers decided outside a step (refusals), sent with the next step's outputs.
+        self._pending: list[EngineCoreOutput] = []
         tokens = num_blocks * config.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), max concurrency %.2fx at max_model_len=%d",
             num_blocks, config.block_size, tokens, num_blocks * self.runner.kv_spec.bytes_per_block / 2**20,
             tokens / self.max_model_len, self.max_model_len)
+
+    def ready_message(self) -> EngineCoreReady:
+        return EngineCoreReady(max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
+                               block_size=self.config.block_size, device=str(self.device),
+                               linear_layers=self.runner.linear_layers)
 
     def _num_kv_blocks(self, device: torch.device) -> int:
         spec = self.runner.kv_spec
@@ -105,7 +132,7 @@ class EngineCore:
         if self.config.kv_cache_memory_bytes is not None:
             budget = self.config.kv_cache_memory_bytes
         elif device.type == "cuda":
-            budget = self.runner.profile_free_memory(self.config.max_num_batched_tokens,
+            budget = self.runner.profile_free_memory(self.max_num_batched_tokens,
                                                      self.config.gpu_memory_utilization)
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
@@ -116,40 +143,139 @@ class EngineCore:
         return num_blocks
 
     # ---- requests ------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        self.scheduler.add_request(request)
+    def add_request(self, message: EngineCoreRequest) -> None:
+        """Admit a request, or answer it at once (queue full, grammar that does not compile)."""
+        rid = message.request_id
+        limit = self.config.max_num_queued_requests
+        if limit is not None and len(self.scheduler.waiting) >= limit:
+            self._pending.append(EngineCoreOutput(rid, finish_reason="abort", stop_reason=QUEUE_FULL))
+            return
+        params = message.sampling_params
+        children = message.fork_children
+        try:
+            grammars = [self._compile(params) for _ in range(len(children) if children else 1)]
+        except TokenmillError as exc:
+            self._pending.append(EngineCoreOutput(rid, finish_reason="abort", error=exc.message))
+            return
+        if not children:
+            self.scheduler.add_request(self._request(rid, message, params, grammars[0]))
+            return
+        # The prompt is computed once by the parent; the samples fork from it and share its blocks,
+        # copying the partially filled last block when they diverge.
+        forks = [self._request(child.request_id, message,
+                               params if child.seed is None else params.clone(seed=child.seed), grammar)
+                 for child, grammar in zip(children, grammars)]
+        parent = self._request(rid, message, params, None)
+        parent.fork_children = forks
+        self.scheduler.add_request(parent)
 
-    def abort_requests(self, request_ids: Iterable[str]) -> None:
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+    def _compile(self, params):
+        if params.structured_outputs is None:
+            return None
+        return self.structured_backend.compile(params.structured_outputs)
 
-    def finish_requests(self, request_ids: Iterable[str]) -> None:
-        """Stop requests that the detokenizer saw hit a stop string."""
-        self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_STOPPED)
+    @staticmethod
+    def _request(request_id: str, message: EngineCoreRequest, params, grammar) -> Request:
+        return Request(request_id, list(message.prompt_token_ids), params, message.eos_token_id,
+                       arrival_time=message.arrival_time, priority=message.priority, user=message.user,
+                       structured_output=grammar, park_after_sample=message.park_after_sample)
+
+    def fork(self, message: EngineCoreFork) -> None:
+        """Beam search: the picked beams continue from a parked parent (its blocks shared, its last
+        sampled token replaced by each child's own)."""
+        parent = self.scheduler.requests.get(message.parent_id)
+        if parent is None or parent.is_finished or parent.fork_children != []:
+            for child in message.children:
+                self._pending.append(EngineCoreOutput(child.request_id, finish_reason="abort",
+                                                      error=f"beam {message.parent_id} cannot be continued"))
+            return
+        forks = []
+        for child in message.children:
+            request = Request(child.request_id, parent.prompt_token_ids, parent.sampling_params,
+                              parent.eos_token_id, arrival_time=parent.arrival_time, priority=parent.priority,
+                              user=parent.user, park_after_sample=parent.park_after_sample)
+            for token in parent.output_token_ids[:-1]:
+                request.append_output_token(token)
+            request.append_output_token(child.last_token_id)
+            forks.append(request)
+        parent.fork_children = forks  # the scheduler forks them at its next step
+
+    def abort(self, message: EngineCoreAbort) -> None:
+        status = RequestStatus.FINISHED_STOPPED if message.stopped else RequestStatus.FINISHED_ABORTED
+        self.scheduler.finish_requests(message.request_ids, status)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or bool(self._pending)
 
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
 
-    def _propose_drafts(self, sched) -> None:
+    def _propose_drafts(self, sched: SchedulerOutput) -> None:
         """Drafts for every request this step brought up to date, verified by its next decode."""
         for item in sched.scheduled:
-            request = item.request
-            if (not request.is_finished and request.num_computed_tokens == request.num_tokens - 1
-                    and can_speculate(request)):
+            request = self.scheduler.step_request(item.request_id)
+            if (request is not None and not request.is_finished
+                    and request.num_computed_tokens == request.num_tokens - 1 and can_speculate(request)):
                 request.spec_token_ids = self.proposer.propose(request.all_token_ids)
 
+    def _fill_grammar_bitmask(self, sched: SchedulerOutput) -> None:
+        """Structured outputs: the tokens each constrained row may sample, computed here (the grammar
+        state lives with the request) and sent to the runner as bytes."""
+        constrained = []
+        for item in sched.scheduled:
+            if item.samples and not item.spec_token_ids:
+                request = self.scheduler.step_request(item.request_id)
+                if request is not None and request.structured_output is not None:
+                    constrained.append((item.request_id, request.structured_output))
+        if not constrained:
+            return
+        bitmask = allocate_token_bitmask(len(constrained), self.vocab_size)
+        for row, (request_id, grammar) in enumerate(constrained):
+            grammar.fill_bitmask(bitmask, row)
+            sched.grammar_rows[request_id] = row
+        sched.grammar_bitmask = bitmask.numpy().tobytes()
+
+    def _advance_grammars(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> dict[str, list[int]]:
+        """Feed sampled tokens to their grammars; returns the tokens each grammar now forces."""
+        forced: dict[str, list[int]] = {}
+        for request_id in sched.grammar_rows:
+            token = result.sampled.get(request_id)
+            request = self.scheduler.step_request(request_id)
+            if token is None or request is None:
+                continue
+            grammar = request.structured_output
+            grammar.accept_token(token)
+            # Fast-forward: text the grammar now forces is appended without a model step per token.
+            # Not for requests that want logprobs, which need a distribution for every token.
+            if self.config.structured_outputs_fast_forward and request.sampling_params.logprobs is None:
+                tokens = grammar.forced_tokens()
+                if tokens:
+                    forced[request_id] = tokens
+        return forced
+
     # ---- the step ------------------------------------------------------------------------
-    def step(self) -> list[EngineCoreOutput]:
+    def step(self) -> EngineCoreOutputs:
+        outputs, self._pending = self._pending, []
+        if self.scheduler.has_unfinished_requests():
+            outputs.extend(self._step())
+        return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.get_stats(), timestamp=time.time())
+
+    def _step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
+        self._fill_grammar_bitmask(sched)
+        if self.message_roundtrip:
+            sched = roundtrip(sched, SchedulerOutput)
         result = self.runner.execute(sched)  # an empty schedule costs nothing in the runner
+        if self.message_roundtrip:
+            result = roundtrip(result, ModelRunnerOutput)
+        forced = self._advance_grammars(sched, result)
         # Fast-forwarded and speculating requests get several tokens this step: remember where their
         # new ones start.
-        outputs_before = {item.request_id: item.request.num_output_tokens for item in sched.scheduled
-                          if item.request_id in result.forced or item.request_id in result.accepted}
-        finished_requests = self.scheduler.update_from_output(sched, result.sampled, result.forced,
-                                                              result.accepted)
+        outputs_before = {}
+        for item in sched.scheduled:
+            if item.request_id in forced or item.request_id in result.accepted:
+                outputs_before[item.request_id] = self.scheduler.step_request(item.request_id).num_output_tokens
+        finished_requests = self.scheduler.update_from_output(sched, result.sampled, forced, result.accepted)
         if self.proposer is not None:
             self._propose_drafts(sched)
         finished = {r.request_id for r in finished_requests}
@@ -159,11 +285,11 @@ class EngineCore:
                                     stop_reason=r.stop_reason)
                    for r in finished_requests if r.request_id not in scheduled_ids]
         for item in sched.scheduled:
-            request = item.request
-            rid = request.request_id
+            rid = item.request_id
+            request = self.scheduler.step_request(rid)
             token = result.sampled.get(rid)
             prompt_lps = result.prompt_logprobs.get(rid)
-            if token is None and prompt_lps is None:
+            if request is None or (token is None and prompt_lps is None):
                 continue
             new_token_ids = [] if token is None else [token]
             if token is not None and rid in outputs_before:  # kept drafts, the sampled token, forced ones

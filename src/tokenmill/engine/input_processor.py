@@ -20,11 +20,13 @@ class ProcessedPrompt:
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
-                 max_prompt_tokens: Optional[int] = None) -> None:
+                 max_prompt_tokens: Optional[int] = None, structured_backend: Any = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_prompt_tokens = max_prompt_tokens
+        # Compiles structured-output constraints to check them (the engine core compiles its own).
+        self.structured_backend = structured_backend
 
     # ---- prompts -------------------------------------------------------------------------
     def process_prompt(self, prompt: Any, param: str = "prompt") -> ProcessedPrompt:
@@ -77,7 +79,16 @@ class InputProcessor:
         # The template already holds the BOS text where the model wants it.
         return ProcessedPrompt(text, self.encode(text, add_special_tokens=False))
 
-    # ---- lengths -------------------------------------------------------------------------
+    # ---- validation ----------------------------------------------------------------------
+    def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
+        """Everything a request is checked for before it reaches the engine core (the one place):
+        lengths, and a structured-output constraint that must compile. Returns the parameters to run
+        with (max_tokens filled in)."""
+        params = self.validate_lengths(prompt_token_ids, params)
+        if params.structured_outputs is not None and self.structured_backend is not None:
+            self.structured_backend.validate(params.structured_outputs)
+        return params
+
     def validate_lengths(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
         """Refuse prompts that cannot fit; fill in max_tokens=None as 'up to max_model_len'."""
         num_prompt = len(prompt_token_ids)
@@ -97,3 +108,14 @@ class InputProcessor:
                 f"{num_prompt} tokens and max_tokens asks for {params.max_tokens} more",
                 "max_tokens", "context_length_exceeded")
         return params
+
+
+def eos_token_ids(tokenizer: Any, hf_config: Any) -> list[int]:
+    """Every id that ends generation like EOS (the tokenizer's and the model config's, deduplicated;
+    e.g. Llama 3's <|eot_id|> besides <|end_of_text|>). The first is the model's primary EOS."""
+    ids: list[int] = []
+    for source in (getattr(tokenizer, "eos_token_id", None), getattr(hf_config, "eos_token_id", None)):
+        for token in source if isinstance(source, (list, tuple)) else [source]:
+            if token is not None and token not in ids:
+                ids.append(int(token))
+    return ids

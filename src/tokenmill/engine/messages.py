@@ -1,21 +1,128 @@
-"""What the engine core reports after each step (the only engine type that crosses processes)."""
+"""What crosses between the frontend (API process or offline LLM) and the engine core: plain data.
+
+frontend -> core: `EngineCoreRequest` (a request as the core receives it: token ids, sampling
+parameters, arrival time, priority, tenant), `EngineCoreFork` (beam search picks the next beams:
+children fork from a parked beam), `EngineCoreAbort` (client gone, or a stop string the frontend's
+detokenizer found), `EngineCoreShutdown`.
+core -> frontend: `EngineCoreOutputs` once per step (per-request deltas: new token ids, finish
+reason, logprobs; plus the scheduler's stats), `EngineCoreReady` once the model is loaded,
+`EngineCoreFailure` when the core cannot go on.
+
+Every type is a msgspec Struct tagged with its name, so one decoder reads any of them from a zmq
+frame (`encode` / `decode_input` / `decode_output`). Nothing here refers to a live object.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
+import msgspec
+
+from tokenmill.core.scheduler import SchedulerStats
 from tokenmill.outputs import Logprob
+from tokenmill.sampling_params import SamplingParams
 
 
-@dataclass(slots=True)
-class EngineCoreOutput:
+class ForkChild(msgspec.Struct, omit_defaults=True):
+    """A sequence that forks from a parent: n > 1 samples, or a beam search's next beam."""
+
     request_id: str
-    new_token_ids: list[int] = field(default_factory=list)
+    # n > 1: each sample gets its own seed (None: the parent's).
+    seed: Optional[int] = None
+    # Beam search: the child replaces the parent's last sampled token with this one.
+    last_token_id: Optional[int] = None
+
+
+class EngineCoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: Optional[int] = None
+    arrival_time: float = 0.0
+    priority: int = 0
+    user: Optional[str] = None
+    # n > 1: the request computes the prompt once and never samples; these samples fork from it.
+    fork_children: Optional[list[ForkChild]] = None
+    # Beam search: after each sampled token the request parks (keeps its blocks, computes nothing)
+    # until an EngineCoreFork names the beams that continue from it.
+    park_after_sample: bool = False
+
+
+class EngineCoreFork(msgspec.Struct, tag=True):
+    parent_id: str
+    children: list[ForkChild]
+
+
+class EngineCoreAbort(msgspec.Struct, tag=True, omit_defaults=True):
+    request_ids: list[str]
+    # True: the frontend found a stop string (the request finishes as "stop", not "abort").
+    stopped: bool = False
+
+
+class EngineCoreShutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
+    request_id: str
+    new_token_ids: list[int] = []
     new_logprobs: Optional[list[dict[int, Logprob]]] = None
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
-    stop_reason: int | str | None = None
+    stop_reason: Union[int, str, None] = None
     # (first scored position, entries) for prompt tokens scored this step
     prompt_logprobs: Optional[tuple[int, list[dict[int, Logprob]]]] = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
     first_scheduled_time: Optional[float] = None
+    # The core refused or could not serve this request (the message says why); it has ended.
+    error: Optional[str] = None
+
+
+class EngineCoreOutputs(msgspec.Struct, tag=True, omit_defaults=True):
+    outputs: list[EngineCoreOutput] = []
+    stats: Optional[SchedulerStats] = None
+    timestamp: float = 0.0
+
+
+class EngineCoreReady(msgspec.Struct, tag=True, omit_defaults=True):
+    """Sent once the core has loaded the model and sized its KV cache."""
+
+    max_model_len: int
+    num_kv_blocks: int
+    block_size: int
+    device: str
+    # How the weights run (for logs and benchmark reports).
+    linear_layers: str = ""
+
+
+class EngineCoreFailure(msgspec.Struct, tag=True):
+    """The core could not start, or its loop died; it exits after sending this."""
+
+    message: str
+    # The TokenmillError subclass name when the failure is a user-facing one (bad model path ...).
+    error_type: Optional[str] = None
+
+
+EngineCoreInput = Union[EngineCoreRequest, EngineCoreFork, EngineCoreAbort, EngineCoreShutdown]
+EngineCoreMessage = Union[EngineCoreOutputs, EngineCoreReady, EngineCoreFailure]
+
+_encoder = msgspec.msgpack.Encoder()
+_input_decoder = msgspec.msgpack.Decoder(EngineCoreInput)
+_output_decoder = msgspec.msgpack.Decoder(EngineCoreMessage)
+
+
+def encode(message: msgspec.Struct) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode_input(frame: bytes) -> EngineCoreInput:
+    return _input_decoder.decode(frame)
+
+
+def decode_output(frame: bytes) -> EngineCoreMessage:
+    return _output_decoder.decode(frame)
+
+
+def roundtrip(message, message_type):
+    """Encode and decode a message (what a process boundary does): tests run the whole engine this
+    way to prove no live object crosses."""
+    return msgspec.msgpack.decode(_encoder.encode(message), type=message_type)

@@ -11,7 +11,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import RequestOutput
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = Union[str, dict[str, Any], list[int]]
 
@@ -94,6 +94,8 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(items):
                 request_id = f"offline-{next(self._counter)}"
+                # Only the final outputs are returned, so only they are assembled.
+                params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
                 engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0)
                 ids.append(request_id)
         except BaseException:

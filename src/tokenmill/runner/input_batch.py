@@ -1,12 +1,23 @@
-"""Turns a SchedulerOutput into the flat tensors the model consumes."""
+"""The runner's own per-request state, kept up to date by the scheduler's per-step deltas, and the
+flat tensors built from it for each step.
+
+The runner never sees the core's `Request` objects: a request arrives once as `NewRequestData`
+(prompt, tokens generated so far, sampling parameters) and from then on only as deltas (the
+chunk's token ids, block ids appended since the last step). Tokens are kept by position, so a
+speculative verify that rejects drafts is corrected by the next chunk, which starts where the
+kept tokens end and overwrites the rest.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 
-from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput
+from tokenmill.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from tokenmill.model.layers.attention import AttentionMetadata, DecodeBucket
+from tokenmill.sampling_params import SamplingParams
 
 # A decode bucket may pad its members up to this factor of their real total context.
 MAX_PADDING_FACTOR = 1.25
@@ -18,8 +29,101 @@ class ModelInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    # Flat index of each scheduled request's last token, in SchedulerOutput.scheduled order.
+    # Flat index of each scheduled request's last token, in the order of the rows given.
     last_token_index: list[int]
+
+
+@dataclass(slots=True)
+class CachedRequestState:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: Optional[int]
+    # Every token by position (prompt, generated, and the drafts of the last verify).
+    token_ids: list[int]
+    block_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+class OutputTokens(Sequence):
+    """The generated tokens of a request as a view (no copy per step): what the sampler's
+    penalties, min_tokens and per-request seeds read."""
+
+    __slots__ = ("_tokens", "_start", "_end")
+
+    def __init__(self, tokens: list[int], start: int, end: int) -> None:
+        self._tokens, self._start, self._end = tokens, start, end
+
+    def __len__(self) -> int:
+        return max(0, self._end - self._start)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return self._tokens[self._start:self._end][index]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(index)
+        return self._tokens[self._start + index]
+
+    def __iter__(self):
+        tokens = self._tokens
+        for i in range(self._start, self._end):
+            yield tokens[i]
+
+
+@dataclass(slots=True)
+class StepRow:
+    """One scheduled request as build_model_inputs reads it."""
+
+    start_position: int
+    num_new_tokens: int
+    token_ids: list[int]  # the known tokens, then the drafts
+    block_ids: list[int]  # the request's whole block table (the runner's own list)
+    spec_token_ids: list[int]
+
+
+class InputBatch:
+    """The runner's requests, updated from each step's SchedulerOutput."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def update(self, output: SchedulerOutput) -> list[CachedRequestState]:
+        """Apply the step's deltas; returns the scheduled requests' states in `output.scheduled` order."""
+        for request_id in output.finished_ids:
+            self.requests.pop(request_id, None)
+        for request_id in output.preempted_ids:
+            self.requests.pop(request_id, None)
+        for new in output.new_requests:
+            self.requests[new.request_id] = _new_state(new)
+        states = []
+        for item in output.scheduled:
+            state = self.requests[item.request_id]
+            state.block_ids.extend(item.new_block_ids)
+            tokens = state.token_ids
+            del tokens[item.start_position:]
+            tokens.extend(item.token_ids)
+            tokens.extend(item.spec_token_ids)
+            states.append(state)
+        return states
+
+
+def _new_state(new: NewRequestData) -> CachedRequestState:
+    return CachedRequestState(new.request_id, new.prompt_token_ids, new.sampling_params, new.eos_token_id,
+                              token_ids=[*new.prompt_token_ids, *new.output_token_ids])
+
+
+def step_rows(scheduled: Sequence[ScheduledRequest], states: Sequence[CachedRequestState]) -> list[StepRow]:
+    rows = []
+    for item, state in zip(scheduled, states):
+        end = item.start_position + item.num_new_tokens
+        rows.append(StepRow(item.start_position, item.num_new_tokens, state.token_ids[item.start_position:end],
+                            state.block_ids, item.spec_token_ids))
+    return rows
 
 
 def _num_blocks(ctx_len: int, block_size: int) -> int:
@@ -40,14 +144,14 @@ def _bucket_decodes(lengths: list[int]) -> list[tuple[int, int]]:
     return buckets
 
 
-def build_model_inputs(output: SchedulerOutput, block_size: int, device: torch.device,
+def build_model_inputs(scheduled: Sequence[StepRow], block_size: int, device: torch.device,
                        decode_buckets: bool = True) -> ModelInputs:
     """Flat token tensors + attention metadata; decodes as padded buckets or as block tables."""
-    indexed = list(enumerate(output.scheduled))
+    indexed = list(enumerate(scheduled))
     # With block tables (paged-kernel backends), a speculative verify is attended as one decode row
     # per position: the same blocks, each row's context one token longer. Its rows stay together, in
     # order, so the runner finds them right before the request's last token.
-    def as_decode(item: ScheduledRequest) -> bool:
+    def as_decode(item: StepRow) -> bool:
         return item.num_new_tokens == 1 or (not decode_buckets and bool(item.spec_token_ids))
 
     decodes = sorted((p for p in indexed if as_decode(p[1])), key=lambda p: p[1].start_position)
@@ -93,7 +197,7 @@ def build_model_inputs(output: SchedulerOutput, block_size: int, device: torch.d
     )
 
 
-def _block_tables(members: list[tuple[int, ScheduledRequest]], lengths: list[int], block_size: int,
+def _block_tables(members: list[tuple[int, StepRow]], lengths: list[int], block_size: int,
                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """[len(members), max_blocks] int32 block ids (padded with 0) and [len(members)] int32 lengths."""
     max_blocks = _num_blocks(max(lengths), block_size)
@@ -105,7 +209,7 @@ def _block_tables(members: list[tuple[int, ScheduledRequest]], lengths: list[int
             torch.tensor(lengths, dtype=torch.int32, device=device))
 
 
-def _decode_bucket(members: list[tuple[int, ScheduledRequest]], lengths: list[int], start: int, block_size: int,
+def _decode_bucket(members: list[tuple[int, StepRow]], lengths: list[int], start: int, block_size: int,
                    device: torch.device) -> DecodeBucket:
     max_blocks = _num_blocks(max(lengths), block_size)
     table: list[int] = []

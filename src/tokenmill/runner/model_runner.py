@@ -3,12 +3,11 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
-from tokenmill.core.sched_output import SchedulerOutput
+from tokenmill.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import get_attention_backend
 from tokenmill.model.layers.basic import use_cpu_kernels
@@ -16,25 +15,13 @@ from tokenmill.model.layers.linear import (INT8_KERNEL_MAX_ROWS, Int8BlockLinear
                                           dense_linear, onednn_packing_supported)
 from tokenmill.model.registry import get_model_class
 from tokenmill.outputs import Logprob
-from tokenmill.runner.input_batch import build_model_inputs
+from tokenmill.runner.input_batch import InputBatch, OutputTokens, build_model_inputs, step_rows
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_caches
 from tokenmill.sample.sampler import Sampler, SamplingRequestState, compute_prompt_logprobs
 
 logger = logging.getLogger("tokenmill")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class RunnerOutput:
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, dict[int, Logprob]] = field(default_factory=dict)
-    # request id -> (position of the first scored prompt token, one entry per scored token)
-    prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
-    # Structured outputs' fast-forward: tokens forced by a request's grammar after its sampled one.
-    forced: dict[str, list[int]] = field(default_factory=dict)
-    # Speculative decoding: the drafts each verifying request keeps (they precede its sampled token).
-    accepted: dict[str, list[int]] = field(default_factory=dict)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -101,6 +88,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.host_caches: list[torch.Tensor] = []
         self.sampler = Sampler(seed)
+        self.input_batch = InputBatch()
         self.packed_linear_rows = packed_linear_rows
         self.packed_linear = False
         self.linear_layers = ""  # how the projections run, once loaded (logged; reported by benchmarks)
@@ -200,15 +188,15 @@ class ModelRunner:
                 f"--gpu-memory-utilization {utilization} asks for; lower it, or free the GPU")
         torch.cuda.reset_peak_memory_stats(self.device)
         self.initialize_kv_cache(1)
-        from tokenmill.core.request import Request
-        from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput
         from tokenmill.sampling_params import SamplingParams
 
         # One dummy request of max_num_batched_tokens tokens, pointing every slot at block 0.
         num_tokens = min(max_num_batched_tokens, self.max_model_len)
-        dummy = Request("profile", [0] * num_tokens, SamplingParams(max_tokens=1))
         blocks = [0] * (-(-num_tokens // self.block_size))
-        self.execute(SchedulerOutput(scheduled=[ScheduledRequest(dummy, 0, num_tokens, blocks)]))
+        self.execute(SchedulerOutput(
+            new_requests=[NewRequestData("profile", [0] * num_tokens, SamplingParams(max_tokens=1))],
+            scheduled=[ScheduledRequest("profile", 0, num_tokens, [0] * num_tokens, blocks, samples=True)]))
+        self.execute(SchedulerOutput(finished_ids=["profile"]))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = []
@@ -216,56 +204,57 @@ class ModelRunner:
         return max(0, int(total * utilization) - peak - held_elsewhere)
 
     @torch.inference_mode()
-    def execute(self, output: SchedulerOutput) -> RunnerOutput:
-        result = RunnerOutput()
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        result = ModelRunnerOutput(sampled={}, logprobs={}, prompt_logprobs={}, accepted={})
+        states = self.input_batch.update(output)
         self._swap(output.swap_out, output.swap_in)
         self._copy_blocks(output.block_copies)
         if not output.scheduled:
             return result
-        inputs = build_model_inputs(output, self.block_size, self.device, self.attention_backend.uses_decode_buckets)
+        rows = step_rows(output.scheduled, states)
+        inputs = build_model_inputs(rows, self.block_size, self.device, self.attention_backend.uses_decode_buckets)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
         # Rows the sampler picks a token for, their items and states (in the same order), and the
         # speculative verifies, which take the argmax at each draft position instead.
-        sampling_rows, sampled_items, states, verifying = [], [], [], []
-        for item, last in zip(output.scheduled, inputs.last_token_index):
-            request = item.request
-            if request.sampling_params.prompt_logprobs is not None:
-                self._prompt_logprobs(item, hidden, last, result)
+        sampling_rows, sampled_items, sampler_states, verifying = [], [], [], []
+        grammar_rows = output.grammar_rows
+        for item, state, last in zip(output.scheduled, states, inputs.last_token_index):
+            params = state.sampling_params
+            if params.prompt_logprobs is not None:
+                self._prompt_logprobs(item, state, hidden, last, result)
             if item.samples and item.spec_token_ids:
                 verifying.append((item, last))
             elif item.samples:
                 sampling_rows.append(last)
                 sampled_items.append(item)
-                states.append(SamplingRequestState(
-                    params=request.sampling_params,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
-                    eos_token_id=request.eos_token_id,
-                    grammar=request.structured_output,
+                known_end = item.start_position + item.num_new_tokens
+                sampler_states.append(SamplingRequestState(
+                    params=params,
+                    prompt_token_ids=state.prompt_token_ids,
+                    output_token_ids=OutputTokens(state.token_ids, state.num_prompt_tokens, known_end),
+                    eos_token_id=state.eos_token_id,
+                    grammar_row=grammar_rows.get(item.request_id),
                 ))
         if verifying:
             self._verify_drafts(verifying, hidden, result)
-        if not states:
+        if not sampler_states:
             return result
         logits = self.model.compute_logits(hidden[sampling_rows])
-        sampler_out = self.sampler(logits, states)
+        sampler_out = self.sampler(logits, sampler_states, self._grammar_bitmask(output))
         for item, token, logprobs in zip(sampled_items, sampler_out.sampled_token_ids, sampler_out.logprobs):
             result.sampled[item.request_id] = token
-            grammar = item.request.structured_output
-            if grammar is not None:
-                grammar.accept_token(token)
-                # Fast-forward: text the grammar now forces is appended without a model step per token.
-                # Not for requests that want logprobs, which need a distribution for every token.
-                if self.fast_forward and item.request.sampling_params.logprobs is None:
-                    forced = grammar.forced_tokens()
-                    if forced:
-                        result.forced[item.request_id] = forced
             if logprobs is not None:
                 result.logprobs[item.request_id] = logprobs
         return result
 
-    def _verify_drafts(self, verifying: list, hidden: torch.Tensor, result: RunnerOutput) -> None:
+    def _grammar_bitmask(self, output: SchedulerOutput) -> Optional[torch.Tensor]:
+        if output.grammar_bitmask is None:
+            return None
+        words = (self.hf_config.vocab_size + 31) // 32
+        return torch.frombuffer(bytearray(output.grammar_bitmask), dtype=torch.int32).view(-1, words)
+
+    def _verify_drafts(self, verifying: list, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
         """Speculative decoding, greedy: position i's argmax checks draft i; drafts are kept up to the
         first mismatch, and the argmax there (or after the last draft) is the step's sampled token.
         Only greedy requests with unmodified logits speculate (spec_decode.can_speculate), so this is
@@ -313,15 +302,14 @@ class ModelRunner:
         for kv_cache in self.kv_caches:
             kv_cache[:, dst] = kv_cache[:, src]
 
-    def _prompt_logprobs(self, item, hidden: torch.Tensor, last: int, result: RunnerOutput) -> None:
+    def _prompt_logprobs(self, item, state, hidden: torch.Tensor, last: int, result: ModelRunnerOutput) -> None:
         """Score the prompt tokens this chunk predicts: position p's logits score token p + 1."""
-        request = item.request
         start = item.start_position
-        end = min(start + item.num_new_tokens, request.num_prompt_tokens - 1)
+        end = min(start + item.num_new_tokens, state.num_prompt_tokens - 1)
         if end <= start:
             return
         first_flat = last - item.num_new_tokens + 1
         logits = self.model.compute_logits(hidden[first_flat:first_flat + (end - start)])
-        targets = request.all_token_ids[start + 1:end + 1]
-        entries = compute_prompt_logprobs(logits, targets, request.sampling_params.prompt_logprobs)
+        targets = state.prompt_token_ids[start + 1:end + 1]
+        entries = compute_prompt_logprobs(logits, targets, state.sampling_params.prompt_logprobs)
         result.prompt_logprobs[item.request_id] = (start + 1, entries)

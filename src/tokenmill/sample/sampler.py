@@ -23,7 +23,7 @@ import torch
 from tokenmill.outputs import Logprob
 from tokenmill.sample import logits_processors as lp
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured.backend import allocate_token_bitmask, apply_token_bitmask
+from tokenmill.structured.backend import apply_token_bitmask
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
@@ -39,7 +39,8 @@ class SamplingRequestState:
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]  # generated so far, before this step
     eos_token_id: int | None  # the model's EOS; ignored when params.ignore_eos
-    grammar: Optional[Any] = None  # a StructuredOutputGrammar when the request is constrained
+    # Structured outputs: this row's row in the step's grammar bitmask (computed by the engine core).
+    grammar_row: Optional[int] = None
 
 
 @dataclass(slots=True)
@@ -133,12 +134,15 @@ class Sampler:
         # Reseeded for every seeded row; kept apart so seeded rows never disturb the shared stream.
         self._seeded_generators: dict[torch.device, torch.Generator] = {}
 
-    def __call__(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, states: list[SamplingRequestState],
+                 grammar_bitmask: Optional[torch.Tensor] = None) -> SamplerOutput:
+        """grammar_bitmask: int32 [rows, ceil(vocab / 32)]; a state's grammar_row picks its row."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"expected [{len(states)}, vocab] logits, got {tuple(logits.shape)}")
         work = logits.to(torch.float32, copy=True)
         self._apply_processors(work, states)
-        self._apply_grammars(work, logits, states)
+        if grammar_bitmask is not None:
+            self._apply_grammars(work, logits, states, grammar_bitmask)
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if len(random_rows) == len(states):
             sampled = self._sample(work, states)
@@ -171,14 +175,12 @@ class Sampler:
         )
 
     def _apply_grammars(self, logits: torch.Tensor, raw_logits: torch.Tensor,
-                        states: list[SamplingRequestState]) -> None:
+                        states: list[SamplingRequestState], grammar_bitmask: torch.Tensor) -> None:
         """Mask each constrained row to the tokens its grammar allows next."""
-        rows = [i for i, s in enumerate(states) if s.grammar is not None]
+        rows = [i for i, s in enumerate(states) if s.grammar_row is not None]
         if not rows:
             return
-        bitmask = allocate_token_bitmask(len(rows), logits.shape[1])
-        for j, i in enumerate(rows):
-            states[i].grammar.fill_bitmask(bitmask, j)
+        bitmask = grammar_bitmask[[states[i].grammar_row for i in rows]]
         index = torch.tensor(rows, device=logits.device)
         masked = logits.index_select(0, index)
         apply_token_bitmask(masked, bitmask)

@@ -1,0 +1,185 @@
+"""How a frontend reaches its engine core: in-process, or in a process of its own.
+
+Both clients take the same messages (`messages.py`) and return the core's `EngineCoreOutputs`:
+- `InprocClient`: the core lives in the caller's process and steps when asked (offline LLM, tests).
+  With message_roundtrip every message is encoded and decoded as if it had crossed processes.
+- `MPClient`: the core runs `core_proc.run_engine_core` in a spawned process, reached over two zmq
+  sockets; a receiver thread hands each decoded output message (or the news of the process's death)
+  to a callback. `tokenmill serve` uses it.
+"""
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Callable, Optional
+
+import zmq
+
+from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFailure, EngineCoreFork, EngineCoreOutputs,
+                                       EngineCoreReady, EngineCoreRequest, EngineCoreShutdown, decode_output,
+                                       encode, roundtrip)
+from tokenmill.errors import EngineDeadError, ModelLoadError, TokenmillError
+
+logger = logging.getLogger("tokenmill")
+
+POLL_MS = 100  # how often the receiver looks at the core process while no output arrives
+
+
+class InprocClient:
+    def __init__(self, config, source=None, message_roundtrip: bool = False) -> None:
+        from tokenmill.engine.engine_core import EngineCore
+
+        self.core = EngineCore(config, source, message_roundtrip)
+        self.ready: EngineCoreReady = self.core.ready_message()
+        self._roundtrip = message_roundtrip
+
+    def _send(self, message):
+        return roundtrip(message, type(message)) if self._roundtrip else message
+
+    def add_request(self, message: EngineCoreRequest) -> None:
+        self.core.add_request(self._send(message))
+
+    def fork(self, message: EngineCoreFork) -> None:
+        self.core.fork(self._send(message))
+
+    def abort(self, message: EngineCoreAbort) -> None:
+        if message.request_ids:
+            self.core.abort(self._send(message))
+
+    def get_output(self) -> EngineCoreOutputs:
+        return self._send(self.core.step())
+
+    def shutdown(self) -> None:
+        pass
+
+
+class MPClient:
+    """The engine core in a child process. Construction blocks until the model is loaded."""
+
+    def __init__(self, config, log_level: str = "INFO", startup_timeout_s: Optional[float] = None) -> None:
+        from tokenmill.engine.core_proc import run_engine_core
+
+        self._dir = tempfile.mkdtemp(prefix="tokenmill-core-")
+        input_address = f"ipc://{self._dir}/input"
+        output_address = f"ipc://{self._dir}/output"
+        self._context = zmq.Context()
+        self._input = self._context.socket(zmq.PUSH)
+        self._input.setsockopt(zmq.LINGER, 0)
+        self._input.bind(input_address)
+        self._output = self._context.socket(zmq.PULL)
+        self._output.setsockopt(zmq.LINGER, 0)
+        self._output.bind(output_address)
+        # spawn, not fork: the frontend may already run threads (and torch's OpenMP pool).
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(config, input_address, output_address, log_level),
+            name="tokenmill-engine-core", daemon=True)
+        self.process.start()
+        self._receiver: Optional[threading.Thread] = None
+        self._stopping = threading.Event()
+        self.dead: Optional[str] = None
+        try:
+            self.ready = self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self._stop_process(0.0)
+            self._close()
+            raise
+
+    def _wait_ready(self, timeout_s: Optional[float]) -> EngineCoreReady:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while True:
+            if self._output.poll(POLL_MS):
+                message = decode_output(self._output.recv())
+                if isinstance(message, EngineCoreReady):
+                    return message
+                if isinstance(message, EngineCoreFailure):
+                    raise ModelLoadError(message.message)
+                continue
+            if not self.process.is_alive():
+                raise EngineDeadError(f"the engine core exited with status {self.process.exitcode} while starting")
+            if deadline is not None and time.monotonic() > deadline:
+                raise EngineDeadError(f"the engine core did not start within {timeout_s:.0f} s")
+
+    # ---- sending (from one thread: the frontend's) ------------------------------------------
+    def _send(self, message) -> None:
+        if self.dead is not None:
+            raise EngineDeadError("the engine core has stopped")
+        self._input.send(encode(message))
+
+    def add_request(self, message: EngineCoreRequest) -> None:
+        self._send(message)
+
+    def fork(self, message: EngineCoreFork) -> None:
+        self._send(message)
+
+    def abort(self, message: EngineCoreAbort) -> None:
+        if message.request_ids and self.dead is None:
+            self._send(message)
+
+    # ---- receiving ---------------------------------------------------------------------------
+    def start_receiver(self, on_outputs: Callable[[EngineCoreOutputs], None],
+                       on_dead: Callable[[str], None]) -> None:
+        """Calls on_outputs (from the receiver thread) for each step's outputs, and on_dead once if the
+        core process fails or exits on its own."""
+        self._receiver = threading.Thread(target=self._receive, args=(on_outputs, on_dead),
+                                          name="tokenmill-core-receiver", daemon=True)
+        self._receiver.start()
+
+    def _receive(self, on_outputs, on_dead) -> None:
+        while not self._stopping.is_set():
+            try:
+                ready = self._output.poll(POLL_MS)
+            except zmq.ZMQError:
+                return
+            if ready:
+                message = decode_output(self._output.recv())
+                if isinstance(message, EngineCoreOutputs):
+                    on_outputs(message)
+                elif isinstance(message, EngineCoreFailure):
+                    self._declare_dead(message.message, on_dead)
+                    return
+            elif not self.process.is_alive() and not self._stopping.is_set():
+                self._declare_dead(f"the engine core process exited with status {self.process.exitcode}", on_dead)
+                return
+
+    def _declare_dead(self, reason: str, on_dead) -> None:
+        self.dead = reason
+        logger.error("engine core died: %s", reason)
+        on_dead(reason)
+
+    # ---- stopping ----------------------------------------------------------------------------
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Ask the core to exit, wait for it (then terminate, then kill), and release the sockets."""
+        self._stopping.set()
+        if self.dead is None and self.process.is_alive():
+            try:
+                self._input.send(encode(EngineCoreShutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+        self._stop_process(timeout_s)
+        if self._receiver is not None:
+            self._receiver.join(timeout=2 * POLL_MS / 1000)
+        self._close()
+
+    def _stop_process(self, timeout_s: float) -> None:
+        self.process.join(timeout_s)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+
+    def _close(self) -> None:
+        self._input.close(0)
+        self._output.close(0)
+        self._context.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+def client_error(exc: BaseException) -> TokenmillError:
+    return exc if isinstance(exc, TokenmillError) else EngineDeadError(str(exc))

@@ -1,0 +1,98 @@
+"""The engine core's own process: a busy loop that reads messages, steps, and sends outputs.
+
+    frontend (API process)                    engine-core process
+    PUSH ── EngineCoreRequest/Fork/Abort ──►  PULL   ┐
+                                                      ├─ drain inputs → EngineCore.step() → outputs
+    PULL ◄── EngineCoreOutputs (per step) ──  PUSH   ┘
+
+Both sockets are zmq over ipc; every frame is one msgspec-encoded message. The loop blocks on its
+input socket while it has no work (waking every second to check that its parent still lives) and
+otherwise steps as fast as the model runs, taking in whatever arrived between steps. A failure
+while loading or stepping is reported as EngineCoreFailure before the process exits non-zero.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import traceback
+
+import zmq
+
+from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFailure, EngineCoreFork, EngineCoreRequest,
+                                       EngineCoreShutdown, decode_input, encode)
+
+logger = logging.getLogger("tokenmill")
+
+IDLE_POLL_MS = 1000
+
+
+def run_engine_core(config, input_address: str, output_address: str, log_level: str = "INFO") -> None:
+    """Process entry point (spawned by core_client.MPClient)."""
+    # Ctrl-C reaches the whole process group; the frontend decides when the core stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    parent = os.getppid()
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 5000)
+    outputs.connect(output_address)
+    code = 0
+    try:
+        from tokenmill.engine.engine_core import EngineCore
+
+        try:
+            core = EngineCore(config)
+        except BaseException as exc:
+            outputs.send(encode(EngineCoreFailure(getattr(exc, "message", None) or str(exc),
+                                                  type(exc).__name__)))
+            code = 1
+            return
+        outputs.send(encode(core.ready_message()))
+        code = _busy_loop(core, inputs, outputs, parent)
+    except BaseException:
+        logger.exception("the engine core failed")
+        try:
+            outputs.send(encode(EngineCoreFailure("the engine core failed: " + traceback.format_exc(limit=3))))
+        except Exception:
+            pass
+        code = 1
+    finally:
+        inputs.close(0)
+        outputs.close()
+        context.term()
+        sys.stdout.flush()
+        os._exit(code)  # no atexit handlers or torch teardown: the frontend is waiting on the exit
+
+
+def _busy_loop(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> int:
+    while True:
+        changed = False
+        timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
+        while inputs.poll(timeout):
+            message = decode_input(inputs.recv())
+            if isinstance(message, EngineCoreShutdown):
+                return 0
+            _handle(core, message)
+            changed = True
+            timeout = 0
+        if os.getppid() != parent:
+            logger.warning("the frontend process is gone; the engine core exits")
+            return 1
+        if not changed and not core.has_unfinished_requests():
+            continue
+        # An idle core after an abort still reports, so gauges show the freed blocks.
+        outputs.send(encode(core.step()))
+
+
+def _handle(core, message) -> None:
+    if isinstance(message, EngineCoreRequest):
+        core.add_request(message)
+    elif isinstance(message, EngineCoreAbort):
+        core.abort(message)
+    elif isinstance(message, EngineCoreFork):
+        core.fork(message)
