@@ -1,10 +1,21 @@
-"""Engine configuration: one dataclass shared by the offline LLM, the CLI and the server."""
+"""Engine configuration: one dataclass shared by the offline LLM, the CLI and the server.
+
+Each field is declared once with `option(...)`: its default, help text, choices, bound and the parser
+of its command-line value live in the field's metadata, and `entrypoints/engine_args.py` generates the
+CLI from them while `EngineConfig.__post_init__` validates with the same choices and bounds.
+"""
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import difflib
+import json
 import re
-from dataclasses import dataclass, field
-from typing import Any, Optional
+import typing
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
 
+from tokenmill.core.policy import POLICIES
 from tokenmill.errors import InvalidRequestError
 
 _UNITS = {
@@ -29,9 +40,19 @@ def parse_memory_size(value: str | int | float) -> int:
     return size
 
 
-DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+# ---- choices: each list is spelled here once, for argparse and for validation alike -------------------
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+DEVICES = ("cpu", "cuda")
+SCHEDULING_POLICIES = POLICIES
+ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+QUANTIZATIONS = ("gguf", "q8_0", "none")  # or None (unset)
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+PREEMPTION_MODES = ("swap", "recompute")
+# Weight formats whose int8 kernels compute in float32, so `dtype auto` means float32 under them.
+FLOAT32_QUANTIZATIONS = ("gguf", "q8_0")
+
+DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
 
 def default_max_num_batched_tokens(device_type: str) -> int:
@@ -46,96 +67,225 @@ def default_max_num_batched_tokens(device_type: str) -> int:
     return 1024 if device_type == "cpu" else 2048
 
 
+# ---- value converters: applied to every value, whether it comes from the CLI or from LLM(**kwargs) -----
+def _kv_cache_dtype(value: str) -> str:
+    return KV_CACHE_DTYPE_ALIASES.get(value, value)
+
+
+def _speculative_config(value: Any) -> Any:
+    from tokenmill.spec_decode.ngram import SpeculativeConfig
+
+    return SpeculativeConfig.from_dict(value)
+
+
+def _json_object(value: str) -> dict:
+    """CLI parser of --speculative-config."""
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r} ({exc})") from None
+    if not isinstance(parsed, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
+    return parsed
+
+
+# ---- bounds: name -> (holds, what the error says the value must be) ----------------------------------
+BOUNDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "positive": (lambda v: v > 0, "positive"),
+    "non_negative": (lambda v: v >= 0, "non-negative"),
+    "fraction": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+}
+
+
+def option(default: Any, help: str, *, choices: Optional[tuple] = None, bound: Optional[str] = None,
+           convert: Optional[Callable[[Any], Any]] = None, parse: Optional[Callable[[str], Any]] = None,
+           aliases: tuple[str, ...] = (), metavar: Optional[str] = None) -> Any:
+    """A dataclass field that carries everything the CLI and validation need.
+
+    choices: allowed values (None too when the default is None); bound: a key of BOUNDS (None always
+    passes); convert: turns an accepted input form into the stored one (an alias, '4GiB', a dict) and
+    raises InvalidRequestError for bad input; parse: the CLI's reader of the flag's string when neither
+    the field's type nor `convert` is the right one; aliases: extra flags (e.g. "-q").
+    """
+    if bound is not None and bound not in BOUNDS:
+        raise ValueError(f"unknown bound {bound!r}")
+    metadata = {"help": help, "choices": choices, "bound": bound, "convert": convert, "parse": parse,
+                "aliases": aliases, "metavar": metavar}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 @dataclass
 class EngineConfig:
-    model: Optional[str] = None  # None: the embedded SmolLM2-135M-Instruct
-    served_model_name: Optional[str] = None
-    tokenizer: Optional[str] = None
-    dtype: str = "float32"
-    device: Optional[str] = None  # None: cuda when available, else cpu
-    max_model_len: Optional[int] = None  # None: from the model config
-    block_size: int = 16
-    max_num_seqs: int = 64
-    # Tokens per step (prefill chunks + decodes). None: default_max_num_batched_tokens(device).
-    max_num_batched_tokens: Optional[int] = None
-    kv_cache_memory_bytes: Optional[int] = None
-    gpu_memory_utilization: float = 0.9
-    num_kv_blocks: Optional[int] = None
-    enable_chunked_prefill: bool = True
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "fcfs"  # fcfs | priority | fair | lpm
-    # lpm: a request waiting longer than this goes first regardless of its cached prefix.
-    lpm_max_wait: float = 5.0
-    # A request preempted this many times is spared while other victims remain (no thrash).
-    max_preemptions: Optional[int] = 4
+    model: Optional[str] = option(
+        None, "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    served_model_name: Optional[str] = option(None, "name the model is served under")
+    tokenizer: Optional[str] = option(None, "tokenizer directory (default: the model's)")
+    dtype: str = option(
+        "float32", "weights and activations; auto: bfloat16 where the hardware has it natively (CUDA, CPUs with "
+        "AVX-512 BF16 or AMX), else float32 (float32 under gguf/q8_0 weights). float32 (the default) matches HF "
+        "transformers' float32 outputs token for token", choices=DTYPES)
+    device: Optional[str] = option(None, "default: cuda when available, else cpu", choices=DEVICES)
+    max_model_len: Optional[int] = option(None, "longest sequence, prompt and output (default: the model's)",
+                                          bound="positive")
+    block_size: int = option(16, "tokens per KV cache block", bound="positive")
+    max_num_seqs: int = option(64, "most requests running at once", bound="positive")
+    max_num_batched_tokens: Optional[int] = option(
+        None, "tokens per step, prefill chunks and decodes together (default: 1024 on CPU, 2048 on GPU)",
+        bound="positive")
+    kv_cache_memory_bytes: Optional[int] = option(
+        None, "KV cache size, e.g. 4GiB (default on CPU: 2GiB)", convert=parse_memory_size)
+    gpu_memory_utilization: float = option(
+        0.9, "CUDA: fraction of the device memory the engine may use (the KV cache gets what the model and a "
+        "profiling step leave)", bound="fraction")
+    num_kv_blocks: Optional[int] = option(None, "override the KV block count", bound="positive")
+    enable_chunked_prefill: bool = option(True, "cut long prompts into chunks that share steps with decodes")
+    enable_prefix_caching: bool = option(True, "reuse the KV blocks of prompt prefixes seen before")
+    scheduling_policy: str = option(
+        "fcfs", "fcfs; priority (per-request `priority`, lower first); fair (share tokens between tenants); lpm "
+        "(longest cached prefix first, bounded wait)", choices=SCHEDULING_POLICIES)
+    lpm_max_wait: float = option(
+        5.0, "lpm: seconds after which a waiting request goes first regardless of prefix", bound="positive")
+    # No thrash: a request preempted this often is spared while other victims remain.
+    max_preemptions: Optional[int] = option(
+        4, "a request preempted this many times is spared from further preemption", bound="positive")
     # Admission control: refuse (429) beyond this many waiting requests; expire long waits.
-    max_num_queued_requests: Optional[int] = None
-    max_queue_time: Optional[float] = None
-    # Length limits and long-prompt isolation.
-    max_prompt_tokens: Optional[int] = None
-    long_prefill_token_threshold: Optional[int] = None
-    max_long_partial_prefills: int = 1
-    # GiB of host memory for swapped-out KV blocks. Preemption swaps where the device is not the CPU
-    # (on the CPU a copy to "host" memory saves nothing, so it recomputes); preemption_mode forces it.
-    swap_space: float = 0.0
-    preemption_mode: Optional[str] = None  # None: swap when swap_space > 0 on an accelerator, else recompute
-    seed: int = 0
-    max_logprobs: int = 20
-    num_threads: Optional[int] = None
-    # auto: tokenmill's C++ paged kernels on CPU when they build, else torch; torch; cpu.
-    attention_backend: str = "auto"
-    # CPU: projections with weights pre-packed for oneDNN (faster at serving batch sizes).
-    packed_linear: bool = True
-    # Weights: None keeps a GGUF's block-quantized matrices as stored where tokenmill's int8 kernels run
-    # (CPU, float32) and dequantizes the rest; "gguf" insists on that; "q8_0" rounds any model's weights
-    # to Q8_0 at load; "none" dequantizes everything to dtype (docs/performance.md).
-    quantization: Optional[str] = None
-    # KV cache storage: auto (the model's dtype), float32, float16 or bfloat16. A 16-bit cache under a
-    # float32 model halves the cache's memory and the bytes each decode step reads (vLLM: --kv-cache-dtype).
-    kv_cache_dtype: str = "auto"
-    # Structured outputs: append tokens a grammar forces (JSON keys, punctuation) without sampling each.
-    structured_outputs_fast_forward: bool = True
-    # Speculative decoding (vLLM's dict: {"method": "ngram", "num_speculative_tokens": 4, ...}); None: off.
-    speculative_config: Optional[Any] = None
+    max_num_queued_requests: Optional[int] = option(
+        None, "refuse new requests with 429 beyond this many waiting", bound="positive")
+    max_queue_time: Optional[float] = option(
+        None, "seconds a request may wait before it is rejected", bound="positive")
+    max_prompt_tokens: Optional[int] = option(None, "refuse longer prompts", bound="positive")
+    long_prefill_token_threshold: Optional[int] = option(
+        None, "prompts longer than this advance at most this many tokens per step", bound="positive")
+    max_long_partial_prefills: int = option(
+        1, "how many prompts above --long-prefill-token-threshold may be in prefill at once", bound="positive")
+    # On the CPU a copy to "host" memory saves nothing, so preemption recomputes there unless forced.
+    swap_space: float = option(
+        0.0, "GiB of host memory for preempted requests' KV blocks; preemption swaps to it on accelerators (on "
+        "CPU it recomputes unless --preemption-mode swap)", bound="non_negative")
+    preemption_mode: Optional[str] = option(
+        None, "default: swap when --swap-space > 0 on an accelerator, else recompute", choices=PREEMPTION_MODES)
+    seed: int = option(0, "random seed of the engine's sampler")
+    max_logprobs: int = option(20, "most logprobs a request may ask for", bound="non_negative")
+    num_threads: Optional[int] = option(None, "torch CPU threads", bound="positive")
+    attention_backend: str = option(
+        "auto", "auto: tokenmill's C++ paged-attention kernels on CPU (built on first use) when a compiler is "
+        "present, else the portable torch backend", choices=ATTENTION_BACKENDS)
+    packed_linear: bool = option(
+        True, "CPU: keep projection weights in oneDNN's packed layout (faster matmuls at serving batch sizes)")
+    quantization: Optional[str] = option(
+        None, "weights. Unset: a GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K matrices stay quantized as stored where "
+        "tokenmill's int8 kernels run (CPU, float32), other tensors are dequantized; gguf: insist on that; q8_0: "
+        "round any model's projection and LM-head weights to Q8_0 at load; none: dequantize everything to --dtype",
+        choices=QUANTIZATIONS, aliases=("-q",))
+    kv_cache_dtype: str = option(
+        "auto", "KV cache storage; auto: the model's dtype. float16/bfloat16 under a float32 model halve the "
+        "cache's memory and the bytes a decode step reads (attention still computes in float32)",
+        choices=KV_CACHE_DTYPES, convert=_kv_cache_dtype)
+    structured_outputs_fast_forward: bool = option(
+        True, "structured outputs: append the tokens a grammar forces (JSON keys, punctuation) without a model "
+        "step for each")
+    speculative_config: Optional[Any] = option(
+        None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": '
+        '4}\' (greedy requests; drafts from n-grams already in the sequence)',
+        convert=_speculative_config, parse=_json_object, metavar="JSON")
 
     def __post_init__(self) -> None:
-        from tokenmill.spec_decode.ngram import SpeculativeConfig
+        # Converting accepted input forms (an alias, "4GiB", a dict) is part of construction; nothing
+        # rewrites a validated value afterwards, and object.__setattr__ keeps that true if the class
+        # becomes frozen.
+        for f in dataclasses.fields(self):
+            convert = f.metadata.get("convert")
+            if convert is not None and getattr(self, f.name) is not None:
+                object.__setattr__(self, f.name, convert(getattr(self, f.name)))
+        for f in dataclasses.fields(self):
+            check_value(f, getattr(self, f.name))
 
-        self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
-        if self.kv_cache_memory_bytes is not None:
-            self.kv_cache_memory_bytes = parse_memory_size(self.kv_cache_memory_bytes)
-        if self.dtype not in ("float32", "bfloat16", "float16", "auto"):
-            raise InvalidRequestError(f"dtype must be float32, bfloat16, float16 or auto, got {self.dtype!r}", "dtype")
-        if self.dtype == "auto" and self.quantization in ("gguf", "q8_0"):
-            self.dtype = "float32"  # the block-int8 path computes in float32
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise InvalidRequestError(f"{name} must be positive, got {getattr(self, name)}", name)
-        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
-            raise InvalidRequestError(f"num_kv_blocks must be positive, got {self.num_kv_blocks}", "num_kv_blocks")
-        from tokenmill.core.policy import POLICIES
+    # ---- derived values: computed, never written back -----------------------------------------------
+    @property
+    def resolved_dtype(self) -> str:
+        """The dtype the runner should use: `auto` with gguf/q8_0 weights computes in float32 (the
+        block-int8 path's dtype); otherwise `dtype` as given (`auto` is resolved on the device)."""
+        if self.dtype == "auto" and self.quantization in FLOAT32_QUANTIZATIONS:
+            return "float32"
+        return self.dtype
 
-        if self.scheduling_policy not in POLICIES:
-            raise InvalidRequestError(f"scheduling_policy must be one of {', '.join(POLICIES)}", "scheduling_policy")
-        for name in ("max_num_queued_requests", "max_prompt_tokens", "long_prefill_token_threshold"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise InvalidRequestError(f"{name} must be positive, got {value}", name)
-        if self.quantization not in (None, "gguf", "q8_0", "none"):
-            raise InvalidRequestError("quantization must be gguf, q8_0 or none (or unset)", "quantization")
-        self.kv_cache_dtype = KV_CACHE_DTYPE_ALIASES.get(self.kv_cache_dtype, self.kv_cache_dtype)
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidRequestError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got "
-                                      f"{self.kv_cache_dtype!r}", "kv_cache_dtype")
-        if self.attention_backend not in ("auto", "torch", "cpu"):
-            raise InvalidRequestError("attention_backend must be auto, torch or cpu", "attention_backend")
-        if self.preemption_mode not in (None, "swap", "recompute"):
-            raise InvalidRequestError("preemption_mode must be 'swap' or 'recompute'", "preemption_mode")
-        if self.swap_space < 0:
-            raise InvalidRequestError("swap_space must be non-negative", "swap_space")
-        if not self.lpm_max_wait > 0:
-            raise InvalidRequestError("lpm_max_wait must be positive", "lpm_max_wait")
-        if self.max_queue_time is not None and self.max_queue_time <= 0:
-            raise InvalidRequestError("max_queue_time must be positive", "max_queue_time")
-        if not 0.0 < self.gpu_memory_utilization <= 1.0:
-            raise InvalidRequestError("gpu_memory_utilization must be in (0, 1]", "gpu_memory_utilization")
+    def resolved_preemption_mode(self, device_type: str) -> str:
+        """`preemption_mode`, or its default: swap where there is swap space and the device is not the CPU."""
+        if self.preemption_mode is not None:
+            return self.preemption_mode
+        return "swap" if self.swap_space > 0 and device_type != "cpu" else "recompute"
+
+    def with_resolved_defaults(self, device_type: str) -> "EngineConfig":
+        """A NEW config whose device-dependent defaults are filled in: max_num_batched_tokens
+        (default_max_num_batched_tokens(device_type)), dtype (resolved_dtype) and preemption_mode
+        (resolved_preemption_mode(device_type)). `self` is left as it is."""
+        budget = self.max_num_batched_tokens
+        if budget is None:
+            budget = default_max_num_batched_tokens(device_type)
+        return dataclasses.replace(self, max_num_batched_tokens=budget, dtype=self.resolved_dtype,
+                                   preemption_mode=self.resolved_preemption_mode(device_type))
+
+    def scheduler_config(self, max_model_len: int, preemption_mode: Optional[str] = None):
+        """The core scheduler's settings (core.scheduler.SchedulerConfig, whose field names differ) from
+        this config. max_model_len: the engine's effective one (model limit, capped by the KV cache);
+        preemption_mode: default this config's own, which must then be set (with_resolved_defaults)."""
+        from tokenmill.core.scheduler import SchedulerConfig
+
+        mode = preemption_mode or self.preemption_mode
+        if self.max_num_batched_tokens is None or mode is None:
+            raise ValueError("scheduler_config needs max_num_batched_tokens and preemption_mode set: "
+                             "call with_resolved_defaults(device_type) first")
+        if mode not in PREEMPTION_MODES:
+            raise InvalidRequestError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {mode!r}",
+                                      "preemption_mode")
+        return SchedulerConfig(
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            policy=self.scheduling_policy,
+            max_preemptions=self.max_preemptions,
+            max_queue_time_s=self.max_queue_time,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            max_long_partial_prefills=self.max_long_partial_prefills,
+            lpm_max_wait_s=self.lpm_max_wait,
+            preemption_mode=mode,
+        )
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
+        """EngineConfig(**kwargs), with an unknown keyword refused by name (and the nearest valid one)."""
+        check_option_names(kwargs)
+        return cls(**kwargs)
+
+
+def check_value(f: dataclasses.Field, value: Any) -> None:
+    """Validate one field's (converted) value against its choices and bound."""
+    choices, bound = f.metadata.get("choices"), f.metadata.get("bound")
+    if choices is not None and value not in choices and not (value is None and f.default is None):
+        unset = " (or unset)" if f.default is None else ""
+        raise InvalidRequestError(f"{f.name} must be one of {', '.join(choices)}{unset}, got {value!r}", f.name)
+    if bound is not None and value is not None:
+        holds, must_be = BOUNDS[bound]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not holds(value):
+            raise InvalidRequestError(f"{f.name} must be {must_be}, got {value!r}", f.name)
+
+
+def engine_options() -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(EngineConfig)
+
+
+def option_types() -> dict[str, Any]:
+    """Field name -> its resolved type annotation (Optional[int], bool, ...)."""
+    return typing.get_type_hints(EngineConfig)
+
+
+def check_option_names(kwargs: Mapping[str, Any]) -> None:
+    """Raise InvalidRequestError for the first keyword that is not an EngineConfig field, naming it and
+    suggesting the closest field name."""
+    names = [f.name for f in engine_options()]
+    for key in kwargs:
+        if key not in names:
+            close = difflib.get_close_matches(key, names, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise InvalidRequestError(f"unknown engine option {key!r}{hint}", key)

@@ -23,8 +23,11 @@ def test_explicit_dtypes_are_kept(monkeypatch):
 
 
 def test_auto_with_quantization_computes_in_float32():
-    assert EngineConfig(dtype="auto", quantization="q8_0").dtype == "float32"
-    assert EngineConfig(dtype="auto").dtype == "auto"  # resolved on the device, when the runner starts
+    config = EngineConfig(dtype="auto", quantization="q8_0")
+    assert config.dtype == "auto"  # as given: the config is never rewritten
+    assert config.resolved_dtype == "float32"
+    assert config.with_resolved_defaults("cpu").dtype == "float32"
+    assert EngineConfig(dtype="auto").resolved_dtype == "auto"  # resolved on the device, when the runner starts
 
 
 def test_auto_dtype_engine_runs_here(tiny_llama_dir):

@@ -17,18 +17,10 @@ PromptType = Union[str, dict[str, Any], list[int]]
 
 
 class LLM:
-    def __init__(self, model: Optional[str] = None, *, tokenizer: Optional[str] = None, dtype: str = "float32",
-                 max_model_len: Optional[int] = None, block_size: int = 16, max_num_seqs: int = 64,
-                 max_num_batched_tokens: Optional[int] = None, kv_cache_memory_bytes: Optional[int | str] = None,
-                 num_kv_blocks: Optional[int] = None, enable_chunked_prefill: bool = True,
-                 enable_prefix_caching: bool = True, seed: int = 0, device: Optional[str] = None,
-                 gpu_memory_utilization: float = 0.9, **kwargs: Any) -> None:
-        config = EngineConfig(
-            model=model, tokenizer=tokenizer, dtype=dtype, max_model_len=max_model_len, block_size=block_size,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_memory_bytes=kv_cache_memory_bytes, num_kv_blocks=num_kv_blocks,
-            enable_chunked_prefill=enable_chunked_prefill, enable_prefix_caching=enable_prefix_caching,
-            seed=seed, device=device, gpu_memory_utilization=gpu_memory_utilization, **kwargs)
+    def __init__(self, model: Optional[str] = None, **kwargs: Any) -> None:
+        """kwargs: any EngineConfig field (dtype, max_model_len, num_kv_blocks, ...); an unknown name is
+        refused with InvalidRequestError naming the closest valid one."""
+        config = EngineConfig.from_kwargs(model=model, **kwargs)
         self.llm_engine = LLMEngine(config)
         self._counter = itertools.count()
 

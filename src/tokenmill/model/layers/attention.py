@@ -27,6 +27,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from tokenmill.config import ATTENTION_BACKENDS
+
 
 @dataclass
 class DecodeBucket:
@@ -214,9 +216,6 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
             query = q[:meta.num_decodes].to(q.dtype if mixed else kv_cache.dtype).contiguous()
             out[:meta.num_decodes] = self.kernels.paged_decode_attention(
                 query, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
-
-
-ATTENTION_BACKENDS = ("auto", "torch", "cpu")
 
 
 def get_attention_backend(device: torch.device, name: str = "auto") -> AttentionBackend:

@@ -1,0 +1,246 @@
+"""EngineConfig is the one source of every engine option: the CLI, LLM(**kwargs) and validation all
+come from its fields."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tokenmill.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS,
+                              SCHEDULING_POLICIES, EngineConfig, engine_options)
+from tokenmill.core.policy import POLICIES
+from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from tokenmill.errors import InvalidRequestError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise ValueError(message)
+
+
+def parse(*argv: str) -> EngineConfig:
+    parser = _Parser()
+    add_engine_args(parser)
+    return engine_config_from_args(parser.parse_args(list(argv)))
+
+
+def parse_error(*argv: str) -> str:
+    with pytest.raises(ValueError) as info:
+        parse(*argv)
+    return str(info.value)
+
+
+def engine_actions() -> dict[str, argparse.Action]:
+    parser = _Parser()
+    add_engine_args(parser)
+    return {action.dest: action for action in parser._actions if action.dest != "help"}
+
+
+# ---- every field has a flag ----------------------------------------------------------------------------
+def test_every_field_has_a_flag_with_help():
+    actions = engine_actions()
+    assert set(actions) == {f.name for f in engine_options()}
+    for f in engine_options():
+        action = actions[f.name]
+        assert "--" + f.name.replace("_", "-") in action.option_strings
+        assert action.help and action.help == f.metadata["help"]
+        assert action.default == f.default
+
+
+def test_choices_come_from_the_module_constants():
+    actions = engine_actions()
+    assert actions["dtype"].choices is DTYPES
+    assert actions["device"].choices is DEVICES
+    assert actions["scheduling_policy"].choices is SCHEDULING_POLICIES and SCHEDULING_POLICIES is POLICIES
+    assert actions["attention_backend"].choices is ATTENTION_BACKENDS
+    assert actions["quantization"].choices is QUANTIZATIONS
+    assert actions["kv_cache_dtype"].choices is KV_CACHE_DTYPES
+    assert actions["preemption_mode"].choices is PREEMPTION_MODES
+
+
+def test_bools_take_a_no_form():
+    actions = engine_actions()
+    for name in ("enable_chunked_prefill", "enable_prefix_caching", "packed_linear", "structured_outputs_fast_forward"):
+        assert "--no-" + name.replace("_", "-") in actions[name].option_strings
+
+
+# ---- the flags parse to what they did before ----------------------------------------------------------------
+def test_no_flags_give_the_defaults():
+    assert parse() == EngineConfig()
+    assert dataclasses.asdict(parse()) == {
+        "model": None, "served_model_name": None, "tokenizer": None, "dtype": "float32", "device": None,
+        "max_model_len": None, "block_size": 16, "max_num_seqs": 64, "max_num_batched_tokens": None,
+        "kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.9, "num_kv_blocks": None,
+        "enable_chunked_prefill": True, "enable_prefix_caching": True, "scheduling_policy": "fcfs",
+        "lpm_max_wait": 5.0, "max_preemptions": 4, "max_num_queued_requests": None, "max_queue_time": None,
+        "max_prompt_tokens": None, "long_prefill_token_threshold": None, "max_long_partial_prefills": 1,
+        "swap_space": 0.0, "preemption_mode": None, "seed": 0, "max_logprobs": 20, "num_threads": None,
+        "attention_backend": "auto", "packed_linear": True, "quantization": None, "kv_cache_dtype": "auto",
+        "structured_outputs_fast_forward": True, "speculative_config": None}
+
+
+def test_every_old_flag_parses_to_the_same_value():
+    from tokenmill.spec_decode.ngram import SpeculativeConfig
+
+    config = parse(
+        "--model", "m", "--tokenizer", "t", "--served-model-name", "s", "--dtype", "bfloat16", "--device", "cpu",
+        "--max-model-len", "512", "--block-size", "32", "--max-num-seqs", "8", "--max-num-batched-tokens", "256",
+        "--kv-cache-memory-bytes", "4GiB", "--gpu-memory-utilization", "0.5", "--num-kv-blocks", "100",
+        "--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--scheduling-policy", "lpm",
+        "--lpm-max-wait", "0.5", "--max-preemptions", "2", "--max-num-queued-requests", "10",
+        "--max-queue-time", "3.5", "--max-prompt-tokens", "100", "--long-prefill-token-threshold", "64",
+        "--max-long-partial-prefills", "2", "--swap-space", "1.5", "--preemption-mode", "swap", "--seed", "7",
+        "--num-threads", "2", "--attention-backend", "torch", "--no-packed-linear", "-q", "q8_0",
+        "--kv-cache-dtype", "float16", "--no-structured-outputs-fast-forward",
+        "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2}))
+    assert config == EngineConfig(
+        model="m", tokenizer="t", served_model_name="s", dtype="bfloat16", device="cpu", max_model_len=512,
+        block_size=32, max_num_seqs=8, max_num_batched_tokens=256, kv_cache_memory_bytes=4 * 1024**3,
+        gpu_memory_utilization=0.5, num_kv_blocks=100, enable_chunked_prefill=False, enable_prefix_caching=False,
+        scheduling_policy="lpm", lpm_max_wait=0.5, max_preemptions=2, max_num_queued_requests=10,
+        max_queue_time=3.5, max_prompt_tokens=100, long_prefill_token_threshold=64, max_long_partial_prefills=2,
+        swap_space=1.5, preemption_mode="swap", seed=7, num_threads=2, attention_backend="torch",
+        packed_linear=False, quantization="q8_0", kv_cache_dtype="float16", structured_outputs_fast_forward=False,
+        speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=4))
+    assert config.kv_cache_memory_bytes == 4294967296
+
+
+def test_special_values_and_aliases():
+    assert parse("--kv-cache-memory-bytes", "512MB").kv_cache_memory_bytes == 512_000_000
+    assert parse("--kv-cache-memory-bytes", "1073741824").kv_cache_memory_bytes == 1073741824
+    assert parse("--quantization", "gguf").quantization == "gguf"
+    assert parse("-q", "none").quantization == "none"
+    assert parse("--kv-cache-dtype", "fp16").kv_cache_dtype == "float16"
+    assert parse("--kv-cache-dtype", "bf16").kv_cache_dtype == "bfloat16"
+    assert parse("--enable-prefix-caching", "--packed-linear").enable_prefix_caching is True
+    assert parse("--seed", "-1").seed == -1
+    assert parse("--max-logprobs", "5").max_logprobs == 5
+    assert parse("--gpu-memory-utilization", "1").gpu_memory_utilization == 1.0
+
+
+def test_a_parser_without_some_engine_flags_leaves_their_defaults():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--max-num-seqs", type=int, default=3)
+    assert engine_config_from_args(parser.parse_args([])) == EngineConfig(max_num_seqs=3)
+
+
+# ---- bad values: one clear message ---------------------------------------------------------------------
+@pytest.mark.parametrize("argv, message", [
+    (("--dtype", "fp64"), "argument --dtype: invalid choice: 'fp64'"),
+    (("--scheduling-policy", "lifo"), "argument --scheduling-policy: invalid choice: 'lifo'"),
+    (("-q", "int4"), "argument --quantization/-q: invalid choice: 'int4'"),
+    (("--kv-cache-dtype", "fp8"), "argument --kv-cache-dtype: invalid choice: 'fp8'"),
+    (("--preemption-mode", "drop"), "argument --preemption-mode: invalid choice: 'drop'"),
+    (("--attention-backend", "flash"), "argument --attention-backend: invalid choice: 'flash'"),
+    (("--max-num-seqs", "0"), "argument --max-num-seqs: expected a positive integer, got '0'"),
+    (("--block-size", "x"), "argument --block-size: expected a positive integer, got 'x'"),
+    (("--lpm-max-wait", "0"), "argument --lpm-max-wait: expected a positive number, got '0'"),
+    (("--swap-space", "-1"), "argument --swap-space: expected a non-negative number, got '-1'"),
+    (("--gpu-memory-utilization", "1.5"), "argument --gpu-memory-utilization: expected a number in (0, 1], got '1.5'"),
+    (("--kv-cache-memory-bytes", "lots"), "argument --kv-cache-memory-bytes: cannot read memory size 'lots'"),
+    (("--speculative-config", "[1]"), "argument --speculative-config: expected a JSON object, got '[1]'"),
+])
+def test_bad_flags_are_argparse_errors(argv, message):
+    assert parse_error(*argv).startswith(message)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"dtype": "fp64"}, "dtype must be one of auto, float32, bfloat16, float16, got 'fp64'"),
+    ({"quantization": "int4"}, "quantization must be one of gguf, q8_0, none (or unset), got 'int4'"),
+    ({"scheduling_policy": "lifo"}, "scheduling_policy must be one of fcfs, priority, fair, lpm, got 'lifo'"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of auto, float32, float16, bfloat16, got 'fp8'"),
+    ({"max_num_seqs": 0}, "max_num_seqs must be positive, got 0"),
+    ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1], got 1.5"),
+    ({"swap_space": -1}, "swap_space must be non-negative, got -1"),
+    ({"kv_cache_memory_bytes": "lots"}, "cannot read memory size 'lots'"),
+])
+def test_bad_values_are_refused_by_the_config(kwargs, message):
+    with pytest.raises(InvalidRequestError) as info:
+        EngineConfig(**kwargs)
+    assert info.value.message.startswith(message)
+    if "kv_cache_memory_bytes" not in kwargs:
+        assert info.value.param == next(iter(kwargs))
+
+
+# ---- LLM(**kwargs) ---------------------------------------------------------------------------------
+def test_unknown_keyword_names_the_nearest_field():
+    with pytest.raises(InvalidRequestError, match=r"unknown engine option 'max_num_seq'; did you mean 'max_num_seqs'"):
+        EngineConfig.from_kwargs(max_num_seq=8)
+    with pytest.raises(InvalidRequestError, match=r"'enable_prefix_cache'; did you mean 'enable_prefix_caching'"):
+        EngineConfig.from_kwargs(enable_prefix_cache=False)
+    with pytest.raises(InvalidRequestError, match=r"^unknown engine option 'zzz'$"):
+        EngineConfig.from_kwargs(zzz=1)
+    assert EngineConfig.from_kwargs(max_num_seqs=8) == EngineConfig(max_num_seqs=8)
+
+
+def test_llm_refuses_a_typo_before_loading_anything():
+    from tokenmill import LLM
+
+    with pytest.raises(InvalidRequestError, match="did you mean 'kv_cache_memory_bytes'") as info:
+        LLM(kv_cache_memory_byte="1GiB")
+    assert info.value.param == "kv_cache_memory_byte"
+
+
+# ---- nothing rewrites a validated config -------------------------------------------------------------
+def test_validation_keeps_every_value_as_given():
+    values = dict(model="m", served_model_name="s", tokenizer="t", dtype="auto", device="cuda", max_model_len=100,
+                  block_size=8, max_num_seqs=3, max_num_batched_tokens=None, kv_cache_memory_bytes=123456,
+                  gpu_memory_utilization=0.7, num_kv_blocks=9, enable_chunked_prefill=False,
+                  enable_prefix_caching=False, scheduling_policy="fair", lpm_max_wait=2.0, max_preemptions=None,
+                  max_num_queued_requests=5, max_queue_time=1.5, max_prompt_tokens=50,
+                  long_prefill_token_threshold=20, max_long_partial_prefills=2, swap_space=0.5,
+                  preemption_mode=None, seed=3, max_logprobs=0, num_threads=1, attention_backend="cpu",
+                  packed_linear=False, quantization="q8_0", kv_cache_dtype="bfloat16",
+                  structured_outputs_fast_forward=False, speculative_config=None)
+    assert set(values) == {f.name for f in engine_options()}
+    config = EngineConfig(**values)
+    assert dataclasses.asdict(config) == values  # dtype stays "auto" under q8_0
+    assert dataclasses.replace(config) == config
+    assert config.resolved_dtype == "float32"
+
+
+def test_input_forms_are_converted_once_and_stably():
+    config = EngineConfig(kv_cache_memory_bytes="1KiB", kv_cache_dtype="fp16",
+                          speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    assert config.kv_cache_memory_bytes == 1024 and config.kv_cache_dtype == "float16"
+    assert config.speculative_config.num_speculative_tokens == 2
+    assert dataclasses.replace(config) == config
+
+
+def test_with_resolved_defaults_returns_a_new_config():
+    config = EngineConfig(dtype="auto", quantization="gguf", swap_space=1.0)
+    before = dataclasses.replace(config)
+    cpu = config.with_resolved_defaults("cpu")
+    gpu = config.with_resolved_defaults("cuda")
+    assert config == before and config.max_num_batched_tokens is None and config.dtype == "auto"
+    assert cpu is not config
+    assert (cpu.max_num_batched_tokens, cpu.dtype, cpu.preemption_mode) == (1024, "float32", "recompute")
+    assert (gpu.max_num_batched_tokens, gpu.dtype, gpu.preemption_mode) == (2048, "float32", "swap")
+    assert dataclasses.replace(cpu, max_num_batched_tokens=None, dtype="auto", preemption_mode=None) == config
+    explicit = EngineConfig(max_num_batched_tokens=96, preemption_mode="swap").with_resolved_defaults("cpu")
+    assert (explicit.max_num_batched_tokens, explicit.dtype, explicit.preemption_mode) == (96, "float32", "swap")
+    assert EngineConfig().with_resolved_defaults("cuda").preemption_mode == "recompute"  # no swap space
+
+
+def test_scheduler_config_maps_every_setting():
+    from tokenmill.core.scheduler import SchedulerConfig
+
+    config = EngineConfig(max_num_seqs=3, enable_chunked_prefill=False, scheduling_policy="lpm", lpm_max_wait=2.5,
+                          max_preemptions=None, max_queue_time=1.5, long_prefill_token_threshold=20,
+                          max_long_partial_prefills=2).with_resolved_defaults("cpu")
+    assert config.scheduler_config(max_model_len=300) == SchedulerConfig(
+        max_num_seqs=3, max_num_batched_tokens=1024, max_model_len=300, enable_chunked_prefill=False, policy="lpm",
+        max_preemptions=None, max_queue_time_s=1.5, long_prefill_token_threshold=20, max_long_partial_prefills=2,
+        lpm_max_wait_s=2.5, preemption_mode="recompute")
+    assert config.scheduler_config(300, preemption_mode="swap").preemption_mode == "swap"
+    with pytest.raises(ValueError, match="with_resolved_defaults"):
+        EngineConfig().scheduler_config(300)
+
+
+def test_config_imports_without_torch():
+    code = "import sys, tokenmill.config, tokenmill.entrypoints.engine_args; assert 'torch' not in sys.modules"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60).returncode == 0
