@@ -43,7 +43,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest tests -q -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) -m tokenmill.benchmarks.make_bench $(ARGS)
+	$(PY) -m benchmarks.make_bench $(ARGS)
 
 # Optional, never part of `make test`: llama.cpp's server and vLLM's CPU backend on the same workload
 # (builds/installs them under .bench/ the first time; about an hour on 2 cores). PEERS="llama.cpp" etc.

@@ -8,7 +8,7 @@ stamped with the wall time of the step that produced them; the short requests' T
 latency percentiles are the result. Prints a table, refreshes the `bench:scheduling` section of
 docs/benchmarks.md and writes bench-results/scheduling.json.
 
-    .venv/bin/python -m tokenmill.benchmarks.mixed_bench [--threshold 256] [--limit 8] ...
+    .venv/bin/python -m benchmarks.mixed_bench [--threshold 256] [--limit 8] ...
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from tokenmill.benchmarks.make_bench import (_display_path, _usable_cores, machine_info, positive,
+from benchmarks.make_bench import (_display_path, _usable_cores, machine_info, positive,
                                              publish_report)
 from tokenmill.benchmarks.throughput import BenchmarkError, percentile
-from tokenmill.benchmarks.tables import markdown_table, text_table
+from benchmarks.tables import markdown_table, text_table
 
 SECTION = "scheduling"
 START_MARK = f"<!-- bench:{SECTION}:start -->"
@@ -263,7 +263,7 @@ def exact_command(argv: Sequence[str]) -> str:
         python = os.path.relpath(python)
     except ValueError:
         pass
-    return f"{python} -m tokenmill.benchmarks.mixed_bench {shlex.join(argv)}".rstrip()
+    return f"{python} -m benchmarks.mixed_bench {shlex.join(argv)}".rstrip()
 
 
 TABLE_HEADER = ["run", "threshold", "short TTFT p50/p95/p99 (ms)", "short ITL p50/p95/p99 (ms)",

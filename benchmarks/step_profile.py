@@ -1,6 +1,6 @@
 """Where an engine step's time goes: wall-clock totals per phase over a whole offline workload.
 
-    python -m tokenmill.benchmarks.step_profile --workload ../shared/bench/workload-64.jsonl
+    python -m benchmarks.step_profile --workload ../shared/bench/workload-64.jsonl
 
 Phases are timed by wrapping the functions that implement them (CPU torch ops are synchronous,
 so wall time around a call is the call's cost; on CUDA the runner would need synchronisation and
@@ -154,13 +154,15 @@ def run(llm, requests, use_tqdm: bool = False) -> dict[str, Any]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    from benchmarks.paths import default_workload_path
     from tokenmill.benchmarks.workloads import load_workload
     from tokenmill.config import KV_CACHE_DTYPES, EngineConfig
     from tokenmill.entrypoints.llm import LLM
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", default="../shared/bench/workload-64.jsonl",
-                        help="a workload JSONL file (prompt_token_ids, max_tokens per line)")
+    parser.add_argument("--workload", default=None,
+                        help="a workload JSONL file (prompt_token_ids, max_tokens per line; "
+                        "default: ../shared/bench/workload-64.jsonl)")
     parser.add_argument("--model", default=None)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--max-num-seqs", type=int, default=64)
@@ -178,7 +180,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                           attention_backend=args.attention_backend, packed_linear=args.packed_linear,
                           quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     llm = LLM.from_config(config)
-    requests = load_workload(args.workload, args.num_prompts)
+    requests = load_workload(args.workload or default_workload_path(), args.num_prompts)
     out = run(llm, requests)
     tp = out["throughput"]
     print(f"{tp['output_tok_s']:.1f} output tok/s, {out['steps']} steps, {out['wall_s']:.1f} s")

@@ -7,8 +7,8 @@ from each request's metrics: first_token_time - arrival_time) and the prefix-cac
 (hit tokens / looked-up tokens), prints a table, refreshes the `bench:prefix-cache` section of
 docs/benchmarks.md and writes the raw numbers to bench-results/prefix-cache.json.
 
-    .venv/bin/python -m tokenmill.benchmarks.prefix_bench                    # the full run
-    .venv/bin/python -m tokenmill.benchmarks.prefix_bench --limit 8 --num-prefixes 2 --prefix-len 64  # smoke
+    .venv/bin/python -m benchmarks.prefix_bench                    # the full run
+    .venv/bin/python -m benchmarks.prefix_bench --limit 8 --num-prefixes 2 --prefix-len 64  # smoke
 """
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from tokenmill.benchmarks.make_bench import (_display_path, _usable_cores, machine_info, positive,
+from benchmarks.make_bench import (_display_path, _usable_cores, machine_info, positive,
                                              publish_report)
-from tokenmill.benchmarks.shared_prefix import SharedPrefixSpec, build_shared_prefix_workload, ideal_cached_tokens
+from benchmarks.shared_prefix import SharedPrefixSpec, build_shared_prefix_workload, ideal_cached_tokens
 from tokenmill.benchmarks.throughput import check_output_lengths, percentile, throughput_result, warm_up_llm
 from tokenmill.benchmarks.workloads import WorkloadRequest, workload_summary
-from tokenmill.benchmarks.tables import markdown_table, text_table
+from benchmarks.tables import markdown_table, text_table
 
 SECTION = "prefix-cache"
 # name -> (label, LLM keyword arguments)
@@ -221,7 +221,7 @@ def render_section(report: dict[str, Any], json_path: Path) -> str:
     ideal = w["ideal_cached_tokens"] / w["prompt_tokens"] if w.get("prompt_tokens") else 0.0
     lines = [
         f"<!-- bench:{SECTION}:start -->",
-        "## Prefix caching: shared-prefix workload (`python -m tokenmill.benchmarks.prefix_bench`)",
+        "## Prefix caching: shared-prefix workload (`python -m benchmarks.prefix_bench`)",
         "",
         f"Measured {report['date']} on {report.get('device', '?')} ({m['cpu']}, {m['usable_cores']} usable of "
         f"{m['logical_cpus']} logical CPUs, {m['torch_threads']} torch threads), torch {m['torch']}, "
@@ -293,7 +293,7 @@ def exact_command(argv: Sequence[str]) -> str:
         python = os.path.relpath(python)
     except ValueError:
         pass
-    return f"{python} -m tokenmill.benchmarks.prefix_bench {joined}".rstrip()
+    return f"{python} -m benchmarks.prefix_bench {joined}".rstrip()
 
 
 if __name__ == "__main__":

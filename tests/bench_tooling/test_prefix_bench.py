@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import json
 
-from tokenmill.benchmarks.make_bench import update_markdown
-from tokenmill.benchmarks import prefix_bench
-from tokenmill.benchmarks.shared_prefix import (MIN_TOKEN_ID, SharedPrefixSpec, build_shared_prefix_workload,
+from benchmarks.make_bench import update_markdown
+from benchmarks import prefix_bench
+from benchmarks.shared_prefix import (MIN_TOKEN_ID, SharedPrefixSpec, build_shared_prefix_workload,
                                                 ideal_cached_tokens)
 
 

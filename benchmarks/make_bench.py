@@ -7,7 +7,7 @@ with Q8_0 weights and a float16 KV cache (`--no-quantized` to skip), reported ap
 table, refreshes the `bench:engine-core` section of docs/benchmarks.md and writes the raw numbers
 to bench-results/engine-core.json.
 
-    .venv/bin/python -m tokenmill.benchmarks.make_bench [--dtype bfloat16] [--naive-limit 16] ...
+    .venv/bin/python -m benchmarks.make_bench [--dtype bfloat16] [--naive-limit 16] ...
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from tokenmill.benchmarks.tables import markdown_table, text_table
+from benchmarks.tables import markdown_table, text_table
 
 SECTION = "engine-core"
 ENGINE_LABELS = {
@@ -76,7 +76,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     import torch
 
-    from tokenmill.benchmarks.workloads import default_workload_path, load_workload, workload_summary
+    from tokenmill.benchmarks.workloads import load_workload, workload_summary
 
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -158,7 +158,7 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
 
 
 def run_baselines(args: argparse.Namespace, requests) -> dict[str, Any]:
-    from tokenmill.benchmarks.baselines import load_hf_model, run_naive, run_static_batches
+    from benchmarks.baselines import load_hf_model, run_naive, run_static_batches
 
     hf = load_hf_model(args.model, args.dtype, args.device)
     out: dict[str, Any] = {}
@@ -253,7 +253,7 @@ def exact_command(argv: Sequence[str]) -> str:
         python = os.path.relpath(python)
     except ValueError:
         pass
-    return f"{python} -m tokenmill.benchmarks.make_bench {joined}".rstrip()
+    return f"{python} -m benchmarks.make_bench {joined}".rstrip()
 
 
 # ---- output ------------------------------------------------------------------------------
@@ -357,8 +357,6 @@ def _notes(report: dict[str, Any]) -> list[str]:
 
 
 def _display_path(path: Path) -> str:
-    from tokenmill.benchmarks.workloads import repo_root
-
     try:
         return str(path.resolve().relative_to(repo_root()))
     except ValueError:
@@ -368,8 +366,6 @@ def _display_path(path: Path) -> str:
 def publish_report(report: dict[str, Any], args: argparse.Namespace, section: str, render_section) -> None:
     """Write the JSON under bench-results/ and the report's section of docs/benchmarks.md
     (or where --results-json / --output point), then say where."""
-    from tokenmill.benchmarks.workloads import repo_root
-
     root = repo_root()
     json_path = Path(args.results_json) if args.results_json else root / "bench-results" / f"{section}.json"
     md_path = Path(args.output) if args.output else root / "docs" / "benchmarks.md"
