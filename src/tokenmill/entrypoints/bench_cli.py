@@ -243,8 +243,6 @@ def run_bench_compare(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--tie-threshold must be in [0, 1)")
     comparison = write_compare_report(args.results, labels, args.output_dir, args.tie_threshold)
     print(comparison["markdown"])
-    if comparison.get("plots_skipped"):
-        print(f"plots skipped: {comparison['plots_skipped']}", file=sys.stderr)
     print(f"wrote {Path(args.output_dir) / 'report.md'}")
     return 0
 
