@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from benchmarks.paths import default_workload_path, repo_root
 from benchmarks.tables import markdown_table, text_table
 
 SECTION = "engine-core"
