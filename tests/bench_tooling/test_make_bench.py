@@ -6,6 +6,7 @@ import json
 import pytest
 
 from benchmarks import make_bench
+from tokenmill.config import default_max_num_batched_tokens
 
 REQUESTS = [
     {"id": 0, "prompt_token_ids": [1, 504, 3458, 282, 4649, 314, 253, 1345, 30], "max_tokens": 5},
@@ -47,7 +48,11 @@ def test_make_bench_runs_every_engine(tiny_llama_dir, workload_file, tmp_path):
     text = md.read_text()
     assert "keep me" in text
     assert text.count("<!-- bench:engine-core:start -->") == 1 and text.count("<!-- bench:engine-core:end -->") == 1
-    assert "| tokenmill `LLM.generate`" in text and "max_num_batched_tokens 2048" in text
+    # No budget given: the report carries the one the engine picked for the CPU, not a default of its own.
+    assert report["settings"]["max_num_batched_tokens"] == default_max_num_batched_tokens("cpu")
+    assert report["settings"]["max_num_seqs"] == 4 and report["results"]["tokenmill"]["concurrency"] == 2
+    assert "| tokenmill `LLM.generate`" in text
+    assert f"max_num_batched_tokens {default_max_num_batched_tokens('cpu')}," in text
     assert "| tokenmill `LLM.generate`, Q8_0 weights + float16 KV cache |" in text
     assert "With Q8_0 weights and a float16 KV cache" in text  # its ratios are kept apart from same-dtype ones
 

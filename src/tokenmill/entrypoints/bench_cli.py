@@ -301,7 +301,7 @@ def _add_plan(subparsers: Any) -> None:
     parser.add_argument("--headroom", type=float, default=0.3, help="fraction of memory kept free (default: 0.3)")
     parser.add_argument("--dtype", default="auto", help="weights: auto, float32, float16, bfloat16, fp8, int8, int4")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the activation dtype) or fp8, ...")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None, help="default: smallest that fits")
     parser.add_argument("--profile", default=None, help="a `bench sweep` JSON measured on this model and device")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -318,14 +318,24 @@ def run_plan(args: argparse.Namespace) -> int:
         print("note: --target-ttft-ms without --profile only sets the scale-out trigger", file=sys.stderr)
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise InvalidRequestError("--tensor-parallel-size must be at least 1")
+    block_size = args.block_size or _engine_default("block_size")
     inputs = PlanInputs(model=resolve_model(args.model), device=device, max_model_len=args.max_model_len,
                         concurrency=args.concurrency, headroom=args.headroom, dtype=args.dtype,
-                        kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+                        kv_cache_dtype=args.kv_cache_dtype, block_size=block_size,
                         tensor_parallel_size=args.tensor_parallel_size, target_ttft_ms=args.target_ttft_ms,
                         profile=load_result(args.profile) if args.profile else None, profile_path=args.profile)
     plan = make_plan(inputs)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0
+
+
+def _engine_default(name: str) -> Any:
+    """EngineConfig's default of one option: the plan sizes blocks as the engine would."""
+    import dataclasses
+
+    from tokenmill.config import EngineConfig
+
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
 
 
 # ---- standalone entry point --------------------------------------------------------------------------
