@@ -2,8 +2,8 @@
 
 `add_bench_subcommands(subparsers)` registers them on the `tokenmill` command's subparsers; each sets
 `handler=` a function (args) -> exit code. Heavy imports (httpx, matplotlib, torch) wait for the handler,
-so `tokenmill --help` stays fast. `python -m tokenmill.entrypoints.bench_cli bench serve ...` runs them
-through the main parser even before cli.py registers them.
+so `tokenmill --help` stays fast. They run through the `tokenmill` command (cli.py, which imports this
+module; this module never imports it back).
 """
 from __future__ import annotations
 
@@ -336,10 +336,3 @@ def _engine_default(name: str) -> Any:
     from tokenmill.config import EngineConfig
 
     return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)
-
-
-# ---- standalone entry point --------------------------------------------------------------------------
-if __name__ == "__main__":
-    from tokenmill.entrypoints.cli import main
-
-    sys.exit(main())
