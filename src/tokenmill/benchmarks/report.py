@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from tokenmill.errors import InvalidRequestError
+from tokenmill.errors import InvalidRequestError, MissingDependencyError
 
 TIE_THRESHOLD = 0.10
 _METRIC_TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
@@ -217,8 +217,15 @@ def render_markdown(comparison: dict[str, Any], plots: Sequence[str]) -> str:
 
 
 # ---- plots -------------------------------------------------------------------------------------------
+PLOT_EXTRA_HINT = "plotting needs matplotlib: pip install 'tokenmill[bench]'"
+
+
 def _pyplot() -> Any:
-    import matplotlib
+    """matplotlib's pyplot, imported on first use: it is an optional extra, not a dependency."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise MissingDependencyError(PLOT_EXTRA_HINT) from None
 
     matplotlib.use("Agg")  # files only; never needs a display
     import matplotlib.pyplot as plt
@@ -295,19 +302,17 @@ def write_compare_report(paths: Sequence[str | Path], labels: Optional[Sequence[
     if len(set(labels)) != len(labels):
         raise InvalidRequestError("labels must differ; pass --labels a,b,...")
     comparison = compare_results(results, list(labels), tie_threshold)
+    _pyplot()  # without matplotlib, fail before writing a report that lacks its plots
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
     plots: list[str] = []
-    try:
-        shared = [k for k in comparison["concurrencies"] if k != "run"]
-        for name, draw in (("throughput_vs_concurrency.png", plot_throughput_vs_concurrency),
-                           ("latency_throughput.png", plot_latency_throughput)):
-            draw(results, labels, out / name)
-            plots.append(str(out / name))
-        plot_ttft_cdf(results, labels, out / "ttft_cdf.png", _highest(shared))
-        plots.append(str(out / "ttft_cdf.png"))
-    except ImportError:
-        comparison["plots_skipped"] = "matplotlib is not installed"
+    shared = [k for k in comparison["concurrencies"] if k != "run"]
+    for name, draw in (("throughput_vs_concurrency.png", plot_throughput_vs_concurrency),
+                       ("latency_throughput.png", plot_latency_throughput)):
+        draw(results, labels, out / name)
+        plots.append(str(out / name))
+    plot_ttft_cdf(results, labels, out / "ttft_cdf.png", _highest(shared))
+    plots.append(str(out / "ttft_cdf.png"))
     comparison["plots"] = plots
     markdown = render_markdown(comparison, plots)
     (out / "report.md").write_text(markdown, encoding="utf-8")

@@ -11,9 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-DEFAULT_WORKLOAD_NAME = "workload-64.jsonl"
-
-
 @dataclass(slots=True)
 class WorkloadRequest:
     id: int | str
@@ -24,17 +21,6 @@ class WorkloadRequest:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
-
-
-def repo_root() -> Path:
-    """The checkout holding this package (src layout: <root>/src/tokenmill/benchmarks/)."""
-    root = Path(__file__).resolve().parents[3]
-    return root if (root / "pyproject.toml").is_file() else Path.cwd()
-
-
-def default_workload_path() -> Path:
-    """<repo root>/../shared/bench/workload-64.jsonl, the fixed throughput workload."""
-    return repo_root().parent / "shared" / "bench" / DEFAULT_WORKLOAD_NAME
 
 
 def load_workload(path: str | Path, limit: Optional[int] = None) -> list[WorkloadRequest]:

@@ -2,8 +2,8 @@
 
 `add_bench_subcommands(subparsers)` registers them on the `tokenmill` command's subparsers; each sets
 `handler=` a function (args) -> exit code. Heavy imports (httpx, matplotlib, torch) wait for the handler,
-so `tokenmill --help` stays fast. `python -m tokenmill.entrypoints.bench_cli bench serve ...` runs them
-through the main parser even before cli.py registers them.
+so `tokenmill --help` stays fast. They run through the `tokenmill` command (cli.py, which imports this
+module; this module never imports it back).
 """
 from __future__ import annotations
 
@@ -243,8 +243,6 @@ def run_bench_compare(args: argparse.Namespace) -> int:
         raise InvalidRequestError("--tie-threshold must be in [0, 1)")
     comparison = write_compare_report(args.results, labels, args.output_dir, args.tie_threshold)
     print(comparison["markdown"])
-    if comparison.get("plots_skipped"):
-        print(f"plots skipped: {comparison['plots_skipped']}", file=sys.stderr)
     print(f"wrote {Path(args.output_dir) / 'report.md'}")
     return 0
 
@@ -303,7 +301,7 @@ def _add_plan(subparsers: Any) -> None:
     parser.add_argument("--headroom", type=float, default=0.3, help="fraction of memory kept free (default: 0.3)")
     parser.add_argument("--dtype", default="auto", help="weights: auto, float32, float16, bfloat16, fp8, int8, int4")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the activation dtype) or fp8, ...")
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None, help="default: smallest that fits")
     parser.add_argument("--profile", default=None, help="a `bench sweep` JSON measured on this model and device")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -320,9 +318,10 @@ def run_plan(args: argparse.Namespace) -> int:
         print("note: --target-ttft-ms without --profile only sets the scale-out trigger", file=sys.stderr)
     if args.tensor_parallel_size is not None and args.tensor_parallel_size < 1:
         raise InvalidRequestError("--tensor-parallel-size must be at least 1")
+    block_size = args.block_size or _engine_default("block_size")
     inputs = PlanInputs(model=resolve_model(args.model), device=device, max_model_len=args.max_model_len,
                         concurrency=args.concurrency, headroom=args.headroom, dtype=args.dtype,
-                        kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
+                        kv_cache_dtype=args.kv_cache_dtype, block_size=block_size,
                         tensor_parallel_size=args.tensor_parallel_size, target_ttft_ms=args.target_ttft_ms,
                         profile=load_result(args.profile) if args.profile else None, profile_path=args.profile)
     plan = make_plan(inputs)
@@ -330,8 +329,10 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-# ---- standalone entry point --------------------------------------------------------------------------
-if __name__ == "__main__":
-    from tokenmill.entrypoints.cli import main
+def _engine_default(name: str) -> Any:
+    """EngineConfig's default of one option: the plan sizes blocks as the engine would."""
+    import dataclasses
 
-    sys.exit(main())
+    from tokenmill.config import EngineConfig
+
+    return next(f.default for f in dataclasses.fields(EngineConfig) if f.name == name)

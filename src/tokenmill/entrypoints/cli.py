@@ -47,11 +47,18 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _add_serve(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    from tokenmill.entrypoints.openai.cli_args import add_serve_args, run_server
+    from tokenmill.entrypoints.openai.cli_args import add_serve_args
 
     add_engine_args(parser)
     add_serve_args(parser)
-    parser.set_defaults(handler=run_server)
+    parser.set_defaults(handler=_run_server)
+
+
+def _run_server(args: argparse.Namespace) -> int:
+    # The server (FastAPI, uvicorn) loads only when `serve` runs, so `tokenmill --help` stays fast.
+    from tokenmill.entrypoints.openai.api_server import run_server
+
+    return run_server(args)
 
 
 def build_parser() -> argparse.ArgumentParser:

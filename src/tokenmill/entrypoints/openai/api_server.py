@@ -2,7 +2,8 @@
 
 `build_app(engine, args)` makes the app; `serve_app(app, args)` runs it and drains on SIGTERM/SIGINT:
 new requests get 503 while in-flight ones finish (up to --shutdown-timeout), then the server exits.
-`python -m tokenmill.entrypoints.openai.api_server [flags]` is the same as `tokenmill serve [flags]`.
+`run_server(args)` loads the engine, serves and shuts it down: `tokenmill serve [flags]`, or
+`python -m tokenmill.entrypoints.openai.api_server [flags]`.
 
 Observability: the engine's stat loggers (Prometheus exporter, sliding-window stats, periodic log line)
 are attached here; `/metrics`, `/stats`, the web dashboard `/` and its `/static/*` files need no API key
@@ -11,11 +12,12 @@ are attached here; `/metrics`, `/stats`, the web dashboard `/` and its `/static/
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import math
 import sys
 import time
-from importlib import metadata
+from importlib import metadata, resources
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Optional
@@ -25,12 +27,12 @@ from fastapi import FastAPI, Request
 from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
-from tokenmill.entrypoints.engine_args import add_engine_args
+from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.entrypoints.openai.cli_args import (
     DEFAULT_MAX_BODY_BYTES,
     add_serve_args,
+    configure_logging,
     resolve_api_keys,
-    run_server,
 )
 from tokenmill.entrypoints.openai.errors import error_response, install_exception_handlers
 from tokenmill.entrypoints.openai.middleware import GatewayMiddleware, ServerLifecycle
@@ -52,6 +54,8 @@ from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
+from tokenmill.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+from tokenmill.errors import TokenmillError
 from tokenmill.metrics.loggers import LoggingStatLogger
 from tokenmill.metrics.prometheus import PrometheusStatLogger
 from tokenmill.metrics.stats import WindowStatLogger
@@ -62,8 +66,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("tokenmill.server")
 
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
-STATIC_DIR = Path(__file__).resolve().parents[2] / "web" / "static"
+# The dashboard ships as package data of tokenmill.web (pyproject package-data), found wherever installed.
+STATIC_DIR = Path(str(resources.files("tokenmill.web") / "static"))
 _NO_CACHE = {"Cache-Control": "no-cache"}
+ENGINE_SHUTDOWN_TIMEOUT_S = 30.0
 _STREAMING = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE chunks with stream=true"}}
 
 
@@ -241,6 +247,42 @@ async def serve_app(app: FastAPI, args: argparse.Namespace) -> None:
     )
     server = DrainingServer(config, app.state.lifecycle, getattr(args, "shutdown_timeout", 30.0))
     await server.serve()
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Loads the model, serves until SIGTERM/SIGINT, drains, shuts the engine down. Returns the exit code."""
+    configure_logging(getattr(args, "log_level", None) or "INFO", not getattr(args, "disable_log_requests", False))
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        logger.error("--enable-auto-tool-choice needs --tool-call-parser (one of: %s)", ", ".join(TOOL_CALL_PARSERS))
+        return 2
+    try:
+        config = engine_config_from_args(args)
+    except TokenmillError as exc:
+        logger.error("invalid engine settings: %s", exc.message)
+        return 2
+    try:
+        return asyncio.run(_serve(args, config))
+    except KeyboardInterrupt:  # Ctrl-C while the model was still loading
+        return 130
+
+
+async def _serve(args: argparse.Namespace, config) -> int:
+    from tokenmill.engine.async_llm import AsyncLLM
+
+    try:
+        # Inside the event loop, so an engine that runs its loop as an asyncio task finds one.
+        engine = AsyncLLM.from_config(config)
+    except TokenmillError as exc:
+        logger.error("cannot start the engine: %s", exc.message)
+        return 1
+    try:
+        await serve_app(build_app(engine, args), args)
+    finally:
+        try:
+            await asyncio.wait_for(engine.shutdown(), ENGINE_SHUTDOWN_TIMEOUT_S)
+        except Exception:
+            logger.exception("engine shutdown failed")
+    return 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,26 +1,20 @@
-"""Flags of `tokenmill serve` (the engine's own flags come from entrypoints/engine_args.py) and the
-server's entry point `run_server(args) -> exit code`.
+"""Flags of `tokenmill serve` (the engine's own flags come from entrypoints/engine_args.py), the API keys
+they resolve to, and the server's logging setup. The server itself (`run_server`) lives in api_server.py,
+which imports this module; nothing here imports the server back.
 """
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import os
 import sys
 from typing import Optional
 
 from tokenmill.config import parse_memory_size
-from tokenmill.entrypoints.engine_args import engine_config_from_args
 from tokenmill.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
-from tokenmill.errors import TokenmillError
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
-ENGINE_SHUTDOWN_TIMEOUT_S = 30.0
-
-logger = logging.getLogger("tokenmill.server")
-
 
 def _size(value: str) -> int:
     try:
@@ -90,40 +84,3 @@ def configure_logging(level: str = "INFO", log_requests: bool = True) -> None:
         requests.addHandler(handler)
         requests.propagate = False
     requests.setLevel(logging.INFO if log_requests else logging.WARNING)
-
-
-def run_server(args: argparse.Namespace) -> int:
-    """Loads the model, serves until SIGTERM/SIGINT, drains, shuts the engine down. Returns the exit code."""
-    configure_logging(getattr(args, "log_level", None) or "INFO", not getattr(args, "disable_log_requests", False))
-    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
-        logger.error("--enable-auto-tool-choice needs --tool-call-parser (one of: %s)", ", ".join(TOOL_CALL_PARSERS))
-        return 2
-    try:
-        config = engine_config_from_args(args)
-    except TokenmillError as exc:
-        logger.error("invalid engine settings: %s", exc.message)
-        return 2
-    try:
-        return asyncio.run(_serve(args, config))
-    except KeyboardInterrupt:  # Ctrl-C while the model was still loading
-        return 130
-
-
-async def _serve(args: argparse.Namespace, config) -> int:
-    from tokenmill.engine.async_llm import AsyncLLM
-    from tokenmill.entrypoints.openai.api_server import build_app, serve_app
-
-    try:
-        # Inside the event loop, so an engine that runs its loop as an asyncio task finds one.
-        engine = AsyncLLM.from_config(config)
-    except TokenmillError as exc:
-        logger.error("cannot start the engine: %s", exc.message)
-        return 1
-    try:
-        await serve_app(build_app(engine, args), args)
-    finally:
-        try:
-            await asyncio.wait_for(engine.shutdown(), ENGINE_SHUTDOWN_TIMEOUT_S)
-        except Exception:
-            logger.exception("engine shutdown failed")
-    return 0

@@ -7,7 +7,7 @@ with Q8_0 weights and a float16 KV cache (`--no-quantized` to skip), reported ap
 table, refreshes the `bench:engine-core` section of docs/benchmarks.md and writes the raw numbers
 to bench-results/engine-core.json.
 
-    .venv/bin/python -m tokenmill.benchmarks.make_bench [--dtype bfloat16] [--naive-limit 16] ...
+    .venv/bin/python -m benchmarks.make_bench [--dtype bfloat16] [--naive-limit 16] ...
 """
 from __future__ import annotations
 
@@ -23,7 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from tokenmill.benchmarks.tables import markdown_table, text_table
+from benchmarks.engine_options import effective, given
+from benchmarks.paths import default_workload_path, repo_root
+from benchmarks.tables import markdown_table, text_table
 
 SECTION = "engine-core"
 ENGINE_LABELS = {
@@ -60,10 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--naive-limit", type=positive, default=None,
                    help="run the naive baseline on the first N requests only (tok/s over those)")
     p.add_argument("--batch-size", type=positive, default=16, help="static-batch baseline batch size")
-    p.add_argument("--max-num-seqs", type=positive, default=64)
-    p.add_argument("--max-num-batched-tokens", type=positive, default=2048)
-    p.add_argument("--block-size", type=positive, default=16)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    # Engine options: unset ones are left to the engine's defaults (EngineConfig).
+    p.add_argument("--max-num-seqs", type=positive, default=None)
+    p.add_argument("--max-num-batched-tokens", type=positive, default=None,
+                   help="tokens per step (default: the engine's, which depends on the device)")
+    p.add_argument("--block-size", type=positive, default=None)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads (default: usable cores)")
     p.add_argument("--output", default=None, help="markdown report (default: docs/benchmarks.md)")
     p.add_argument("--results-json", default=None, help="raw numbers (default: bench-results/engine-core.json)")
@@ -76,7 +80,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     import torch
 
-    from tokenmill.benchmarks.workloads import default_workload_path, load_workload, workload_summary
+    from tokenmill.benchmarks.workloads import load_workload, workload_summary
 
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -99,6 +103,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "results": {},
     }
     report["results"]["tokenmill"] = run_tokenmill(args, requests, threads)
+    report["settings"].update(report["results"]["tokenmill"]["engine_settings"])
     if report["results"]["tokenmill"]["gguf_layers_kept"]:
         # The baselines hold the file's weights dequantized to float32; so does this run.
         report["results"]["tokenmill-dense"] = run_tokenmill(args, requests, threads, {"quantization": "none"})
@@ -134,14 +139,13 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
     from tokenmill.benchmarks.throughput import run_offline_throughput
 
     engine_options = engine_options or {}
-    extra = "".join(f", {k}={v}" for k, v in engine_options.items())
-    print(f"tokenmill: {len(requests)} requests, device={args.device}, dtype={args.dtype}, "
-          f"max_num_seqs={args.max_num_seqs}, "
-          f"max_num_batched_tokens={args.max_num_batched_tokens}{extra}", flush=True)
-    llm = LLM(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-              enable_prefix_caching=args.enable_prefix_caching, num_threads=threads, device=args.device,
+    llm = LLM(model=args.model, dtype=args.dtype, num_threads=threads, device=args.device,
+              **given(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                      block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching),
               **engine_options)
+    settings = effective(llm)
+    shown = "".join(f", {k}={v}" for k, v in {**settings, **engine_options}.items())
+    print(f"tokenmill: {len(requests)} requests, device={args.device}, dtype={args.dtype}{shown}", flush=True)
     runner = llm.llm_engine.core.runner
     linear_layers, gguf_layers_kept = runner.linear_layers, runner.num_gguf_layers_kept
     try:
@@ -149,8 +153,9 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
     finally:
         del llm
         gc.collect()  # release the KV cache before the baselines load their model
-    result["concurrency"] = min(args.max_num_seqs, len(requests))
+    result["concurrency"] = min(settings["max_num_seqs"] or len(requests), len(requests))
     result["engine_options"] = engine_options
+    result["engine_settings"] = settings
     result["linear_layers"] = linear_layers
     result["gguf_layers_kept"] = gguf_layers_kept
     _print_result(result)
@@ -158,7 +163,7 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
 
 
 def run_baselines(args: argparse.Namespace, requests) -> dict[str, Any]:
-    from tokenmill.benchmarks.baselines import load_hf_model, run_naive, run_static_batches
+    from benchmarks.baselines import load_hf_model, run_naive, run_static_batches
 
     hf = load_hf_model(args.model, args.dtype, args.device)
     out: dict[str, Any] = {}
@@ -253,7 +258,7 @@ def exact_command(argv: Sequence[str]) -> str:
         python = os.path.relpath(python)
     except ValueError:
         pass
-    return f"{python} -m tokenmill.benchmarks.make_bench {joined}".rstrip()
+    return f"{python} -m benchmarks.make_bench {joined}".rstrip()
 
 
 # ---- output ------------------------------------------------------------------------------
@@ -357,8 +362,6 @@ def _notes(report: dict[str, Any]) -> list[str]:
 
 
 def _display_path(path: Path) -> str:
-    from tokenmill.benchmarks.workloads import repo_root
-
     try:
         return str(path.resolve().relative_to(repo_root()))
     except ValueError:
@@ -368,8 +371,6 @@ def _display_path(path: Path) -> str:
 def publish_report(report: dict[str, Any], args: argparse.Namespace, section: str, render_section) -> None:
     """Write the JSON under bench-results/ and the report's section of docs/benchmarks.md
     (or where --results-json / --output point), then say where."""
-    from tokenmill.benchmarks.workloads import repo_root
-
     root = repo_root()
     json_path = Path(args.results_json) if args.results_json else root / "bench-results" / f"{section}.json"
     md_path = Path(args.output) if args.output else root / "docs" / "benchmarks.md"

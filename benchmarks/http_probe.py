@@ -1,6 +1,6 @@
 """How responsive the HTTP loop stays while the engine is busy.
 
-    python -m tokenmill.benchmarks.http_probe http://127.0.0.1:8000
+    python -m benchmarks.http_probe http://127.0.0.1:8000
 
 Times GET /health over one kept-alive connection, first idle, then while `tokenmill bench serve`
 keeps 16 streams generating (random 256-token prompts, 64 output tokens).

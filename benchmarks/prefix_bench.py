@@ -7,8 +7,8 @@ from each request's metrics: first_token_time - arrival_time) and the prefix-cac
 (hit tokens / looked-up tokens), prints a table, refreshes the `bench:prefix-cache` section of
 docs/benchmarks.md and writes the raw numbers to bench-results/prefix-cache.json.
 
-    .venv/bin/python -m tokenmill.benchmarks.prefix_bench                    # the full run
-    .venv/bin/python -m tokenmill.benchmarks.prefix_bench --limit 8 --num-prefixes 2 --prefix-len 64  # smoke
+    .venv/bin/python -m benchmarks.prefix_bench                    # the full run
+    .venv/bin/python -m benchmarks.prefix_bench --limit 8 --num-prefixes 2 --prefix-len 64  # smoke
 """
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from tokenmill.benchmarks.make_bench import (_display_path, _usable_cores, machine_info, positive,
-                                             publish_report)
-from tokenmill.benchmarks.shared_prefix import SharedPrefixSpec, build_shared_prefix_workload, ideal_cached_tokens
+from benchmarks.engine_options import effective, given
+from benchmarks.make_bench import _display_path, _usable_cores, machine_info, positive, publish_report
+from benchmarks.shared_prefix import SharedPrefixSpec, build_shared_prefix_workload, ideal_cached_tokens
+from benchmarks.tables import markdown_table, text_table
 from tokenmill.benchmarks.throughput import check_output_lengths, percentile, throughput_result, warm_up_llm
 from tokenmill.benchmarks.workloads import WorkloadRequest, workload_summary
-from tokenmill.benchmarks.tables import markdown_table, text_table
 
 SECTION = "prefix-cache"
 # name -> (label, LLM keyword arguments)
@@ -52,9 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic token ids")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"comma-separated subset of {', '.join(CONFIGS)}")
-    p.add_argument("--max-num-seqs", type=positive, default=64)
-    p.add_argument("--max-num-batched-tokens", type=positive, default=2048)
-    p.add_argument("--block-size", type=positive, default=16)
+    # Engine options: unset ones are left to the engine's defaults (EngineConfig).
+    p.add_argument("--max-num-seqs", type=positive, default=None)
+    p.add_argument("--max-num-batched-tokens", type=positive, default=None,
+                   help="tokens per step (default: the engine's, which depends on the device)")
+    p.add_argument("--block-size", type=positive, default=None)
     p.add_argument("--kv-cache-memory-bytes", default=None, help="KV cache size (CPU default: 2GiB), e.g. 1GiB")
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads (default: usable cores)")
     p.add_argument("--output", default=None, help="markdown report (default: docs/benchmarks.md)")
@@ -92,7 +94,9 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
             if requests is None:  # token ids need the model's vocabulary size
                 requests = build_shared_prefix_workload(spec, llm.llm_engine.hf_config.vocab_size, args.limit)
                 report["workload"].update(workload_summary(requests))
-                report["workload"]["ideal_cached_tokens"] = ideal_cached_tokens(spec, len(requests), args.block_size)
+                report["settings"].update(effective(llm, ENGINE_SETTINGS))
+                block_size = report["settings"]["block_size"]
+                report["workload"]["ideal_cached_tokens"] = ideal_cached_tokens(spec, len(requests), block_size)
                 report["device"] = str(llm.llm_engine.core.runner.device)
             print(f"{name}: {len(requests)} requests", flush=True)
             report["results"][name] = measure(llm, requests, name, use_tqdm=not args.no_tqdm)
@@ -110,9 +114,14 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 def make_llm(args: argparse.Namespace, threads: int, config: dict[str, Any]):
     from tokenmill import LLM
 
-    return LLM(model=args.model, dtype=args.dtype, device=args.device, max_num_seqs=args.max_num_seqs,
-               max_num_batched_tokens=args.max_num_batched_tokens, block_size=args.block_size,
-               kv_cache_memory_bytes=args.kv_cache_memory_bytes, num_threads=threads, **config)
+    return LLM(model=args.model, dtype=args.dtype, device=args.device, num_threads=threads,
+               **given(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes),
+               **config)
+
+
+# Resolved by the engine and recorded with the results (the configurations differ in prefix caching).
+ENGINE_SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "block_size")
 
 
 def _release_memory(torch) -> None:
@@ -221,7 +230,7 @@ def render_section(report: dict[str, Any], json_path: Path) -> str:
     ideal = w["ideal_cached_tokens"] / w["prompt_tokens"] if w.get("prompt_tokens") else 0.0
     lines = [
         f"<!-- bench:{SECTION}:start -->",
-        "## Prefix caching: shared-prefix workload (`python -m tokenmill.benchmarks.prefix_bench`)",
+        "## Prefix caching: shared-prefix workload (`python -m benchmarks.prefix_bench`)",
         "",
         f"Measured {report['date']} on {report.get('device', '?')} ({m['cpu']}, {m['usable_cores']} usable of "
         f"{m['logical_cpus']} logical CPUs, {m['torch_threads']} torch threads), torch {m['torch']}, "
@@ -293,7 +302,7 @@ def exact_command(argv: Sequence[str]) -> str:
         python = os.path.relpath(python)
     except ValueError:
         pass
-    return f"{python} -m tokenmill.benchmarks.prefix_bench {joined}".rstrip()
+    return f"{python} -m benchmarks.prefix_bench {joined}".rstrip()
 
 
 if __name__ == "__main__":

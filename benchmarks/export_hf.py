@@ -3,7 +3,7 @@
 Peer engines (vLLM, `transformers serve`) want HF directories; transformers refuses
 `save_pretrained` on a GGUF-loaded model, so the dequantized weights are written directly.
 
-    python -m tokenmill.benchmarks.export_hf OUTPUT_DIR [--model PATH]
+    python -m benchmarks.export_hf OUTPUT_DIR [--model PATH]
 """
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ stamped with the wall time of the step that produced them; the short requests' T
 latency percentiles are the result. Prints a table, refreshes the `bench:scheduling` section of
 docs/benchmarks.md and writes bench-results/scheduling.json.
 
-    .venv/bin/python -m tokenmill.benchmarks.mixed_bench [--threshold 256] [--limit 8] ...
+    .venv/bin/python -m benchmarks.mixed_bench [--threshold 256] [--limit 8] ...
 """
 from __future__ import annotations
 
@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
-from tokenmill.benchmarks.make_bench import (_display_path, _usable_cores, machine_info, positive,
-                                             publish_report)
+from benchmarks.engine_options import effective, given
+from benchmarks.make_bench import _display_path, _usable_cores, machine_info, positive, publish_report
+from benchmarks.tables import markdown_table, text_table
 from tokenmill.benchmarks.throughput import BenchmarkError, percentile
-from tokenmill.benchmarks.tables import markdown_table, text_table
 
 SECTION = "scheduling"
 START_MARK = f"<!-- bench:{SECTION}:start -->"
@@ -165,7 +165,7 @@ def run_both(args: argparse.Namespace, threads: int) -> tuple[dict[str, Any], di
     workload: list[MixedRequest] = []
     for mode, threshold in (("isolation on", args.threshold), ("isolation off", None)):
         llm = LLM(model=args.model, dtype=args.dtype, device="cpu" if args.cpu else None,
-                  max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  **given(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
                   long_prefill_token_threshold=threshold, max_long_partial_prefills=args.max_long_partial_prefills,
                   enable_prefix_caching=False, num_threads=threads, max_model_len=args.max_model_len)
         vocab_size = llm.llm_engine.hf_config.vocab_size
@@ -175,6 +175,7 @@ def run_both(args: argparse.Namespace, threads: int) -> tuple[dict[str, Any], di
         print(f"{mode}: {len(workload)} requests, long_prefill_token_threshold={threshold}", flush=True)
         summary = summarize(run_mode(llm, workload), workload)
         summary["long_prefill_token_threshold"] = threshold
+        summary["engine_settings"] = effective(llm, ("max_num_seqs", "max_num_batched_tokens"))
         results[mode] = summary
         print(f"  wall {summary['wall_s']:.2f} s, {summary['num_steps']} steps, short ITL p99 "
               f"{summary['short_itl_ms']['p99']} ms", flush=True)
@@ -222,8 +223,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=positive, default=256,
                    help="long_prefill_token_threshold of the isolation-on run")
     p.add_argument("--max-long-partial-prefills", type=positive, default=1)
-    p.add_argument("--max-num-seqs", type=positive, default=64)
-    p.add_argument("--max-num-batched-tokens", type=positive, default=2048)
+    # Engine options: unset ones are left to the engine's defaults (EngineConfig).
+    p.add_argument("--max-num-seqs", type=positive, default=None)
+    p.add_argument("--max-num-batched-tokens", type=positive, default=None,
+                   help="tokens per step (default: the engine's, which depends on the device)")
     p.add_argument("--max-model-len", type=positive, default=4096)
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic token ids")
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads (default: usable cores)")
@@ -251,6 +254,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         "workload": workload,
         "results": results,
     }
+    # What the engine ran with, where the command line left an option to the engine's default.
+    report["settings"].update(next(iter(results.values()))["engine_settings"])
     print()
     print(format_table(report))
     publish_report(report, args, SECTION, render_section)
@@ -263,7 +268,7 @@ def exact_command(argv: Sequence[str]) -> str:
         python = os.path.relpath(python)
     except ValueError:
         pass
-    return f"{python} -m tokenmill.benchmarks.mixed_bench {shlex.join(argv)}".rstrip()
+    return f"{python} -m benchmarks.mixed_bench {shlex.join(argv)}".rstrip()
 
 
 TABLE_HEADER = ["run", "threshold", "short TTFT p50/p95/p99 (ms)", "short ITL p50/p95/p99 (ms)",

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from tokenmill import LLM
-from tokenmill.benchmarks import step_profile
+from benchmarks import step_profile
 from tokenmill.benchmarks.workloads import WorkloadRequest
 
 

@@ -5,9 +5,8 @@ import json
 
 import pytest
 
-from tokenmill.benchmarks import make_bench
-from tokenmill.benchmarks.throughput import BenchmarkError, check_output_lengths, percentile
-from tokenmill.benchmarks.workloads import WorkloadRequest, load_workload
+from benchmarks import make_bench
+from tokenmill.config import default_max_num_batched_tokens
 
 REQUESTS = [
     {"id": 0, "prompt_token_ids": [1, 504, 3458, 282, 4649, 314, 253, 1345, 30], "max_tokens": 5},
@@ -20,20 +19,6 @@ def workload_file(tmp_path):
     path = tmp_path / "workload.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS), encoding="utf-8")
     return path
-
-
-def test_load_workload(workload_file):
-    loaded = load_workload(workload_file)
-    assert [(r.id, r.prompt_len, r.max_tokens) for r in loaded] == [(0, 9, 5), (1, 5, 3)]
-    assert len(load_workload(workload_file, limit=1)) == 1
-
-
-def test_wrong_output_length_fails_loudly():
-    request = WorkloadRequest(id=7, prompt_token_ids=[1, 2], max_tokens=4)
-    check_output_lengths("x", [request], [4])
-    with pytest.raises(BenchmarkError, match="id 7: asked 4, got 3"):
-        check_output_lengths("x", [request], [3])
-    assert percentile([1.0, 2.0, 3.0], 50) == 2.0 and percentile([], 50) is None
 
 
 def test_make_bench_runs_every_engine(tiny_llama_dir, workload_file, tmp_path):
@@ -63,7 +48,11 @@ def test_make_bench_runs_every_engine(tiny_llama_dir, workload_file, tmp_path):
     text = md.read_text()
     assert "keep me" in text
     assert text.count("<!-- bench:engine-core:start -->") == 1 and text.count("<!-- bench:engine-core:end -->") == 1
-    assert "| tokenmill `LLM.generate`" in text and "max_num_batched_tokens 2048" in text
+    # No budget given: the report carries the one the engine picked for the CPU, not a default of its own.
+    assert report["settings"]["max_num_batched_tokens"] == default_max_num_batched_tokens("cpu")
+    assert report["settings"]["max_num_seqs"] == 4 and report["results"]["tokenmill"]["concurrency"] == 2
+    assert "| tokenmill `LLM.generate`" in text
+    assert f"max_num_batched_tokens {default_max_num_batched_tokens('cpu')}," in text
     assert "| tokenmill `LLM.generate`, Q8_0 weights + float16 KV cache |" in text
     assert "With Q8_0 weights and a float16 KV cache" in text  # its ratios are kept apart from same-dtype ones
 

@@ -1,6 +1,6 @@
 """What a weight format costs in accuracy: perplexity and per-token logprob deltas on a fixed text.
 
-    python -m tokenmill.benchmarks.quant_accuracy [--quantization q8_0] [--text FILE]
+    python -m benchmarks.quant_accuracy [--quantization q8_0] [--text FILE]
 
 Scores the same token ids twice through `prompt_logprobs` (exact float32 weights, then the chosen
 format) and reports perplexity for both, the mean and max |delta logprob| per token, and how many
@@ -14,6 +14,8 @@ import json
 import math
 from pathlib import Path
 from typing import Any, Optional
+
+from benchmarks.paths import repo_root
 
 
 def token_logprobs(llm, token_ids: list[int]) -> tuple[list[float], list[int]]:
@@ -54,7 +56,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
 
-    text_path = Path(args.text) if args.text else Path(__file__).resolve().parents[3] / "README.md"
+    text_path = Path(args.text) if args.text else repo_root() / "README.md"
     text = text_path.read_text()
     results: list[tuple[list[float], list[int]]] = []
     token_ids: list[int] = []

@@ -1,6 +1,6 @@
 """Where an engine step's time goes: wall-clock totals per phase over a whole offline workload.
 
-    python -m tokenmill.benchmarks.step_profile --workload ../shared/bench/workload-64.jsonl
+    python -m benchmarks.step_profile --workload ../shared/bench/workload-64.jsonl
 
 Phases are timed by wrapping the functions that implement them (CPU torch ops are synchronous,
 so wall time around a call is the call's cost; on CUDA the runner would need synchronisation and
@@ -154,32 +154,38 @@ def run(llm, requests, use_tqdm: bool = False) -> dict[str, Any]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
+    from benchmarks.engine_options import effective, given
+    from benchmarks.paths import default_workload_path
     from tokenmill.benchmarks.workloads import load_workload
     from tokenmill.config import KV_CACHE_DTYPES, EngineConfig
     from tokenmill.entrypoints.llm import LLM
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workload", default="../shared/bench/workload-64.jsonl",
-                        help="a workload JSONL file (prompt_token_ids, max_tokens per line)")
+    parser.add_argument("--workload", default=None,
+                        help="a workload JSONL file (prompt_token_ids, max_tokens per line; "
+                        "default: ../shared/bench/workload-64.jsonl)")
     parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--no-packed-linear", dest="packed_linear", action="store_false")
+    # Engine options: unset ones are left to the engine's defaults (EngineConfig).
+    parser.add_argument("--dtype", default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help="tokens per step (default: the engine's, which depends on the device)")
+    parser.add_argument("--attention-backend", default=None)
+    parser.add_argument("--no-packed-linear", dest="packed_linear", action="store_false", default=None)
     parser.add_argument("--quantization", default=None, choices=["gguf", "q8_0", "none"])
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
+    parser.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES)
     parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N requests")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
 
-    config = EngineConfig(model=args.model, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-                          max_num_batched_tokens=args.max_num_batched_tokens,
-                          attention_backend=args.attention_backend, packed_linear=args.packed_linear,
-                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+    config = EngineConfig(model=args.model, **given(
+        dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        attention_backend=args.attention_backend, packed_linear=args.packed_linear,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
     llm = LLM.from_config(config)
-    requests = load_workload(args.workload, args.num_prompts)
+    requests = load_workload(args.workload or default_workload_path(), args.num_prompts)
     out = run(llm, requests)
+    out["engine_settings"] = effective(llm)
     tp = out["throughput"]
     print(f"{tp['output_tok_s']:.1f} output tok/s, {out['steps']} steps, {out['wall_s']:.1f} s")
     print(out["markdown"])
