@@ -19,5 +19,7 @@ def given(**options: Any) -> dict[str, Any]:
 
 def effective(llm: Any, names: tuple[str, ...] = REPORTED) -> dict[str, Any]:
     """The engine's resolved values of `names` (None where the engine does not expose one)."""
-    config = getattr(getattr(llm, "llm_engine", None), "config", None)
+    engine = getattr(llm, "llm_engine", None)
+    # The in-process core holds the config with its device defaults resolved.
+    config = getattr(getattr(getattr(engine, "core", None), "core", None), "config", None)
     return {name: getattr(config, name, None) for name in names}

@@ -146,7 +146,7 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
     settings = effective(llm)
     shown = "".join(f", {k}={v}" for k, v in {**settings, **engine_options}.items())
     print(f"tokenmill: {len(requests)} requests, device={args.device}, dtype={args.dtype}{shown}", flush=True)
-    runner = llm.llm_engine.core.runner
+    runner = llm.llm_engine.core.core.runner
     linear_layers, gguf_layers_kept = runner.linear_layers, runner.num_gguf_layers_kept
     try:
         result = run_offline_throughput(llm, requests, use_tqdm=not args.no_tqdm)

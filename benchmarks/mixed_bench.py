@@ -107,7 +107,7 @@ def run_mode(llm, workload: Sequence[MixedRequest], max_steps: int = 1_000_000) 
         step += 1
     wall = time.perf_counter() - start
     _check_lengths(workload, lengths)
-    stats = engine.core.get_stats()
+    stats = engine.core.core.get_stats()
     return {"timelines": timelines, "step_times": step_times, "wall_s": wall,
             "num_preemptions": stats.num_preemptions}
 

@@ -97,7 +97,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
                 report["settings"].update(effective(llm, ENGINE_SETTINGS))
                 block_size = report["settings"]["block_size"]
                 report["workload"]["ideal_cached_tokens"] = ideal_cached_tokens(spec, len(requests), block_size)
-                report["device"] = str(llm.llm_engine.core.runner.device)
+                report["device"] = str(llm.llm_engine.core.core.runner.device)
             print(f"{name}: {len(requests)} requests", flush=True)
             report["results"][name] = measure(llm, requests, name, use_tqdm=not args.no_tqdm)
         finally:
@@ -135,7 +135,7 @@ def measure(llm, requests: Sequence[WorkloadRequest], name: str, use_tqdm: bool 
     from tokenmill import SamplingParams
 
     warm_up_llm(llm, requests)
-    core = llm.llm_engine.core
+    core = llm.llm_engine.core.core
     stats = core.kv_cache.prefix_stats
     queries0, hits0, evictions0 = stats.queries, stats.hits, core.kv_cache.pool.num_evictions
     prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in requests]

@@ -84,7 +84,7 @@ def profile_phases(llm) -> Iterator[PhaseTimer]:
     from tokenmill.runner import model_runner as runner_module
 
     engine = llm.llm_engine
-    core = engine.core
+    core = engine.core.core
     runner = core.runner
     model = runner.model
     timer = PhaseTimer()
@@ -140,7 +140,7 @@ def markdown_table(rows: list[dict[str, Any]], wall_s: float, steps: int) -> str
 def run(llm, requests, use_tqdm: bool = False) -> dict[str, Any]:
     from tokenmill.benchmarks.throughput import run_offline_throughput, warm_up_llm
 
-    if llm.llm_engine.core.runner.device.type != "cpu":
+    if llm.llm_engine.core.core.runner.device.type != "cpu":
         raise SystemExit("step_profile times CPU execution; on CUDA the phases would need synchronisation")
     warm_up_llm(llm, requests)
     with profile_phases(llm) as timer:

@@ -121,9 +121,16 @@ class BeamSearch:
         self.live: dict[str, _Beam] = {}
         self.completed: list[BeamSearchSequence] = []
         self.num_generated = 0
+        # Parents of the last fork: the scheduler replaces them with their children at its next step.
+        self.forking: list[str] = []
 
     def _new_id(self) -> str:
         return f"{self.id_prefix}-{next(self._ids)}"
+
+    @property
+    def core_ids(self) -> list[str]:
+        """Everything of this search the core may still hold (to abort when the search is abandoned)."""
+        return list(self.live) + self.forking
 
     def first_request(self, arrival_time: float = 0.0) -> EngineCoreRequest:
         beam = _Beam(BeamSearchSequence(list(self.prompt_token_ids)), self._new_id())
@@ -191,6 +198,7 @@ class BeamSearch:
             children.setdefault(parent.core_id, []).append(ForkChild(child.core_id, last_token_id=token))
             self._add_beam(child)
         forks = [EngineCoreFork(parent_id, kids) for parent_id, kids in children.items()]
+        self.forking = list(children)
         aborts = [b.core_id for b in old_beams if b.core_id not in children]
         return forks, aborts
 
@@ -237,7 +245,8 @@ def run_beam_search(engine: "LLMEngine", prompts: Sequence["ProcessedPrompt"],
                     owner.update(dict.fromkeys(search.live, search))
                     bar.update(1 if search.done else 0)
     except BaseException:
-        core.abort(EngineCoreAbort([core_id for s in searches for core_id in s.live]))
+        # Unforked parents too, or the next step would fork their children into the engine.
+        core.abort(EngineCoreAbort([core_id for s in searches for core_id in s.core_ids]))
         raise
     finally:
         bar.close()
@@ -270,6 +279,6 @@ async def async_beam_search(engine: "AsyncLLM", prompt: "ProcessedPrompt", param
                 engine.release_core_requests(aborts, abort=True)
                 known.update(search.live)
     finally:
-        engine.release_core_requests(list(search.live), abort=True)
+        engine.release_core_requests(search.core_ids, abort=True)
         engine.release_core_requests(list(known), abort=False)
     return search.result(engine.tokenizer)

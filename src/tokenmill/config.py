@@ -114,7 +114,7 @@ def option(default: Any, help: str, *, choices: Optional[tuple] = None, bound: O
     return dataclasses.field(default=default, metadata=metadata)
 
 
-@dataclass
+@dataclass(frozen=True)
 class EngineConfig:
     model: Optional[str] = option(
         None, "HF model directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")

@@ -12,7 +12,7 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import QUEUE_TIMEOUT
 from tokenmill.engine.input_processor import ProcessedPrompt
 from tokenmill.engine.llm_engine import LLMEngine
-from tokenmill.errors import InvalidRequestError, RequestRejectedError
+from tokenmill.errors import InvalidRequestError
 
 PROMPTS = ["Hello there, how are", "The quick brown fox jumps over the lazy dog because", "1 2 3", "Why",
            "A long time ago in a galaxy far, far away, there was a small", "Once upon a time",
@@ -130,20 +130,23 @@ def test_engine_refuses_beyond_max_num_queued_requests(tiny_llama_dir):
     engine = make_engine(tiny_llama_dir, max_num_seqs=1, max_num_queued_requests=2)
     engine.add_request("a", token_prompt(5, 10), greedy(4))
     engine.add_request("b", token_prompt(5, 20), greedy(4))
-    with pytest.raises(RequestRejectedError) as info:
-        engine.add_request("c", token_prompt(5, 30), greedy(4))
-    assert info.value.code == "queue_full" and info.value.http_status == 429 and info.value.retry_after_s > 0
-    assert engine.num_rejected == {"queue_full": 1}
-    engine.step()  # "a" starts running: one waiting, so there is room again
     engine.add_request("c", token_prompt(5, 30), greedy(4))
+    # The core refuses "c" on arrival, before any work: offline it ends as an abort naming the reason
+    # (the server turns it into a 429 with Retry-After).
+    refused = {out.request_id: out for out in engine.step()}["c"]
+    assert refused.finished and (refused.outputs[0].finish_reason, refused.outputs[0].stop_reason) == \
+        ("abort", "queue_full") and refused.outputs[0].token_ids == []
+    assert engine.num_rejected == {"queue_full": 1}
+    # "a" runs now: one waiting, so there is room again.
+    engine.add_request("c2", token_prompt(5, 30), greedy(4))
     outputs: dict = {}
     step_until_done(engine, {}, outputs)
-    assert sorted(outputs) == ["a", "b", "c"]
+    assert sorted(outputs) == ["a", "b", "c2"]
 
 
 def test_queue_timeout_finishes_a_waiting_request_with_a_clear_reason(tiny_llama_dir):
-    engine = make_engine(tiny_llama_dir, max_num_seqs=1, max_queue_time=0.2)
-    engine.add_request("long", token_prompt(5, 10), greedy(200))
+    engine = make_engine(tiny_llama_dir, max_num_seqs=1, max_queue_time=0.2, max_model_len=1024)
+    engine.add_request("long", token_prompt(5, 10), greedy(600))
     engine.step()
     engine.add_request("late", token_prompt(5, 50), greedy(4))
     outputs: dict = {}
@@ -152,7 +155,7 @@ def test_queue_timeout_finishes_a_waiting_request_with_a_clear_reason(tiny_llama
     late = outputs["late"].outputs[0]
     assert (late.finish_reason, late.stop_reason, late.token_ids) == ("abort", QUEUE_TIMEOUT, [])
     assert outputs["long"].outputs[0].finish_reason == "length"
-    assert len(outputs["long"].outputs[0].token_ids) == 200
+    assert len(outputs["long"].outputs[0].token_ids) == 600
     assert engine.core.core.get_stats().num_queue_timeouts == 1
     assert time.monotonic() - started >= 0.2
 

@@ -10,9 +10,10 @@ Both clients take the same messages (`messages.py`) and return the core's `Engin
 from __future__ import annotations
 
 import logging
-import multiprocessing
-import os
+import pickle
 import shutil
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -23,7 +24,7 @@ import zmq
 from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFailure, EngineCoreFork, EngineCoreOutputs,
                                        EngineCoreReady, EngineCoreRequest, EngineCoreShutdown, decode_output,
                                        encode, roundtrip)
-from tokenmill.errors import EngineDeadError, ModelLoadError, TokenmillError
+from tokenmill.errors import EngineDeadError, ModelLoadError
 
 logger = logging.getLogger("tokenmill")
 
@@ -58,12 +59,44 @@ class InprocClient:
         pass
 
 
+class CoreProcess:
+    """`python -m tokenmill.engine.core_proc`, with multiprocessing.Process's names for what we use."""
+
+    def __init__(self, config, input_address: str, output_address: str, log_level: str) -> None:
+        self._popen = subprocess.Popen([sys.executable, "-m", "tokenmill.engine.core_proc"], stdin=subprocess.PIPE)
+        self._popen.stdin.write(pickle.dumps((config, input_address, output_address, log_level)))
+        self._popen.stdin.close()
+
+    @property
+    def pid(self) -> int:
+        return self._popen.pid
+
+    @property
+    def exitcode(self):
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self._popen.terminate()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self._popen.kill()
+
+
 class MPClient:
     """The engine core in a child process. Construction blocks until the model is loaded."""
 
     def __init__(self, config, log_level: str = "INFO", startup_timeout_s: Optional[float] = None) -> None:
-        from tokenmill.engine.core_proc import run_engine_core
-
         self._dir = tempfile.mkdtemp(prefix="tokenmill-core-")
         input_address = f"ipc://{self._dir}/input"
         output_address = f"ipc://{self._dir}/output"
@@ -74,11 +107,9 @@ class MPClient:
         self._output = self._context.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(output_address)
-        # spawn, not fork: the frontend may already run threads (and torch's OpenMP pool).
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(config, input_address, output_address, log_level),
-            name="tokenmill-engine-core", daemon=True)
-        self.process.start()
+        # A fresh interpreter, not a fork: the frontend may already run threads (and torch's OpenMP
+        # pool). Its settings arrive pickled on stdin.
+        self.process = CoreProcess(config, input_address, output_address, log_level)
         self._receiver: Optional[threading.Thread] = None
         self._stopping = threading.Event()
         self.dead: Optional[str] = None
@@ -180,6 +211,3 @@ class MPClient:
         self._context.term()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-
-def client_error(exc: BaseException) -> TokenmillError:
-    return exc if isinstance(exc, TokenmillError) else EngineDeadError(str(exc))

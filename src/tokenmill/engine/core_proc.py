@@ -29,7 +29,7 @@ IDLE_POLL_MS = 1000
 
 
 def run_engine_core(config, input_address: str, output_address: str, log_level: str = "INFO") -> None:
-    """Process entry point (spawned by core_client.MPClient)."""
+    """Process entry point (started by core_client.MPClient as `python -m tokenmill.engine.core_proc`)."""
     # Ctrl-C reaches the whole process group; the frontend decides when the core stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not logging.getLogger().handlers:
@@ -96,3 +96,9 @@ def _handle(core, message) -> None:
         core.abort(message)
     elif isinstance(message, EngineCoreFork):
         core.fork(message)
+
+
+if __name__ == "__main__":
+    import pickle
+
+    run_engine_core(*pickle.loads(sys.stdin.buffer.read()))

@@ -5,17 +5,18 @@ frontend's process (the offline LLM, tests) or in its own (`core_proc.py`, what 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Optional
 
 import torch
 
-from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig, default_max_num_batched_tokens
+from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.core.scheduler import QUEUE_FULL, Scheduler, SchedulerConfig, SchedulerStats
+from tokenmill.core.scheduler import QUEUE_FULL, Scheduler, SchedulerStats
 from tokenmill.engine.input_processor import eos_token_ids
 from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFork, EngineCoreOutput, EngineCoreOutputs,
                                        EngineCoreReady, EngineCoreRequest, roundtrip)
@@ -46,64 +47,43 @@ class EngineCore:
     def __init__(self, config: EngineConfig, source=None, message_roundtrip: bool = False) -> None:
         """source: the loaded model source (loaded here when None). message_roundtrip: encode and decode
         every core <-> runner message, as a process boundary would (tests)."""
-        self.config = config
         self.message_roundtrip = message_roundtrip
         source = source if source is not None else load_model_source(config.model, config.tokenizer)
         hf_config = source.hf_config
         device = resolve_device(config.device)
         self.device = device
         self.vocab_size = hf_config.vocab_size
-        # Resolved here, never written back into the (validated, shared) config.
+        # Device-dependent defaults resolved into a new config; the caller's is never written to.
         budget_was_defaulted = config.max_num_batched_tokens is None
-        self.max_num_batched_tokens = config.max_num_batched_tokens or default_max_num_batched_tokens(device.type)
+        config = config.with_resolved_defaults(device.type)
         max_model_len = derive_max_model_len(config, hf_config)
-        self.runner = ModelRunner(hf_config, source.architecture, config.dtype, device, max_model_len,
-                                  config.block_size, config.seed, config.num_threads,
-                                  config.attention_backend,
-                                  packed_linear_rows=min(config.max_num_seqs, 256) if config.packed_linear else None,
-                                  quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype)
+        self.runner = ModelRunner(config, hf_config, source.architecture, device, max_model_len)
         int8_blocks = {} if self.runner.keeps_int8_blocks(source.is_gguf) else None
         self.runner.load_weights(source.iter_weights(self.runner.dtype, int8_blocks), int8_blocks)
+        self.config = config
         num_blocks = self._num_kv_blocks(device)
         self.num_kv_blocks = num_blocks
         self.runner.initialize_kv_cache(num_blocks)
         # A request must fit in the cache on its own, or preemption could never make room for it.
         self.max_model_len = min(max_model_len, num_blocks * config.block_size)
         self.runner.max_model_len = self.max_model_len
-        if not config.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a prompt must fit one step, or a long one would wait forever.
-            if budget_was_defaulted:
-                self.max_num_batched_tokens = self.max_model_len
-            else:
+            if not budget_was_defaulted:
                 raise ModelLoadError(
                     f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
                     f"({self.max_model_len}) with chunked prefill disabled: raise --max-num-batched-tokens, lower "
                     "--max-model-len or enable chunked prefill")
-        preemption_mode = config.preemption_mode or ("swap" if config.swap_space > 0 and device.type != "cpu"
-                                                     else "recompute")
+            config = dataclasses.replace(config, max_num_batched_tokens=self.max_model_len)
+        self.config = config
         num_host_blocks = 0
-        if preemption_mode == "swap":
+        if config.preemption_mode == "swap":
             num_host_blocks = int(config.swap_space * 2**30) // self.runner.kv_spec.bytes_per_block
             if num_host_blocks < 1:
                 raise ModelLoadError("--swap-space must hold at least one KV block for swap preemption")
             self.runner.initialize_host_cache(num_host_blocks)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                max_num_seqs=config.max_num_seqs,
-                max_num_batched_tokens=self.max_num_batched_tokens,
-                max_model_len=self.max_model_len,
-                enable_chunked_prefill=config.enable_chunked_prefill,
-                policy=config.scheduling_policy,
-                lpm_max_wait_s=config.lpm_max_wait,
-                max_preemptions=config.max_preemptions,
-                max_queue_time_s=config.max_queue_time,
-                long_prefill_token_threshold=config.long_prefill_token_threshold,
-                max_long_partial_prefills=config.max_long_partial_prefills,
-                preemption_mode=preemption_mode,
-            ),
-            self.kv_cache,
-        )
+        self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv_cache)
         # Structured outputs: grammars compiled against the tokenizer, masks sized to the model's logits.
         self.structured_backend = LLGuidanceBackend(source.tokenizer, self.vocab_size,
                                                     eos_token_ids(source.tokenizer, hf_config))
@@ -132,7 +112,7 @@ class EngineCore:
         if self.config.kv_cache_memory_bytes is not None:
             budget = self.config.kv_cache_memory_bytes
         elif device.type == "cuda":
-            budget = self.runner.profile_free_memory(self.max_num_batched_tokens,
+            budget = self.runner.profile_free_memory(self.config.max_num_batched_tokens,
                                                      self.config.gpu_memory_utilization)
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES

@@ -25,9 +25,11 @@ class LLM:
         self._counter = itertools.count()
 
     @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLM":
+    def from_config(cls, config: EngineConfig, message_roundtrip: bool = False) -> "LLM":
+        """message_roundtrip: every message between frontend, engine core and runner is encoded and
+        decoded as a process boundary would (tests)."""
         llm = cls.__new__(cls)
-        llm.llm_engine = LLMEngine(config)
+        llm.llm_engine = LLMEngine(config, message_roundtrip=message_roundtrip)
         llm._counter = itertools.count()
         return llm
 

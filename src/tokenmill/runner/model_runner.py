@@ -44,30 +44,24 @@ def resolve_device(name: Optional[str]) -> torch.device:
     return torch.device(name)
 
 
-# --quantization values: None keeps a GGUF's block-quantized weights where the int8 kernels run
-# (see ModelRunner.keeps_int8_blocks) and dequantizes everything else.
-QUANTIZATIONS = (None, "gguf", "q8_0", "none")
 INT8_KERNELS_NEEDED = "needs the CPU device, dtype float32 and tokenmill's CPU kernels (attention backend 'cpu')"
 
 
 class ModelRunner:
-    def __init__(self, hf_config, architecture: str, dtype: str, device: torch.device, max_model_len: int,
-                 block_size: int, seed: int = 0, num_threads: Optional[int] = None,
-                 attention_backend: str = "auto", packed_linear_rows: Optional[int] = None,
-                 quantization: Optional[str] = None, kv_cache_dtype: str = "auto",
-                 structured_outputs_fast_forward: bool = True) -> None:
+    def __init__(self, config, hf_config, architecture: str, device: torch.device, max_model_len: int) -> None:
+        """config: the engine's EngineConfig with its device defaults resolved (with_resolved_defaults)."""
+        num_threads = config.num_threads
         if device.type == "cpu":
             torch.set_num_threads(num_threads or os.cpu_count() or 1)
         self.device = device
+        dtype, block_size = config.dtype, config.block_size
         self.dtype = resolve_dtype(dtype, device)
         logger.info("dtype: %s", str(self.dtype).removeprefix("torch."))
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.hf_config = hf_config
-        # Structured outputs: append the text a grammar forces without a model step per token.
-        self.fast_forward = structured_outputs_fast_forward
         model_class = get_model_class(architecture)
-        self.attention_backend = get_attention_backend(device, attention_backend)
+        self.attention_backend = get_attention_backend(device, config.attention_backend)
         logger.info("attention backend: %s", self.attention_backend.name)
         with torch.device(device):
             self.model = model_class(hf_config, self.attention_backend, max_model_len, device)
@@ -80,22 +74,20 @@ class ModelRunner:
             # The backend built tokenmill's C++ CPU kernels: norms, rotary and activation use them too.
             use_cpu_kernels(self.model, kernels)
         attn = self.model.layers[0].self_attn
-        cache_dtype = self.dtype if kv_cache_dtype == "auto" else DTYPES[kv_cache_dtype]
+        cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
         if cache_dtype != self.dtype:
             logger.info("KV cache dtype: %s", str(cache_dtype).removeprefix("torch."))
         self.kv_spec = KVCacheSpec(hf_config.num_hidden_layers, block_size, attn.num_kv_heads, attn.head_dim,
                                    cache_dtype)
         self.kv_caches: list[torch.Tensor] = []
         self.host_caches: list[torch.Tensor] = []
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(config.seed)
         self.input_batch = InputBatch()
-        self.packed_linear_rows = packed_linear_rows
+        self.packed_linear_rows = min(config.max_num_seqs, 256) if config.packed_linear else None
         self.packed_linear = False
         self.linear_layers = ""  # how the projections run, once loaded (logged; reported by benchmarks)
         self.num_gguf_layers_kept = 0  # linear layers holding a GGUF's own blocks
-        self.quantization = quantization
-        if quantization not in QUANTIZATIONS:
-            raise ModelLoadError(f"unsupported quantization {quantization!r} (supported: {', '.join(QUANTIZATIONS[1:])})")
+        self.quantization = config.quantization
 
     def _int8_kernels(self):
         """tokenmill's C++ kernels when block-int8 layers can run here (CPU backend, float32), else None."""

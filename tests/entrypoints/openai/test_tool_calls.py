@@ -82,10 +82,12 @@ def _stream(plan, texts: list[str], finish: str = "stop") -> list:
     serving = OpenAIServingChat(engine=None, model_name="m")
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], stream=True)
     state, choices = _ChoiceState(), []
+    sent = ""
     for i, text in enumerate(texts):
         last = i == len(texts) - 1
-        comp = CompletionOutput(index=0, text=text, token_ids=list(range(i + 1)),
-                                finish_reason=finish if last else None)
+        # Streams carry deltas: the text and token ids new since the previous output.
+        comp = CompletionOutput(index=0, text=text[len(sent):], token_ids=[i], finish_reason=finish if last else None)
+        sent = text
         choice = serving._delta(body, state, comp, "", plan)
         if choice is not None:
             choices.append(choice)

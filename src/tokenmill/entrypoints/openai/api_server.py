@@ -148,21 +148,19 @@ def _add_server_routes(app: FastAPI, engine: "AsyncLLM", lifecycle: ServerLifecy
 
 def _add_observability(app: FastAPI, engine: "AsyncLLM", args: Optional[argparse.Namespace]) -> None:
     """Attaches the stat loggers to the engine (they see every step) and serves what they collect."""
-    llm_engine = engine.engine
-    runner = getattr(llm_engine.core, "runner", None)
-    on_cuda = getattr(getattr(runner, "device", None), "type", None) == "cuda"
+    on_cuda = engine.ready.device.startswith("cuda")
     prometheus = PrometheusStatLogger(engine.served_model_name, device_memory=on_cuda)
     window = WindowStatLogger()
-    llm_engine.stat_loggers.extend([prometheus, window])
+    engine.stat_loggers.extend([prometheus, window])
     if not getattr(args, "disable_log_stats", False):
-        llm_engine.stat_loggers.append(LoggingStatLogger())
+        engine.stat_loggers.append(LoggingStatLogger())
     app.state.prometheus = prometheus
     app.state.window_stats = window
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def metrics() -> Response:
-        prometheus.record_rejections(llm_engine.num_rejected)
+        prometheus.record_rejections(engine.num_rejected)
         return Response(prometheus.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/stats", responses={200: {"description": "engine statistics (running, waiting, kv_cache_usage, "
@@ -221,6 +219,14 @@ class DrainingServer(uvicorn.Server):
         self._drain_deadline = time.monotonic() + self.shutdown_timeout_s
 
     async def on_tick(self, counter: int) -> bool:
+        engine = getattr(self.config.app.state, "engine", None) if hasattr(self.config.app, "state") else None
+        if engine is not None and engine.errored and not self.should_exit:
+            # The engine core died: requests in flight have already failed; exit non-zero (run_server)
+            # so a supervisor restarts the server, after a moment for those error responses to go out.
+            logger.error("the engine core died; shutting the server down")
+            self.lifecycle.draining = True
+            self.config.timeout_graceful_shutdown = 1
+            self.should_exit = True
         if self.lifecycle.draining and not self.should_exit:
             inflight = self.lifecycle.inflight
             if not self._drain_logged:
@@ -270,8 +276,8 @@ async def _serve(args: argparse.Namespace, config) -> int:
     from tokenmill.engine.async_llm import AsyncLLM
 
     try:
-        # Inside the event loop, so an engine that runs its loop as an asyncio task finds one.
-        engine = AsyncLLM.from_config(config)
+        # The engine core starts in its own process; this returns once it has loaded the model.
+        engine = AsyncLLM.from_config(config, getattr(args, "log_level", None) or "INFO")
     except TokenmillError as exc:
         logger.error("cannot start the engine: %s", exc.message)
         return 1
@@ -282,7 +288,8 @@ async def _serve(args: argparse.Namespace, config) -> int:
             await asyncio.wait_for(engine.shutdown(), ENGINE_SHUTDOWN_TIMEOUT_S)
         except Exception:
             logger.exception("engine shutdown failed")
-    return 0
+    # A dead engine core ends the server with a failure, so a supervisor restarts it.
+    return 1 if engine.errored else 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:

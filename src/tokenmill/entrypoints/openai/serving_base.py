@@ -4,6 +4,7 @@ concurrently, noticing a client that went away, and the one log line per finishe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import json
 import logging
@@ -20,7 +21,8 @@ from starlette.responses import Response, StreamingResponse
 from tokenmill.entrypoints.openai.errors import error_body
 from tokenmill.entrypoints.openai.protocol import UsageInfo
 from tokenmill.errors import EngineDeadError, ModelNotFoundError, TokenmillError
-from tokenmill.outputs import Logprob, RequestOutput
+from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
+from tokenmill.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from tokenmill.engine.async_llm import AsyncLLM
@@ -135,11 +137,6 @@ class ServingBase:
         if model not in (None, "", self.model_name):
             raise ModelNotFoundError(f"The model `{model}` does not exist.", "model", "model_not_found")
 
-    def check_lengths(self, jobs: list[GenerationJob]) -> None:
-        """Refuse every prompt that cannot fit before any of them starts computing."""
-        for job in jobs:
-            job.params = self.engine.input_processor.validate_lengths(job.prompt.prompt_token_ids, job.params)
-
     @staticmethod
     async def collect(group: "GenerationGroup") -> bool:
         """Waits for every engine request to end; False when the client went away first."""
@@ -194,18 +191,48 @@ class ServingBase:
         yield SSE_DONE
 
 
+def merge_delta(into: Optional[RequestOutput], delta: RequestOutput, keep_text: bool) -> RequestOutput:
+    """Fold a DELTA output into an earlier one (per sample: tokens and logprobs appended, text too when
+    keep_text, the newest finish reason). Costs what the delta holds, not what came before."""
+    if into is None:
+        into = dataclasses.replace(delta, outputs=[])
+    else:
+        into.finished = delta.finished
+        into.prompt_logprobs = delta.prompt_logprobs if delta.prompt_logprobs is not None else into.prompt_logprobs
+        into.num_cached_tokens = delta.num_cached_tokens
+    by_index = {c.index: c for c in into.outputs}
+    for comp in delta.outputs:
+        have = by_index.get(comp.index)
+        if have is None:
+            have = CompletionOutput(comp.index, "", [], logprobs=[] if comp.logprobs is not None else None)
+            into.outputs.append(have)
+            by_index[comp.index] = have
+        if keep_text:
+            have.text += comp.text
+        have.token_ids.extend(comp.token_ids)
+        if comp.logprobs is not None and have.logprobs is not None:
+            have.logprobs.extend(comp.logprobs)
+        have.cumulative_logprob = comp.cumulative_logprob
+        have.finish_reason, have.stop_reason = comp.finish_reason, comp.stop_reason
+    into.outputs.sort(key=lambda c: c.index)
+    return into
+
+
 class GenerationGroup:
     """Runs one engine request per prompt concurrently and merges their outputs.
 
-    Outputs are cumulative, so only the newest one per prompt is kept: a slow reader skips
-    intermediate states instead of queueing them. A watcher on the HTTP connection aborts every engine
-    request the moment the client disconnects, whether or not anyone is reading the outputs.
+    Streaming, the engine sends deltas (only what is new); deltas a slow reader has not taken yet are
+    merged into one, so it catches up in a single event. Otherwise the engine sends each request's
+    final output once. A watcher on the HTTP connection aborts every engine request the moment the
+    client disconnects, whether or not anyone is reading the outputs.
     """
 
     def __init__(self, engine: "AsyncLLM", jobs: list[GenerationJob], log: RequestLog, *,
-                 request: Optional[Request] = None, priority: int = 0, user: Optional[str] = None) -> None:
+                 request: Optional[Request] = None, priority: int = 0, user: Optional[str] = None,
+                 stream: bool = False) -> None:
         self.engine = engine
         self.jobs = jobs
+        self.stream = stream
         self.log = log
         self.latest: dict[int, RequestOutput] = {}
         self._request = request
@@ -221,6 +248,11 @@ class GenerationGroup:
         self._watcher: Optional[asyncio.Task] = None
 
     def start(self) -> None:
+        """Validates every prompt (so none starts computing if one cannot run), then starts them all."""
+        kind = RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY
+        for job in self.jobs:
+            params = self.engine.input_processor.validate(job.prompt.prompt_token_ids, job.params)
+            job.params = params.clone(output_kind=kind)
         self._tasks = [asyncio.ensure_future(self._produce(i, job)) for i, job in enumerate(self.jobs)]
         if self._request is not None:
             self._watcher = asyncio.ensure_future(self._watch_disconnect(self._request))
@@ -228,11 +260,15 @@ class GenerationGroup:
     async def _produce(self, index: int, job: GenerationJob) -> None:
         try:
             async for out in self.engine.generate(job.prompt, job.params, job.request_id,
-                                                  priority=self._priority, user=self._user):
+                                                  priority=self._priority, user=self._user, validated=True):
                 if self.log.first_token is None and any(c.token_ids for c in out.outputs):
                     self.log.first_token = time.monotonic()
-                self.latest[index] = out
-                self._pending[index] = out
+                if self.stream:
+                    self.latest[index] = merge_delta(self.latest.get(index), out, keep_text=False)
+                    self._pending[index] = merge_delta(self._pending.get(index), out, keep_text=True)
+                else:
+                    self.latest[index] = out
+                    self._pending[index] = out
                 self._changed.set()
         except asyncio.CancelledError:
             raise

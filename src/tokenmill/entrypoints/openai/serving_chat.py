@@ -79,6 +79,8 @@ class _ChoiceState:
 
     text_len: int = 0
     num_tokens: int = 0
+    # The reply so far, kept only while tool calls must be parsed out of it (auto tool choice).
+    text: str = ""
     started: bool = False
     finished: bool = False
     tool_call_id: Optional[str] = None  # a forced (named) call, once its first delta went out
@@ -106,9 +108,8 @@ class OpenAIServingChat(ServingBase):
         request_id = base_request_id(raw)
         response_id = f"chatcmpl-{request_id}"
         jobs = [GenerationJob(engine_request_id(response_id, 0), prompt, params)]
-        self.check_lengths(jobs)
         group = GenerationGroup(self.engine, jobs, RequestLog(request_id, "/v1/chat/completions"), request=raw,
-                                priority=body.priority, user=body.user)
+                                priority=body.priority, user=body.user, stream=body.stream)
         group.start()
         role = "assistant" if body.add_generation_prompt else body.messages[-1].role
         echo = self._echo_text(body, role)
@@ -180,13 +181,13 @@ class OpenAIServingChat(ServingBase):
 
     def _delta(self, body: ChatCompletionRequest, state: _ChoiceState, comp: CompletionOutput,
                prefix: str, plan: ToolPlan) -> Optional[ChatCompletionStreamChoice]:
-        text, finish = comp.text, comp.finish_reason
-        content: Optional[str] = prefix + text[state.text_len:]
+        # comp is a delta: its text, token ids and logprobs are the new ones only.
+        new, finish = comp.text, comp.finish_reason
+        content: Optional[str] = prefix + new
         tool_calls: Optional[list[DeltaToolCall]] = None
-        end = len(text)
+        end = state.text_len + len(new)
         if plan.mode == "named":
             # The forced call streams as it is generated: its id and name first, then argument text.
-            new = text[state.text_len:]
             if new or state.tool_call_id is None:
                 first = state.tool_call_id is None
                 if first:
@@ -199,6 +200,9 @@ class OpenAIServingChat(ServingBase):
             finish = _tool_finish_reason(plan, finish) if finish else None
         elif plan.buffers_output:
             # Calls are known once the reply is complete; text before them streams as content.
+            state.text += new
+            text = state.text
+            end = len(text)
             extracted = extract_tool_calls(plan, text) if finish else None
             if extracted is not None:
                 end = extracted.content_end
@@ -209,12 +213,12 @@ class OpenAIServingChat(ServingBase):
             elif not finish:
                 end = streamable_text_len(plan, text)
             content = prefix + text[state.text_len:end]
-        num_new = len(comp.token_ids) - state.num_tokens
+        num_new = len(comp.token_ids)
         if not (content or tool_calls or finish or (body.logprobs and num_new > 0)):
             return None
-        logprobs = self._logprobs(comp, state.num_tokens, body.num_top_logprobs) if body.logprobs else None
+        logprobs = self._logprobs(comp, 0, body.num_top_logprobs) if body.logprobs else None
         state.text_len = max(state.text_len, end)
-        state.num_tokens = len(comp.token_ids)
+        state.num_tokens += num_new
         state.finished = finish is not None
         delta = DeltaMessage(content=content if content or tool_calls is None else None, tool_calls=tool_calls)
         return ChatCompletionStreamChoice(index=comp.index, delta=delta, logprobs=logprobs,

@@ -71,9 +71,8 @@ class OpenAIServingCompletion(ServingBase):
         request_id = base_request_id(raw)
         response_id = f"cmpl-{request_id}"
         jobs = [GenerationJob(engine_request_id(response_id, i), p, params) for i, p in enumerate(processed)]
-        self.check_lengths(jobs)
         group = GenerationGroup(self.engine, jobs, RequestLog(request_id, "/v1/completions"), request=raw,
-                                priority=body.priority, user=body.user)
+                                priority=body.priority, user=body.user, stream=body.stream)
         group.start()
         if body.stream:
             return await self._stream(body, group, processed, response_id)
@@ -85,8 +84,7 @@ class OpenAIServingCompletion(ServingBase):
         """use_beam_search: n beams per prompt (beam width = n), best first; not streamed."""
         import asyncio
 
-        from tokenmill.beam_search import BeamSearchParams
-        from tokenmill.engine.async_beam_search import beam_search
+        from tokenmill.beam_search import BeamSearchParams, async_beam_search
 
         if body.stream:
             raise InvalidRequestError("use_beam_search cannot be combined with stream", "stream")
@@ -100,8 +98,7 @@ class OpenAIServingCompletion(ServingBase):
         except InvalidRequestError as exc:  # the beam width is the request's `n`
             param = "n" if exc.param == "beam_width" else exc.param
             raise InvalidRequestError(exc.message.replace("beam_width", "n (the beam width)"), param) from None
-        eos = self.engine.engine.eos_token_ids
-        results = await asyncio.gather(*(beam_search(self.engine, p, params, f"{request_id}-{i}", eos)
+        results = await asyncio.gather(*(async_beam_search(self.engine, p, params, f"{request_id}-{i}")
                                          for i, p in enumerate(prompts)))
         choices, completion_tokens = [], 0
         for i, (prompt, result) in enumerate(zip(prompts, results)):
@@ -166,20 +163,21 @@ class OpenAIServingCompletion(ServingBase):
                comp: CompletionOutput, prompt: ProcessedPrompt) -> Optional[CompletionStreamChoice]:
         if state.finished:
             return None
+        # comp is a delta: its text, token ids and logprobs are the new ones only.
         echo_now = body.echo and not state.echoed
         prefix = self._prompt_text(prompt) if echo_now else ""
-        delta = comp.text[state.text_len:]
-        num_new = len(comp.token_ids) - state.num_tokens
+        delta = comp.text
+        num_new = len(comp.token_ids)
         finish = comp.finish_reason
         if not (prefix or delta or finish or (body.logprobs is not None and num_new > 0)):
             return None
         logprobs = None
         if body.logprobs is not None:
-            logprobs, state.text_offset = self._logprobs(body, out, comp, prefix, state.num_tokens,
-                                                         state.text_offset, echo=echo_now)
+            logprobs, state.text_offset = self._logprobs(body, out, comp, prefix, 0, state.text_offset,
+                                                         echo=echo_now)
         state.echoed = state.echoed or echo_now
-        state.text_len = len(comp.text)
-        state.num_tokens = len(comp.token_ids)
+        state.text_len += len(delta)
+        state.num_tokens += num_new
         state.finished = finish is not None
         return CompletionStreamChoice(index=index, text=prefix + delta, logprobs=logprobs, finish_reason=finish,
                                       stop_reason=comp.stop_reason if finish else None)
