@@ -60,3 +60,26 @@ def chunk_path(request, monkeypatch):
     threshold = 1 if request.param == "split" else 10**9
     monkeypatch.setattr(attention, "SPLIT_CHUNK_MIN_TOKENS", threshold)
     return request.param
+
+
+# Two tiny requests in the workload file format (prompt token ids + output lengths).
+TINY_WORKLOAD = [
+    {"id": 0, "prompt_token_ids": [1, 504, 3458, 282, 4649, 314, 253, 1345, 30], "max_tokens": 5},
+    {"id": 1, "prompt_token_ids": [1, 2683, 314, 260, 3458], "prompt_len": 5, "max_tokens": 3},
+]
+
+
+@pytest.fixture()
+def workload_file(tmp_path):
+    """TINY_WORKLOAD as a JSON-lines file; its `requests` attribute lists the requests."""
+    import json
+
+    path = tmp_path / "workload.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in TINY_WORKLOAD), encoding="utf-8")
+    return path
+
+
+@pytest.fixture()
+def workload_requests():
+    return [dict(r) for r in TINY_WORKLOAD]
+

@@ -8,20 +8,8 @@ import pytest
 from benchmarks import make_bench
 from tokenmill.config import default_max_num_batched_tokens
 
-REQUESTS = [
-    {"id": 0, "prompt_token_ids": [1, 504, 3458, 282, 4649, 314, 253, 1345, 30], "max_tokens": 5},
-    {"id": 1, "prompt_token_ids": [1, 2683, 314, 260, 3458], "prompt_len": 5, "max_tokens": 3},
-]
 
-
-@pytest.fixture()
-def workload_file(tmp_path):
-    path = tmp_path / "workload.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS), encoding="utf-8")
-    return path
-
-
-def test_make_bench_runs_every_engine(tiny_llama_dir, workload_file, tmp_path):
+def test_make_bench_runs_every_engine(tiny_llama_dir, workload_file, workload_requests, tmp_path):
     md, raw = tmp_path / "docs" / "benchmarks.md", tmp_path / "results" / "engine-core.json"
     md.parent.mkdir()
     md.write_text("# Benchmarks\n\n<!-- bench:other:start -->\nkeep me\n<!-- bench:other:end -->\n")
@@ -30,7 +18,7 @@ def test_make_bench_runs_every_engine(tiny_llama_dir, workload_file, tmp_path):
     report = make_bench.main(argv)
 
     assert report["settings"]["dtype"] == "float32" and report["section"] == "engine-core"
-    wanted = sum(r["max_tokens"] for r in REQUESTS)
+    wanted = sum(r["max_tokens"] for r in workload_requests)
     assert set(report["results"]) == {"tokenmill", "tokenmill-q8_0", "hf-static", "hf-naive"}
     assert report["results"]["tokenmill-q8_0"]["engine_options"] == {"quantization": "q8_0",
                                                                       "kv_cache_dtype": "float16"}
@@ -66,7 +54,7 @@ def test_make_bench_without_quantized_run(tiny_llama_dir, workload_file, tmp_pat
 
 
 @pytest.mark.gpu
-def test_make_bench_on_cuda(tiny_llama_dir, workload_file, tmp_path):
+def test_make_bench_on_cuda(tiny_llama_dir, workload_file, workload_requests, tmp_path):
     """On a GPU all three engines run there, in bfloat16 by default, into a section of their own."""
     import torch
 
@@ -79,7 +67,7 @@ def test_make_bench_on_cuda(tiny_llama_dir, workload_file, tmp_path):
     report = make_bench.main(argv)
     assert report["section"] == "engine-core-cuda" and report["settings"]["dtype"] == "bfloat16"
     assert set(report["results"]) == {"tokenmill", "hf-static", "hf-naive"}  # the Q8_0 kernels are CPU-only
-    wanted = sum(r["max_tokens"] for r in REQUESTS)
+    wanted = sum(r["max_tokens"] for r in workload_requests)
     assert all(r["output_tokens"] == wanted for r in report["results"].values())
     text = md.read_text()
     assert "cpu numbers" in text and "<!-- bench:engine-core-cuda:start -->" in text

@@ -1,24 +1,10 @@
 """The workload file format and the offline-throughput checks shared by `tokenmill bench throughput`."""
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from tokenmill.benchmarks.throughput import BenchmarkError, check_output_lengths, percentile
 from tokenmill.benchmarks.workloads import WorkloadRequest, load_workload
-
-REQUESTS = [
-    {"id": 0, "prompt_token_ids": [1, 504, 3458, 282, 4649, 314, 253, 1345, 30], "max_tokens": 5},
-    {"id": 1, "prompt_token_ids": [1, 2683, 314, 260, 3458], "prompt_len": 5, "max_tokens": 3},
-]
-
-
-@pytest.fixture()
-def workload_file(tmp_path):
-    path = tmp_path / "workload.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in REQUESTS), encoding="utf-8")
-    return path
 
 
 def test_load_workload(workload_file):

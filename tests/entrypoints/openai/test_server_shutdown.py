@@ -12,29 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from proc_util import child_pids, is_alive
 
 ENV_KEY = "tm-env-key"
-
-
-def _children(pid: int) -> list[int]:
-    children = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:  # field 4 of /proc/PID/stat: the parent pid
-                children.append(int(entry.name))
-    return children
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 @pytest.mark.slow
@@ -49,7 +29,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(start_server, tiny_lla
     assert [m["id"] for m in models["data"]] == ["tiny-test"]
     wrong = httpx.post(url + "/v1/completions", headers=headers, json={"prompt": "a", "model": "other"})
     assert wrong.status_code == 404
-    children = _children(server.proc.pid)
+    children = child_pids(server.proc.pid)
 
     body = {"model": "tiny-test", "prompt": "Hello", "max_tokens": 96, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
@@ -69,7 +49,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(start_server, tiny_lla
             c["choices"][0].get("finish_reason")] == ["length"]
 
     assert server.proc.wait(timeout=60) == 0
-    assert not [pid for pid in children if _alive(pid)]
+    assert not [pid for pid in children if is_alive(pid)]
     log = server.log_text()
     assert "Traceback" not in log
     assert os.path.exists(server.log_path)

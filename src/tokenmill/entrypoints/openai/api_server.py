@@ -65,6 +65,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("tokenmill.server")
 
+# How long a server whose engine core died keeps answering (503 on /health) before it exits.
+ENGINE_DEAD_EXIT_DELAY_S = 2.0
 _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)}
 # The dashboard ships as package data of tokenmill.web (pyproject package-data), found wherever installed.
 STATIC_DIR = Path(str(resources.files("tokenmill.web") / "static"))
@@ -208,6 +210,7 @@ class DrainingServer(uvicorn.Server):
         self.shutdown_timeout_s = shutdown_timeout_s
         self._drain_deadline: Optional[float] = None
         self._drain_logged = False
+        self._dead_since: Optional[float] = None
 
     def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
         # Runs as a signal handler: only set flags here (no logging, no awaiting).
@@ -219,14 +222,19 @@ class DrainingServer(uvicorn.Server):
         self._drain_deadline = time.monotonic() + self.shutdown_timeout_s
 
     async def on_tick(self, counter: int) -> bool:
-        engine = getattr(self.config.app.state, "engine", None) if hasattr(self.config.app, "state") else None
+        engine = getattr(getattr(self.config.app, "state", None), "engine", None)
         if engine is not None and engine.errored and not self.should_exit:
-            # The engine core died: requests in flight have already failed; exit non-zero (run_server)
-            # so a supervisor restarts the server, after a moment for those error responses to go out.
-            logger.error("the engine core died; shutting the server down")
-            self.lifecycle.draining = True
-            self.config.timeout_graceful_shutdown = 1
-            self.should_exit = True
+            # The engine core died: requests in flight have already failed. Keep answering (503 on
+            # /health, errors on requests) for a moment, so load balancers and clients see why, then
+            # exit non-zero (run_server) for a supervisor to restart the server.
+            if self._dead_since is None:
+                logger.error("the engine core died; the server exits in %.0f s", ENGINE_DEAD_EXIT_DELAY_S)
+                self._dead_since = time.monotonic()
+                self.lifecycle.draining = True
+            elif time.monotonic() - self._dead_since >= ENGINE_DEAD_EXIT_DELAY_S:
+                self.config.timeout_graceful_shutdown = 1
+                self.should_exit = True
+            return await super().on_tick(counter)
         if self.lifecycle.draining and not self.should_exit:
             inflight = self.lifecycle.inflight
             if not self._drain_logged:
