@@ -9,7 +9,6 @@ from tokenmill.model.layers import attention
 from tokenmill.model.layers.attention import (CpuPagedAttentionBackend, TorchAttentionBackend,
                                               chunk_after_prefix_attention, get_attention_backend)
 from tokenmill.runner.input_batch import StepRow, build_model_inputs
-from tokenmill.sampling_params import SamplingParams
 
 BLOCK = 4
 

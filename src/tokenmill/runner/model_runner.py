@@ -14,7 +14,6 @@ from tokenmill.model.layers.basic import use_cpu_kernels
 from tokenmill.model.layers.linear import (INT8_KERNEL_MAX_ROWS, Int8BlockLinear, Int8Blocks, PackedLinear,
                                           dense_linear, onednn_packing_supported)
 from tokenmill.model.registry import get_model_class
-from tokenmill.outputs import Logprob
 from tokenmill.runner.input_batch import InputBatch, OutputTokens, build_model_inputs, step_rows
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_caches
 from tokenmill.sample.sampler import Sampler, SamplingRequestState, compute_prompt_logprobs
