@@ -97,6 +97,10 @@ BOUNDS: dict[str, tuple[Callable[[Any], bool], str]] = {
 }
 
 
+# How requests are spread over data-parallel engine cores (engine/dp_router.py).
+DATA_PARALLEL_ROUTING = ("prefix", "round_robin")
+
+
 def option(default: Any, help: str, *, choices: Optional[tuple] = None, bound: Optional[str] = None,
            convert: Optional[Callable[[Any], Any]] = None, parse: Optional[Callable[[str], Any]] = None,
            aliases: tuple[str, ...] = (), metavar: Optional[str] = None) -> Any:
@@ -184,6 +188,12 @@ class EngineConfig:
     structured_outputs_fast_forward: bool = option(
         True, "structured outputs: append the tokens a grammar forces (JSON keys, punctuation) without a model "
         "step for each")
+    data_parallel_size: int = option(
+        1, "engine cores behind one server, each with its own KV cache (and, on CPU, its share of the cores); "
+        "a router sends each request to the core most likely to hold its prefix", bound="positive")
+    data_parallel_routing: str = option(
+        "prefix", "with --data-parallel-size > 1: prefix (the core holding the longest cached prefix, unless it "
+        "is much busier than the least-loaded one) or round_robin", choices=DATA_PARALLEL_ROUTING)
     speculative_config: Optional[Any] = option(
         None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": '
         '4}\' (greedy requests; drafts from n-grams already in the sequence)',

@@ -241,9 +241,12 @@ def make_plan(inputs: PlanInputs) -> dict[str, Any]:
         replicas = math.ceil(inputs.concurrency / per_replica)
         plan.update(replicas_needed=replicas, devices_needed=replicas * tp)
     plan["scale_out_trigger"] = scale_out_trigger(plan)
+    replicas = plan.get("replicas_needed") or 1
     plan["serve_flags"] = (f"--max-model-len {length} --max-num-seqs {per_replica} "
                            f"--gpu-memory-utilization {1.0 - inputs.headroom:g}"
-                           + (f" --tensor-parallel-size {tp}" if tp > 1 else ""))
+                           + (f" --tensor-parallel-size {tp}" if tp > 1 else "")
+                           # Replicas on one machine run as data-parallel engine cores behind one server.
+                           + (f" --data-parallel-size {replicas}" if replicas > 1 else ""))
     return plan
 
 

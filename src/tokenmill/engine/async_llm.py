@@ -6,16 +6,23 @@ model) runs in a child process (`core_client.MPClient`); a receiver thread hands
 to the event loop, where they become RequestOutputs on per-request queues. If the core process dies,
 every request in flight fails at once with an error, `errored` turns true (so /health answers 503)
 and the server exits non-zero for its supervisor to restart it.
+
+With --data-parallel-size N there are N cores, each with its own KV cache; `dp_router` picks the core
+for each request (the one most likely to hold its prefix), and the stats the loggers see are the
+cores' summed.
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
+import os
 import time
 from typing import Any, AsyncIterator, Optional
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_client import MPClient
+from tokenmill.engine.dp_router import DataParallelRouter
 from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt, eos_token_ids
 from tokenmill.engine.llm_engine import core_request, rejection, scheduler_snapshot
 from tokenmill.engine.messages import EngineCoreAbort, EngineCoreFork, EngineCoreOutput, EngineCoreOutputs, \
@@ -42,9 +49,11 @@ class AsyncLLM:
         self.served_model_name = config.served_model_name or (
             DEFAULT_MODEL_NAME if config.model is None else source.served_model_name)
         self.eos_token_ids = eos_token_ids(self.tokenizer, hf_config)
-        self.client = MPClient(config, log_level)
-        self.ready = self.client.ready
+        self.clients = _start_cores(config, log_level)
+        self.ready = self.clients[0].ready
         self.max_model_len = self.ready.max_model_len
+        self.router = DataParallelRouter(len(self.clients), self.ready.block_size, self.ready.num_kv_blocks,
+                                         config.data_parallel_routing) if len(self.clients) > 1 else None
         self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, hf_config.vocab_size,
                                               config.max_prompt_tokens,
                                               LLGuidanceBackend(self.tokenizer, hf_config.vocab_size,
@@ -52,12 +61,19 @@ class AsyncLLM:
         self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
         self.stat_loggers: list[StatLogger] = []
         self.num_rejected: dict[str, int] = {}  # reason -> count, for metrics
-        self._latest: Optional[SchedulerSnapshot] = None
+        self._snapshots: list[Optional[SchedulerSnapshot]] = [None] * len(self.clients)
         self._dead: Optional[str] = None
         self._stopped = False
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         # Core ids whose raw outputs go to a listener (beam search) instead of the output processor.
         self._listeners: dict[str, asyncio.Queue] = {}
+        # Which core serves a request (by request id) or a raw core request (by core id).
+        self._engine_of: dict[str, int] = {}
+
+    @property
+    def client(self) -> MPClient:
+        """The first engine core's client (the only one without data parallelism)."""
+        return self.clients[0]
 
     @classmethod
     def from_config(cls, config: EngineConfig, log_level: str = "INFO") -> "AsyncLLM":
@@ -80,8 +96,18 @@ class AsyncLLM:
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
             loop = self._loop
-            self.client.start_receiver(lambda outputs: loop.call_soon_threadsafe(self._on_outputs, outputs),
-                                       lambda reason: loop.call_soon_threadsafe(self._on_dead, reason))
+            for index, client in enumerate(self.clients):
+                client.start_receiver(
+                    lambda outputs, i=index: loop.call_soon_threadsafe(self._on_outputs, outputs, i),
+                    lambda reason: loop.call_soon_threadsafe(self._on_dead, reason))
+
+    def _route(self, prompt_token_ids: list[int]) -> int:
+        return self.router.choose(prompt_token_ids) if self.router is not None else 0
+
+    def _release(self, key: str) -> None:
+        index = self._engine_of.pop(key, None)
+        if index is not None and self.router is not None:
+            self.router.finished(index)
 
     # ---- requests ------------------------------------------------------------------------
     async def generate(self, prompt: ProcessedPrompt, sampling_params: SamplingParams, request_id: str, *,
@@ -101,7 +127,8 @@ class AsyncLLM:
         parent = message.request_id if message.fork_children else None
         self.output_processor.add_request(request_id, prompt.prompt, prompt.prompt_token_ids, params, core_ids,
                                           parent, message.arrival_time, queue=queue)
-        self.client.add_request(message)
+        index = self._engine_of[request_id] = self._route(prompt.prompt_token_ids)
+        self.clients[index].add_request(message)
         finished = False
         try:
             while not finished:
@@ -114,33 +141,47 @@ class AsyncLLM:
         finally:
             if not finished:
                 await self.abort(request_id)
+            self._release(request_id)
 
     async def abort(self, request_id: str) -> None:
         state = self.output_processor.remove_request(request_id)
+        index = self._engine_of.get(request_id, 0)
         if state is not None and self._dead is None:
-            self.client.abort(EngineCoreAbort(state.core_ids))
+            self.clients[index].abort(EngineCoreAbort(state.core_ids))
 
     # ---- raw core access (beam search) ---------------------------------------------------
     async def add_core_request(self, message: EngineCoreRequest, listener: asyncio.Queue) -> None:
         await self.check_health()
         self._ensure_receiving()
         self._listeners[message.request_id] = listener
-        self.client.add_request(message)
+        index = self._engine_of[message.request_id] = self._route(message.prompt_token_ids)
+        self.clients[index].add_request(message)
 
     async def fork_core_request(self, message: EngineCoreFork, listener: asyncio.Queue) -> None:
+        """Children fork on their parent's core."""
         await self.check_health()
+        index = self._engine_of.get(message.parent_id, 0)
         for child in message.children:
             self._listeners[child.request_id] = listener
-        self.client.fork(message)
+            self._engine_of[child.request_id] = index
+            if self.router is not None:
+                self.router.engines[index].in_flight += 1
+        self.clients[index].fork(message)
 
     def release_core_requests(self, core_ids: list[str], abort: bool) -> None:
+        by_engine: dict[int, list[str]] = {}
         for core_id in core_ids:
             self._listeners.pop(core_id, None)
+            index = self._engine_of.get(core_id)
+            if index is not None:
+                by_engine.setdefault(index, []).append(core_id)
+                self._release(core_id)
         if abort and self._dead is None:
-            self.client.abort(EngineCoreAbort(core_ids))
+            for index, ids in by_engine.items():
+                self.clients[index].abort(EngineCoreAbort(ids))
 
     # ---- outputs (on the event loop) -------------------------------------------------------
-    def _on_outputs(self, core_outputs: EngineCoreOutputs) -> None:
+    def _on_outputs(self, core_outputs: EngineCoreOutputs, index: int = 0) -> None:
         outputs: list[EngineCoreOutput] = core_outputs.outputs
         if self._listeners:
             mine = [o for o in outputs if o.request_id not in self._listeners]
@@ -151,7 +192,7 @@ class AsyncLLM:
             outputs = mine
         delivered, stopped = self.output_processor.process_outputs(outputs)
         if stopped and self._dead is None:
-            self.client.abort(EngineCoreAbort(stopped, stopped=True))
+            self.clients[index].abort(EngineCoreAbort(stopped, stopped=True))
         for state, output in delivered:
             item: Any = output
             if state.finished:
@@ -162,16 +203,28 @@ class AsyncLLM:
                 elif state.error is not None:
                     item = InvalidRequestError(state.error)
             state.queue.put_nowait(item)
-        self._record_stats(core_outputs)
+        self._record_stats(core_outputs, index)
 
-    def _record_stats(self, core_outputs: EngineCoreOutputs) -> None:
+    def _record_stats(self, core_outputs: EngineCoreOutputs, index: int) -> None:
         iteration = self.output_processor.take_iteration_stats()
         if core_outputs.stats is None:
             return
-        self._latest = scheduler_snapshot(core_outputs)
+        self._snapshots[index] = scheduler_snapshot(core_outputs)
         iteration.timestamp = time.time()
+        snapshot = self._snapshot()
         for stat_logger in self.stat_loggers:
-            stat_logger.record(self._latest, iteration)
+            stat_logger.record(snapshot, iteration)
+
+    def _snapshot(self) -> SchedulerSnapshot:
+        """The cores' stats summed (KV usage averaged)."""
+        known = [s for s in self._snapshots if s is not None]
+        if len(known) <= 1:
+            return known[0] if known else SchedulerSnapshot()
+        total = SchedulerSnapshot()
+        for name in SchedulerSnapshot.__dataclass_fields__:
+            setattr(total, name, sum(getattr(s, name) for s in known))
+        total.kv_cache_usage = sum(s.kv_cache_usage for s in self._snapshots if s is not None) / len(self.clients)
+        return total
 
     def _on_dead(self, reason: str) -> None:
         self._dead = reason
@@ -185,8 +238,8 @@ class AsyncLLM:
 
     # ---- stats and lifecycle ---------------------------------------------------------------
     def get_stats(self) -> dict[str, Any]:
-        stats = self._latest or SchedulerSnapshot()
-        return {
+        stats = self._snapshot()
+        body = {
             "num_requests_running": stats.num_running,
             "num_requests_waiting": stats.num_waiting,
             "num_requests_swapped": stats.num_swapped,
@@ -198,7 +251,55 @@ class AsyncLLM:
             "num_evictions": stats.num_evictions,
             "num_rejected": dict(self.num_rejected),
         }
+        if self.router is not None:
+            body["data_parallel"] = self.replica_stats()
+        return body
+
+    def replica_stats(self) -> list[dict[str, Any]]:
+        """Per engine core: its scheduler's gauges and counters, and what the router sent it."""
+        replicas = []
+        for routed, snapshot in zip(self.router.stats(), self._snapshots):
+            snapshot = snapshot or SchedulerSnapshot()
+            routed.update(num_requests_running=snapshot.num_running, num_requests_waiting=snapshot.num_waiting,
+                          kv_cache_usage=snapshot.kv_cache_usage, prefix_cache_queries=snapshot.prefix_cache_queries,
+                          prefix_cache_hits=snapshot.prefix_cache_hits)
+            replicas.append(routed)
+        return replicas
 
     async def shutdown(self) -> None:
         self._stopped = True
-        await asyncio.get_running_loop().run_in_executor(None, self.client.shutdown)
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*(loop.run_in_executor(None, client.shutdown) for client in self.clients))
+
+
+def _core_environment(config: EngineConfig, index: int) -> Optional[dict[str, str]]:
+    """On a machine with several GPUs, data-parallel core i sees only the i-th visible GPU."""
+    if config.data_parallel_size == 1 or config.device == "cpu":
+        return None
+    import torch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < config.data_parallel_size:
+        return None  # one device shared by every core
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": devices[index]}
+
+
+def _start_cores(config: EngineConfig, log_level: str) -> list[MPClient]:
+    """Start every engine core (they load their models at the same time), then wait for each."""
+    size = config.data_parallel_size
+    core_config = config
+    if size > 1 and config.num_threads is None:
+        # On a CPU the cores share the machine: each gets its share of the cores (at least one).
+        core_config = dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 1) // size))
+    clients: list[MPClient] = []
+    try:
+        for index in range(size):
+            clients.append(MPClient(core_config, log_level, wait=False, env=_core_environment(config, index)))
+        for client in clients:
+            client.wait_until_ready()
+    except BaseException:
+        for client in clients:
+            client.shutdown(timeout_s=0.0)
+        raise
+    return clients

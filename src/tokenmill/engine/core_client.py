@@ -62,8 +62,10 @@ class InprocClient:
 class CoreProcess:
     """`python -m tokenmill.engine.core_proc`, with multiprocessing.Process's names for what we use."""
 
-    def __init__(self, config, input_address: str, output_address: str, log_level: str) -> None:
-        self._popen = subprocess.Popen([sys.executable, "-m", "tokenmill.engine.core_proc"], stdin=subprocess.PIPE)
+    def __init__(self, config, input_address: str, output_address: str, log_level: str,
+                 env: Optional[dict[str, str]] = None) -> None:
+        self._popen = subprocess.Popen([sys.executable, "-m", "tokenmill.engine.core_proc"], stdin=subprocess.PIPE,
+                                       env=env)
         self._popen.stdin.write(pickle.dumps((config, input_address, output_address, log_level)))
         self._popen.stdin.close()
 
@@ -94,9 +96,12 @@ class CoreProcess:
 
 
 class MPClient:
-    """The engine core in a child process. Construction blocks until the model is loaded."""
+    """The engine core in a child process. Construction blocks until the model is loaded (unless
+    wait=False; then wait_until_ready does)."""
 
-    def __init__(self, config, log_level: str = "INFO", startup_timeout_s: Optional[float] = None) -> None:
+    def __init__(self, config, log_level: str = "INFO", startup_timeout_s: Optional[float] = None,
+                 wait: bool = True, env: Optional[dict[str, str]] = None) -> None:
+        """env: the core process's environment (default: this process's)."""
         self._dir = tempfile.mkdtemp(prefix="tokenmill-core-")
         input_address = f"ipc://{self._dir}/input"
         output_address = f"ipc://{self._dir}/output"
@@ -109,16 +114,25 @@ class MPClient:
         self._output.bind(output_address)
         # A fresh interpreter, not a fork: the frontend may already run threads (and torch's OpenMP
         # pool). Its settings arrive pickled on stdin.
-        self.process = CoreProcess(config, input_address, output_address, log_level)
+        self.process = CoreProcess(config, input_address, output_address, log_level, env)
         self._receiver: Optional[threading.Thread] = None
         self._stopping = threading.Event()
         self.dead: Optional[str] = None
+        self.ready: Optional[EngineCoreReady] = None
+        if wait:
+            self.wait_until_ready(startup_timeout_s)
+
+    def wait_until_ready(self, timeout_s: Optional[float] = None) -> EngineCoreReady:
+        """Blocks until the core has loaded its model (several cores can load at once: start them all
+        with wait=False, then wait for each)."""
         try:
-            self.ready = self._wait_ready(startup_timeout_s)
+            self.ready = self._wait_ready(timeout_s)
         except BaseException:
+            self._stopping.set()
             self._stop_process(0.0)
             self._close()
             raise
+        return self.ready
 
     def _wait_ready(self, timeout_s: Optional[float]) -> EngineCoreReady:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -185,6 +199,8 @@ class MPClient:
     # ---- stopping ----------------------------------------------------------------------------
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Ask the core to exit, wait for it (then terminate, then kill), and release the sockets."""
+        if self._stopping.is_set():
+            return
         self._stopping.set()
         if self.dead is None and self.process.is_alive():
             try:

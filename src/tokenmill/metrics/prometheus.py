@@ -70,6 +70,7 @@ class PrometheusStatLogger:
                                               TOKEN_BUCKETS)
         self.iteration_tokens = self._histogram("iteration_tokens_total", "Tokens per engine step", TOKEN_BUCKETS)
         self.model_name = model_name
+        self._replica_gauges: Optional[dict[str, Gauge]] = None
         self.device_memory: Optional[Gauge] = None
         if device_memory:
             # Read at scrape time: a CUDA query per engine step would cost more than it tells.
@@ -131,6 +132,33 @@ class PrometheusStatLogger:
             self.req_generation.labels(m).observe(request.num_generation_tokens)
             if request.tpot is not None:
                 self.tpot.labels(m).observe(request.tpot)
+
+    def record_replicas(self, replicas: list[dict]) -> None:
+        """Data parallelism: each engine core's load and prefix hits, and the router's choices, labelled
+        `engine` (the core's index), read at scrape time."""
+        if self._replica_gauges is None:
+            labels, r, p = ["model_name", "engine"], self.registry, "tokenmill:"
+            self._replica_gauges = {
+                "num_requests_running": Gauge(p + "engine_num_requests_running", "Running requests per engine core",
+                                              labels, registry=r),
+                "num_requests_waiting": Gauge(p + "engine_num_requests_waiting", "Waiting requests per engine core",
+                                              labels, registry=r),
+                "kv_cache_usage": Gauge(p + "engine_kv_cache_usage_perc", "KV cache usage per engine core (0-1)",
+                                        labels, registry=r),
+                "prefix_cache_queries": Gauge(p + "engine_prefix_cache_queries", "Prompt tokens looked up per engine "
+                                              "core (cumulative)", labels, registry=r),
+                "prefix_cache_hits": Gauge(p + "engine_prefix_cache_hits", "Prompt tokens found cached per engine "
+                                           "core (cumulative)", labels, registry=r),
+                "in_flight": Gauge(p + "router_requests_in_flight", "Requests the router has in flight per engine core",
+                                   labels, registry=r),
+                "routed": Gauge(p + "router_requests_routed", "Requests routed to each engine core (cumulative)",
+                                labels, registry=r),
+                "routed_by_prefix": Gauge(p + "router_requests_routed_by_prefix", "Requests routed to an engine core "
+                                          "for its cached prefix (cumulative)", labels, registry=r),
+            }
+        for replica in replicas:
+            for name, gauge in self._replica_gauges.items():
+                gauge.labels(self.model_name, str(replica["engine"])).set(replica[name])
 
     def record_rejections(self, totals: dict[str, int]) -> None:
         """Admission-control refusals (cumulative per reason) happen outside engine steps, so the server

@@ -163,6 +163,8 @@ def _add_observability(app: FastAPI, engine: "AsyncLLM", args: Optional[argparse
              responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def metrics() -> Response:
         prometheus.record_rejections(engine.num_rejected)
+        if engine.router is not None:
+            prometheus.record_replicas(engine.replica_stats())
         return Response(prometheus.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/stats", responses={200: {"description": "engine statistics (running, waiting, kv_cache_usage, "
