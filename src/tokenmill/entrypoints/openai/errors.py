@@ -28,6 +28,7 @@ _HTTP_ERROR_TYPES = {
     415: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
+    504: "timeout",
 }
 
 
@@ -46,7 +47,8 @@ def tokenmill_error_response(exc: TokenmillError) -> JSONResponse:
     headers = None
     if isinstance(exc, RequestRejectedError):
         headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-    message = exc.message if exc.http_status < 500 or exc.http_status == 503 else "internal server error"
+    # 503 and 504 messages say why (shutting down, timed out); other 5xx hide their detail.
+    message = exc.message if exc.http_status < 500 or exc.http_status in (503, 504) else "internal server error"
     return error_response(exc.http_status, message, exc.error_type, exc.param, exc.code, headers)
 
 
