@@ -32,7 +32,7 @@ from tokenmill.entrypoints.openai.cli_args import (
     DEFAULT_MAX_BODY_BYTES,
     add_serve_args,
     configure_logging,
-    resolve_api_keys,
+    resolve_rate_limiter,
 )
 from tokenmill.entrypoints.openai.errors import error_response, install_exception_handlers
 from tokenmill.entrypoints.openai.middleware import GatewayMiddleware, ServerLifecycle
@@ -95,8 +95,14 @@ def build_app(engine: "AsyncLLM", args: Optional[argparse.Namespace] = None) -> 
     _add_server_routes(app, engine, lifecycle)
     _add_observability(app, engine, args)
     max_body = getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES)
-    app.add_middleware(GatewayMiddleware, lifecycle=lifecycle, api_keys=resolve_api_keys(args),
-                       max_body_bytes=max_body)
+    limiter = resolve_rate_limiter(args)
+    app.state.rate_limiter = limiter  # the token limits are charged by the serving layer
+
+    def rejected(reason: str) -> None:
+        engine.num_rejected[reason] = engine.num_rejected.get(reason, 0) + 1
+
+    app.add_middleware(GatewayMiddleware, lifecycle=lifecycle, limiter=limiter, max_body_bytes=max_body,
+                       on_rejected=rejected)
     return app
 
 
@@ -278,6 +284,11 @@ def run_server(args: argparse.Namespace) -> int:
     configure_logging(getattr(args, "log_level", None) or "INFO", not getattr(args, "disable_log_requests", False))
     if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
         logger.error("--enable-auto-tool-choice needs --tool-call-parser (one of: %s)", ", ".join(TOOL_CALL_PARSERS))
+        return 2
+    try:
+        resolve_rate_limiter(args)
+    except ValueError as exc:
+        logger.error("%s", exc)
         return 2
     try:
         config = engine_config_from_args(args)

@@ -11,6 +11,7 @@ import sys
 from typing import Optional
 
 from tokenmill.config import parse_memory_size
+from tokenmill.entrypoints.openai.rate_limit import KeyPolicy, RateLimiter, load_api_keys_file
 from tokenmill.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
@@ -56,6 +57,10 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--port", type=_port, default=8000)
     group.add_argument("--api-key", action="append", default=None, metavar="KEY",
                        help=f"require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: ${API_KEY_ENV})")
+    group.add_argument("--api-keys-file", default=None, metavar="PATH",
+                       help="JSON object: API key -> {tenant, requests_per_minute, tokens_per_minute} (all optional); "
+                       "over a limit: 429 with Retry-After; the tenant is the request's user for --scheduling-policy "
+                       "fair (adds to --api-key)")
     group.add_argument("--shutdown-timeout", type=_non_negative, default=30.0,
                        help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
     group.add_argument("--request-timeout", type=_optional_seconds, default=None, metavar="SECONDS",
@@ -86,6 +91,16 @@ def resolve_api_keys(args: Optional[argparse.Namespace]) -> list[str]:
     if not keys and os.environ.get(API_KEY_ENV):
         keys = [os.environ[API_KEY_ENV]]
     return keys
+
+
+def resolve_rate_limiter(args: Optional[argparse.Namespace]) -> RateLimiter:
+    """Every key the server accepts: --api-key / $TOKENMILL_API_KEY (no limits) and --api-keys-file.
+    Raises ValueError for an unreadable or malformed keys file."""
+    keys = {key: KeyPolicy() for key in resolve_api_keys(args)}
+    path = getattr(args, "api_keys_file", None)
+    if path:
+        keys.update(load_api_keys_file(path))
+    return RateLimiter(keys)
 
 
 def configure_logging(level: str = "INFO", log_requests: bool = True) -> None:
