@@ -12,6 +12,16 @@ from model_factory import build_tiny_llama, mixed_gguf_type, write_gguf  # noqa:
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def pytest_collection_modifyitems(config, items):
+    """Long fuzz runs only when asked for (`-m fuzz`); the short ones run with the suite."""
+    if "fuzz" in (config.getoption("markexpr", "") or ""):
+        return
+    skip = pytest.mark.skip(reason="long fuzz run: select it with -m fuzz")
+    for item in items:
+        if item.get_closest_marker("fuzz") is not None:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def smollm2_path() -> Path:
     from tokenmill.model.default_model import default_model_path

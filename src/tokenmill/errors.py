@@ -44,6 +44,26 @@ class RequestRejectedError(TokenmillError):
         self.retry_after_s = retry_after_s
 
 
+class RateLimitExceededError(RequestRejectedError):
+    """An API key went over its requests or tokens per minute (see entrypoints/openai/rate_limit.py)."""
+
+    error_type = "rate_limit_exceeded"
+
+
+class RequestTimeoutError(TokenmillError):
+    """The request ran past the server's --request-timeout, or the engine stopped producing its output."""
+
+    http_status = 504
+    error_type = "timeout"
+
+
+class ServiceUnavailableError(TokenmillError):
+    """The server cannot finish the request now (it is shutting down)."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+
+
 class EngineDeadError(TokenmillError):
     """The engine loop died; the server answers 503 until restarted."""
 

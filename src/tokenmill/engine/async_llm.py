@@ -28,7 +28,8 @@ from tokenmill.engine.llm_engine import core_request, rejection, scheduler_snaps
 from tokenmill.engine.messages import EngineCoreAbort, EngineCoreFork, EngineCoreOutput, EngineCoreOutputs, \
     EngineCoreRequest
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.errors import EngineDeadError, EngineFailedError, InvalidRequestError
+from tokenmill.errors import EngineDeadError, EngineFailedError, InvalidRequestError, RequestTimeoutError, \
+    TokenmillError
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
 from tokenmill.model.default_model import DEFAULT_MODEL_NAME
 from tokenmill.model.loader import load_model_source
@@ -40,8 +41,14 @@ logger = logging.getLogger("tokenmill")
 
 
 class AsyncLLM:
-    def __init__(self, config: EngineConfig, log_level: str = "INFO") -> None:
+    """request_timeout: seconds a request may run before it is aborted (RequestTimeoutError).
+    stall_timeout: seconds a started request (it had output) may go without output from the core."""
+
+    def __init__(self, config: EngineConfig, log_level: str = "INFO", *, request_timeout: Optional[float] = None,
+                 stall_timeout: Optional[float] = None) -> None:
         self.config = config
+        self.request_timeout = request_timeout
+        self.stall_timeout = stall_timeout
         # The core loads the model in its process; here only the tokenizer and the model's config.
         source = load_model_source(config.model, config.tokenizer)
         self.tokenizer = source.tokenizer
@@ -69,6 +76,7 @@ class AsyncLLM:
         self._listeners: dict[str, asyncio.Queue] = {}
         # Which core serves a request (by request id) or a raw core request (by core id).
         self._engine_of: dict[str, int] = {}
+        self._watchdog: Optional[asyncio.Task] = None
 
     @property
     def client(self) -> MPClient:
@@ -76,8 +84,8 @@ class AsyncLLM:
         return self.clients[0]
 
     @classmethod
-    def from_config(cls, config: EngineConfig, log_level: str = "INFO") -> "AsyncLLM":
-        return cls(config, log_level)
+    def from_config(cls, config: EngineConfig, log_level: str = "INFO", **kwargs: Any) -> "AsyncLLM":
+        return cls(config, log_level, **kwargs)
 
     # ---- state ---------------------------------------------------------------------------
     @property
@@ -100,6 +108,9 @@ class AsyncLLM:
                 client.start_receiver(
                     lambda outputs, i=index: loop.call_soon_threadsafe(self._on_outputs, outputs, i),
                     lambda reason: loop.call_soon_threadsafe(self._on_dead, reason))
+            limits = [t for t in (self.request_timeout, self.stall_timeout) if t is not None]
+            if limits:
+                self._watchdog = loop.create_task(self._watch(max(0.05, min(1.0, min(limits) / 4))))
 
     def _route(self, prompt_token_ids: list[int]) -> int:
         return self.router.choose(prompt_token_ids) if self.router is not None else 0
@@ -148,6 +159,47 @@ class AsyncLLM:
         index = self._engine_of.get(request_id, 0)
         if state is not None and self._dead is None:
             self.clients[index].abort(EngineCoreAbort(state.core_ids))
+
+    def fail_request(self, request_id: str, error: TokenmillError) -> None:
+        """Ends a request in flight with `error` (its generate() raises it) and aborts it in the core."""
+        state = self.output_processor.remove_request(request_id)
+        if state is None:
+            return
+        if self._dead is None:
+            self.clients[self._engine_of.get(request_id, 0)].abort(EngineCoreAbort(state.core_ids))
+        state.queue.put_nowait(error)
+
+    def fail_all(self, error: TokenmillError) -> None:
+        """Ends every request in flight with `error` (the server's shutdown timeout ran out)."""
+        for request_id in list(self.output_processor.requests):
+            self.fail_request(request_id, error)
+        listeners = list(self._listeners.values())
+        self.release_core_requests(list(self._listeners), abort=True)
+        for listener in set(listeners):
+            listener.put_nowait(error)
+
+    async def _watch(self, interval: float) -> None:
+        """The request timeout and the stall watchdog: no request waits forever on the core."""
+        while not self._stopped and self._dead is None:
+            await asyncio.sleep(interval)
+            self.check_deadlines(time.monotonic())
+
+    def check_deadlines(self, now: float) -> None:
+        for request_id, state in list(self.output_processor.requests.items()):
+            if state.queue is None:
+                continue
+            if self.request_timeout is not None and now - state.added_time > self.request_timeout:
+                self.fail_request(request_id, RequestTimeoutError(
+                    f"the request ran longer than the server's request timeout of {self.request_timeout:g} s",
+                    code="request_timeout"))
+            elif (self.stall_timeout is not None and state.last_output_time is not None
+                  and now - state.last_output_time > self.stall_timeout):
+                # Waiting in the queue is --max-queue-time's business: only started requests are watched.
+                logger.error("request %s got no output from the engine core for %.0f s; failing it",
+                             request_id, now - state.last_output_time)
+                self.fail_request(request_id, RequestTimeoutError(
+                    f"the engine produced no output for this request for {self.stall_timeout:g} s",
+                    code="engine_stalled"))
 
     # ---- raw core access (beam search) ---------------------------------------------------
     async def add_core_request(self, message: EngineCoreRequest, listener: asyncio.Queue) -> None:
@@ -268,6 +320,8 @@ class AsyncLLM:
 
     async def shutdown(self) -> None:
         self._stopped = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         loop = asyncio.get_running_loop()
         await asyncio.gather(*(loop.run_in_executor(None, client.shutdown) for client in self.clients))
 

@@ -129,6 +129,11 @@ class EngineCore:
         if limit is not None and len(self.scheduler.waiting) >= limit:
             self._pending.append(EngineCoreOutput(rid, finish_reason="abort", stop_reason=QUEUE_FULL))
             return
+        if not message.prompt_token_ids:
+            # Nothing to compute: the scheduler would never schedule it and it would wait forever.
+            # The frontend refuses these already; a client of the core gets an answer too.
+            self._pending.append(EngineCoreOutput(rid, finish_reason="abort", error="the prompt has no tokens"))
+            return
         params = message.sampling_params
         children = message.fork_children
         try:

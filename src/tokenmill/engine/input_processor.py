@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+from tokenmill.engine.text_checks import check_text
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import SamplingParams
 
@@ -41,7 +42,7 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise InvalidRequestError("the prompt must not be empty", param)
-            return ProcessedPrompt(prompt, self.encode(prompt))
+            return ProcessedPrompt(check_text(prompt, param), self.encode(prompt))
         if isinstance(prompt, (list, tuple)):
             return ProcessedPrompt(None, self.check_token_ids(prompt, param))
         raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}", param)
@@ -66,24 +67,35 @@ class InputProcessor:
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             chat_template: Optional[str] = None, tools: Optional[list] = None,
                             **template_kwargs: Any) -> ProcessedPrompt:
+        """Renders the conversation. A template given with the request is checked first (not empty,
+        parses); a template that raises, or renders nothing, is the caller's error: 400 naming
+        `chat_template` when the request brought it, else `messages`."""
         if not messages:
             raise InvalidRequestError("messages must not be empty", "messages")
-        if not getattr(self.tokenizer, "chat_template", None) and chat_template is None:
+        if chat_template is not None:
+            check_chat_template(chat_template)
+        elif not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError("this model has no chat template; use the completions API", "messages")
+        blame = "chat_template" if chat_template is not None else "messages"
         try:
             text = self.tokenizer.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                 chat_template=chat_template, tools=tools, **template_kwargs)
-        except Exception as exc:  # jinja errors from malformed messages are user errors
-            raise InvalidRequestError(f"cannot apply the chat template: {exc}", "messages") from None
+        except Exception as exc:  # jinja errors from malformed messages or templates are user errors
+            raise InvalidRequestError(f"cannot apply the chat template: {exc}", blame) from None
+        if not isinstance(text, str) or not text:
+            raise InvalidRequestError("the chat template rendered an empty prompt", blame, "empty_prompt")
         # The template already holds the BOS text where the model wants it.
-        return ProcessedPrompt(text, self.encode(text, add_special_tokens=False))
+        return ProcessedPrompt(check_text(text, blame), self.encode(text, add_special_tokens=False))
 
     # ---- validation ----------------------------------------------------------------------
     def validate(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
         """Everything a request is checked for before it reaches the engine core (the one place):
         lengths, and a structured-output constraint that must compile. Returns the parameters to run
         with (max_tokens filled in)."""
+        if len(prompt_token_ids) == 0:
+            # The scheduler never schedules a request with nothing to compute: it would wait forever.
+            raise InvalidRequestError("the prompt has no tokens", "prompt", "empty_prompt")
         params = self.validate_lengths(prompt_token_ids, params)
         if params.structured_outputs is not None and self.structured_backend is not None:
             self.structured_backend.validate(params.structured_outputs)
@@ -108,6 +120,21 @@ class InputProcessor:
                 f"{num_prompt} tokens and max_tokens asks for {params.max_tokens} more",
                 "max_tokens", "context_length_exceeded")
         return params
+
+
+def check_chat_template(template: str) -> None:
+    """A chat template given with a request must hold something and parse (jinja syntax)."""
+    check_text(template, "chat_template")
+    if not template.strip():
+        raise InvalidRequestError("chat_template must not be empty", "chat_template")
+    from jinja2 import TemplateSyntaxError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    try:
+        ImmutableSandboxedEnvironment().parse(template)
+    except TemplateSyntaxError as exc:
+        raise InvalidRequestError(f"chat_template does not parse: {exc.message} (line {exc.lineno})",
+                                  "chat_template") from None
 
 
 def eos_token_ids(tokenizer: Any, hf_config: Any) -> list[int]:

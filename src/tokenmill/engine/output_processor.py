@@ -50,6 +50,9 @@ class RequestState:
     queue: Any = None
     # The core refused or could not serve the request.
     error: Optional[str] = None
+    # Monotonic times, for the async frontend's request timeout and stall watchdog.
+    added_time: float = field(default_factory=time.monotonic)
+    last_output_time: Optional[float] = None
 
     @property
     def finished(self) -> bool:
@@ -112,6 +115,7 @@ class OutputProcessor:
             if entry is None:
                 continue
             state, seq = entry
+            state.last_output_time = now
             if out.error is not None:
                 state.error = out.error
             elif self._apply(state, seq, out, now):

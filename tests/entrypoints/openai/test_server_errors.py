@@ -1,12 +1,20 @@
 """Every bad input is a 4xx with an OpenAI error body naming the field; auth; request ids; the other routes."""
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 USER = [{"role": "user", "content": "hi"}]
+
+
+def raw(body: dict) -> bytes:
+    """JSON with non-ASCII escaped: a lone surrogate travels as the escape "\\ud800"."""
+    return json.dumps(body).encode()
+
 
 # (path, JSON body or raw bytes, status, param)
 CASES = {
@@ -60,6 +68,33 @@ CASES = {
                                         "max_completion_tokens"),
     "chat_beyond_context": (CHAT, {"messages": USER, "max_completion_tokens": 5000}, 400, "max_tokens"),
     "tokenize_nothing": ("/tokenize", {"text": "a"}, 400, "prompt"),
+    # Text no UTF-8 encoder accepts, and control characters where they cannot appear.
+    "prompt_lone_surrogate": (COMPLETIONS, raw({"prompt": "\ud800", "max_tokens": 1}), 400, "prompt"),
+    "prompt_list_lone_surrogate": (COMPLETIONS, raw({"prompt": ["a", "b\udc00"], "max_tokens": 1}), 400,
+                                   "prompt[1]"),
+    "chat_content_lone_surrogate": (CHAT, raw({"messages": [{"role": "user", "content": "x\ud83d"}]}), 400,
+                                    "messages[0].content"),
+    "chat_content_part_lone_surrogate": (CHAT, raw({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "\udfff"}]}]}), 400, "messages[0].content[0].text"),
+    "stop_lone_surrogate": (COMPLETIONS, raw({"prompt": "a", "stop": ["\ud800"]}), 400, "stop[0]"),
+    "stop_nul": (COMPLETIONS, {"prompt": "a", "stop": "a\x00"}, 400, "stop"),
+    "model_nul": (COMPLETIONS, {"prompt": "a", "model": "m\x00"}, 400, "model"),
+    "user_control_character": (CHAT, {"messages": USER, "user": "bob\n"}, 400, "user"),
+    "logit_bias_key_lone_surrogate": (COMPLETIONS, raw({"prompt": "a", "logit_bias": {"\ud800": 1}}), 400,
+                                      "logit_bias"),
+    "tokenize_lone_surrogate": ("/tokenize", raw({"prompt": "\ud800"}), 400, "prompt"),
+    "tokenize_chat_lone_surrogate": ("/tokenize", raw({"messages": [{"role": "user", "content": "\ud800"}]}), 400,
+                                     "messages[0].content"),
+    # Chat template overrides: empty, unparsable, raising, rendering nothing (this one used to hang).
+    "chat_template_empty": (CHAT, {"messages": USER, "chat_template": "", "max_tokens": 1}, 400, "chat_template"),
+    "chat_template_blank": (CHAT, {"messages": USER, "chat_template": "  ", "max_tokens": 1}, 400, "chat_template"),
+    "chat_template_unparsable": (CHAT, {"messages": USER, "chat_template": "{{ x", "max_tokens": 1}, 400,
+                                 "chat_template"),
+    "chat_template_raises": (CHAT, {"messages": USER, "chat_template": "{{ raise_exception('no') }}",
+                                    "max_tokens": 1}, 400, "chat_template"),
+    "chat_template_renders_nothing": (CHAT, {"messages": USER, "chat_template": "{% if false %}x{% endif %}",
+                                             "max_tokens": 1}, 400, "chat_template"),
+    "tokenize_chat_template_empty": ("/tokenize", {"messages": USER, "chat_template": ""}, 400, "chat_template"),
     "detokenize_outside_vocab": ("/detokenize", {"tokens": [10**9]}, 400, "tokens"),
 }
 

@@ -53,3 +53,47 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero(start_server, tiny_lla
     log = server.log_text()
     assert "Traceback" not in log
     assert os.path.exists(server.log_path)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find the engine core process")
+def test_requests_left_at_the_shutdown_timeout_end_with_503(start_server, tiny_llama_dir):
+    import threading
+    import time
+
+    server = start_server(["--model", str(tiny_llama_dir), "--max-model-len", "1024", "--num-kv-blocks", "128",
+                           "--shutdown-timeout", "1"])
+    url = server.url
+    (core_pid,) = child_pids(server.proc.pid)
+    body = {"prompt": "Hello", "max_tokens": 900, "ignore_eos": True}
+    results: dict = {}
+
+    def non_streaming() -> None:
+        response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+        results["full"] = (response.status_code, response.json())
+
+    worker = threading.Thread(target=non_streaming)
+    events = []
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as response:
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[len("data: "):])
+                if len(events) == 2:
+                    worker.start()
+                    time.sleep(0.3)
+                    # A frozen core: nothing in flight can finish before the shutdown timeout.
+                    os.kill(core_pid, signal.SIGSTOP)
+                    server.proc.send_signal(signal.SIGTERM)
+                    assert httpx.get(url + "/health", timeout=5).status_code == 503
+    worker.join(30)
+    os.kill(core_pid, signal.SIGCONT)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["type"] == "service_unavailable" and error["code"] == "shutting_down"
+    status, payload = results["full"]
+    assert status == 503 and payload["error"]["type"] == "service_unavailable"
+    assert payload["error"]["code"] == "shutting_down"
+    assert server.proc.wait(timeout=60) == 0
+    assert "Traceback" not in server.log_text()

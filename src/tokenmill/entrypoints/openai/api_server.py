@@ -32,7 +32,7 @@ from tokenmill.entrypoints.openai.cli_args import (
     DEFAULT_MAX_BODY_BYTES,
     add_serve_args,
     configure_logging,
-    resolve_api_keys,
+    resolve_rate_limiter,
 )
 from tokenmill.entrypoints.openai.errors import error_response, install_exception_handlers
 from tokenmill.entrypoints.openai.middleware import GatewayMiddleware, ServerLifecycle
@@ -55,7 +55,7 @@ from tokenmill.entrypoints.openai.serving_completion import OpenAIServingComplet
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from tokenmill.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
-from tokenmill.errors import TokenmillError
+from tokenmill.errors import ServiceUnavailableError, TokenmillError
 from tokenmill.metrics.loggers import LoggingStatLogger
 from tokenmill.metrics.prometheus import PrometheusStatLogger
 from tokenmill.metrics.stats import WindowStatLogger
@@ -72,6 +72,8 @@ _ERRORS = {status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 4
 STATIC_DIR = Path(str(resources.files("tokenmill.web") / "static"))
 _NO_CACHE = {"Cache-Control": "no-cache"}
 ENGINE_SHUTDOWN_TIMEOUT_S = 30.0
+# After the shutdown timeout, how long requests failed with 503 get to write their answers.
+SHUTDOWN_ANSWER_GRACE_S = 2.0
 _STREAMING = {200: {"content": {"text/event-stream": {}}, "description": "JSON, or SSE chunks with stream=true"}}
 
 
@@ -93,8 +95,14 @@ def build_app(engine: "AsyncLLM", args: Optional[argparse.Namespace] = None) -> 
     _add_server_routes(app, engine, lifecycle)
     _add_observability(app, engine, args)
     max_body = getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES)
-    app.add_middleware(GatewayMiddleware, lifecycle=lifecycle, api_keys=resolve_api_keys(args),
-                       max_body_bytes=max_body)
+    limiter = resolve_rate_limiter(args)
+    app.state.rate_limiter = limiter  # the token limits are charged by the serving layer
+
+    def rejected(reason: str) -> None:
+        engine.num_rejected[reason] = engine.num_rejected.get(reason, 0) + 1
+
+    app.add_middleware(GatewayMiddleware, lifecycle=lifecycle, limiter=limiter, max_body_bytes=max_body,
+                       on_rejected=rejected)
     return app
 
 
@@ -213,6 +221,7 @@ class DrainingServer(uvicorn.Server):
         self._drain_deadline: Optional[float] = None
         self._drain_logged = False
         self._dead_since: Optional[float] = None
+        self._failed_at: Optional[float] = None
 
     def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
         # Runs as a signal handler: only set flags here (no logging, no awaiting).
@@ -243,9 +252,16 @@ class DrainingServer(uvicorn.Server):
                 self._drain_logged = True
                 logger.info("shutting down: refusing new requests, waiting for %d in flight (up to %.0f s)",
                             inflight, self.shutdown_timeout_s)
-            if inflight == 0 or time.monotonic() >= (self._drain_deadline or 0.0):
-                if inflight:
-                    logger.warning("shutdown timeout reached; cancelling %d requests", inflight)
+            now = time.monotonic()
+            if inflight and self._failed_at is None and now >= (self._drain_deadline or 0.0):
+                # Requests still running end with a 503 (a stream: an error event, then [DONE]) rather
+                # than being cut off; they get a moment to write that answer.
+                logger.warning("shutdown timeout reached; ending %d requests with 503", inflight)
+                self._failed_at = now
+                if engine is not None:
+                    engine.fail_all(ServiceUnavailableError(
+                        "the server shut down before this request finished", code="shutting_down"))
+            if inflight == 0 or (self._failed_at is not None and now - self._failed_at >= SHUTDOWN_ANSWER_GRACE_S):
                 # Whatever still runs gets a moment more and is then cancelled (which aborts it).
                 self.config.timeout_graceful_shutdown = 1
                 self.should_exit = True
@@ -272,6 +288,11 @@ def run_server(args: argparse.Namespace) -> int:
         logger.error("--enable-auto-tool-choice needs --tool-call-parser (one of: %s)", ", ".join(TOOL_CALL_PARSERS))
         return 2
     try:
+        resolve_rate_limiter(args)
+    except ValueError as exc:
+        logger.error("%s", exc)
+        return 2
+    try:
         config = engine_config_from_args(args)
     except TokenmillError as exc:
         logger.error("invalid engine settings: %s", exc.message)
@@ -287,7 +308,9 @@ async def _serve(args: argparse.Namespace, config) -> int:
 
     try:
         # The engine core starts in its own process; this returns once it has loaded the model.
-        engine = AsyncLLM.from_config(config, getattr(args, "log_level", None) or "INFO")
+        engine = AsyncLLM.from_config(config, getattr(args, "log_level", None) or "INFO",
+                                      request_timeout=getattr(args, "request_timeout", None),
+                                      stall_timeout=getattr(args, "engine_stall_timeout", None))
     except TokenmillError as exc:
         logger.error("cannot start the engine: %s", exc.message)
         return 1

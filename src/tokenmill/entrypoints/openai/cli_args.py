@@ -11,10 +11,12 @@ import sys
 from typing import Optional
 
 from tokenmill.config import parse_memory_size
+from tokenmill.entrypoints.openai.rate_limit import KeyPolicy, RateLimiter, load_api_keys_file
 from tokenmill.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
+DEFAULT_STALL_TIMEOUT_S = 60.0
 
 def _size(value: str) -> int:
     try:
@@ -39,14 +41,33 @@ def _non_negative(value: str) -> float:
     return number
 
 
+def _optional_seconds(value: str) -> Optional[float]:
+    """A positive number of seconds, or 'none' for no limit."""
+    if value.strip().lower() == "none":
+        return None
+    number = _non_negative(value)
+    if number == 0:
+        raise argparse.ArgumentTypeError("expected a positive number of seconds, or 'none'")
+    return number
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=_port, default=8000)
     group.add_argument("--api-key", action="append", default=None, metavar="KEY",
                        help=f"require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: ${API_KEY_ENV})")
+    group.add_argument("--api-keys-file", default=None, metavar="PATH",
+                       help="JSON object: API key -> {tenant, requests_per_minute, tokens_per_minute} (all optional); "
+                       "over a limit: 429 with Retry-After; the tenant is the request's user for --scheduling-policy "
+                       "fair (adds to --api-key)")
     group.add_argument("--shutdown-timeout", type=_non_negative, default=30.0,
                        help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
+    group.add_argument("--request-timeout", type=_optional_seconds, default=None, metavar="SECONDS",
+                       help="a request running longer is aborted and answered 504 (type 'timeout'); default: none")
+    group.add_argument("--engine-stall-timeout", type=_optional_seconds, default=DEFAULT_STALL_TIMEOUT_S,
+                       metavar="SECONDS", help="a started request that gets no output from the engine core for this "
+                       "long fails with 504 (type 'timeout', code 'engine_stalled'); 'none' turns the watchdog off")
     group.add_argument("--max-request-body-bytes", type=_size, default=DEFAULT_MAX_BODY_BYTES,
                        help="larger request bodies get 413 (e.g. 16MiB)")
     # Not --log-level: the `tokenmill` command already has that flag (upper-case levels) for all subcommands.
@@ -70,6 +91,16 @@ def resolve_api_keys(args: Optional[argparse.Namespace]) -> list[str]:
     if not keys and os.environ.get(API_KEY_ENV):
         keys = [os.environ[API_KEY_ENV]]
     return keys
+
+
+def resolve_rate_limiter(args: Optional[argparse.Namespace]) -> RateLimiter:
+    """Every key the server accepts: --api-key / $TOKENMILL_API_KEY (no limits) and --api-keys-file.
+    Raises ValueError for an unreadable or malformed keys file."""
+    keys = {key: KeyPolicy() for key in resolve_api_keys(args)}
+    path = getattr(args, "api_keys_file", None)
+    if path:
+        keys.update(load_api_keys_file(path))
+    return RateLimiter(keys)
 
 
 def configure_logging(level: str = "INFO", log_requests: bool = True) -> None:

@@ -28,6 +28,7 @@ _HTTP_ERROR_TYPES = {
     415: "invalid_request_error",
     429: "rate_limit_error",
     503: "service_unavailable",
+    504: "timeout",
 }
 
 
@@ -46,7 +47,8 @@ def tokenmill_error_response(exc: TokenmillError) -> JSONResponse:
     headers = None
     if isinstance(exc, RequestRejectedError):
         headers = {"Retry-After": str(max(1, round(exc.retry_after_s)))}
-    message = exc.message if exc.http_status < 500 or exc.http_status == 503 else "internal server error"
+    # 503 and 504 messages say why (shutting down, timed out); other 5xx hide their detail.
+    message = exc.message if exc.http_status < 500 or exc.http_status in (503, 504) else "internal server error"
     return error_response(exc.http_status, message, exc.error_type, exc.param, exc.code, headers)
 
 
@@ -71,6 +73,8 @@ def _validation_message(error: dict[str, Any], param: Optional[str]) -> str:
         return f"the request body is not valid JSON: {detail}".rstrip(": ")
     msg = str(error.get("msg", "invalid value"))
     msg = msg.removeprefix("Value error, ")
+    if error.get("type") == "invalid_text":  # the message already names the field
+        return msg
     if error.get("type") == "missing":
         return f"'{param}' is required" if param else "a required field is missing"
     return f"invalid value for '{param}': {msg}" if param else msg
@@ -81,10 +85,11 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     error = errors[0]
     if error.get("type") == "json_invalid":
         return error_response(400, _validation_message(error, None), code="invalid_json")
-    param = _field_path(error.get("loc", ()))
+    # A model-level check (the shared text check) names its field in ctx; otherwise the location does.
+    param = (error.get("ctx") or {}).get("param") or _field_path(error.get("loc", ()))
     if param is None and error.get("type") in ("model_attributes_type", "missing", "dict_type", "model_type"):
         return error_response(400, "the request body must be a JSON object", code="invalid_body")
-    code = "missing_field" if error.get("type") == "missing" else "invalid_value"
+    code = {"missing": "missing_field", "invalid_text": "invalid_text"}.get(error.get("type"), "invalid_value")
     return error_response(400, _validation_message(error, param), param=param, code=code)
 
 

@@ -1,4 +1,5 @@
-"""The gate every HTTP request passes: request id, shutdown draining, API keys, body size, in-flight count.
+"""The gate every HTTP request passes: request id, shutdown draining, API keys and their request rate
+limits, body size, in-flight count.
 
 A plain ASGI middleware rather than Starlette's BaseHTTPMiddleware, because the latter wraps `receive`
 and would hide the client's disconnect from the handlers that must abort on it. Rejections happen here,
@@ -8,12 +9,13 @@ from __future__ import annotations
 
 import json
 import re
-import secrets
 import uuid
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Optional, Sequence
 
 from tokenmill.entrypoints.openai.errors import error_body
+from tokenmill.entrypoints.openai.rate_limit import REASON, KeyPolicy, RateLimiter
+from tokenmill.errors import RateLimitExceededError
 
 Scope = dict[str, Any]
 Message = dict[str, Any]
@@ -38,11 +40,14 @@ class ServerLifecycle:
 
 class GatewayMiddleware:
     def __init__(self, app: ASGIApp, lifecycle: ServerLifecycle, api_keys: Sequence[str] = (),
-                 max_body_bytes: Optional[int] = None) -> None:
+                 max_body_bytes: Optional[int] = None, limiter: Optional[RateLimiter] = None,
+                 on_rejected: Optional[Callable[[str], None]] = None) -> None:
         self.app = app
         self.lifecycle = lifecycle
-        self.api_keys = [key.encode() for key in api_keys if key]
+        # Without a limiter (build_app makes one from --api-key and --api-keys-file): keys without limits.
+        self.limiter = limiter if limiter is not None else RateLimiter({key: KeyPolicy() for key in api_keys if key})
         self.max_body_bytes = max_body_bytes
+        self.on_rejected = on_rejected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -55,10 +60,22 @@ class GatewayMiddleware:
             await _reject(send, 503, "the server is shutting down", "service_unavailable", "shutting_down",
                           [(b"connection", b"close")])
             return
-        if self.api_keys and _is_api_path(scope["path"]) and not self._authorized(scope):
-            await _reject(send, 401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
-                          "authentication_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")])
-            return
+        if self.limiter and _is_api_path(scope["path"]):
+            key = self._authorized(scope)
+            if key is None:
+                await _reject(send, 401, "Incorrect or missing API key; send 'Authorization: Bearer <key>'.",
+                              "authentication_error", "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+                return
+            scope["state"]["api_key"] = key
+            if scope.get("method") == "POST":
+                try:
+                    self.limiter.charge_request(key)
+                except RateLimitExceededError as exc:
+                    if self.on_rejected is not None:
+                        self.on_rejected(REASON)
+                    await _reject(send, 429, exc.message, exc.error_type, exc.code or REASON,
+                                  [(b"retry-after", str(int(exc.retry_after_s)).encode())])
+                    return
         if self.max_body_bytes is not None and scope.get("method") in _METHODS_WITH_BODY:
             body, too_large, disconnected = await self._read_body(scope, receive)
             if disconnected:
@@ -74,14 +91,13 @@ class GatewayMiddleware:
         finally:
             self.lifecycle.inflight -= 1
 
-    def _authorized(self, scope: Scope) -> bool:
+    def _authorized(self, scope: Scope) -> Optional[str]:
+        """The key the request presents, if it is one of ours (compared in constant time)."""
         value = _header(scope, b"authorization") or b""
         scheme, _, token = value.partition(b" ")
         if scheme.lower() != b"bearer":
-            return False
-        token = token.strip()
-        # Compare against every key so the time taken does not say which one nearly matched.
-        return any([secrets.compare_digest(token, key) for key in self.api_keys])
+            return None
+        return self.limiter.match(token.strip())
 
     async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, bool, bool]:
         """(body, too large, client disconnected); an oversize body is read and dropped, up to a cap."""

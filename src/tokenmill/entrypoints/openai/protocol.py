@@ -9,8 +9,10 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
+from tokenmill.engine.text_checks import find_bad_text
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
 
@@ -22,6 +24,21 @@ PromptType = Union[str, list[str], list[int], list[list[int]]]
 class OpenAIModel(BaseModel):
     # NaN and Infinity are valid Python JSON but would poison the sampler, so floats must be finite.
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+
+class RequestModel(OpenAIModel):
+    """A request body: every string in it (nested ones and dict keys included) passes the shared text
+    check before any field is parsed, so text no encoder accepts is a 400 naming its field."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_strings(cls, data: Any) -> Any:
+        bad = find_bad_text(data) if isinstance(data, dict) else None
+        if bad is not None:
+            param, problem = bad
+            # `param` travels in ctx: the error handler uses it as the OpenAI error's `param`.
+            raise PydanticCustomError("invalid_text", "'{param}' {problem}", {"param": param, "problem": problem})
+        return data
 
 
 # ---- errors ------------------------------------------------------------------------------------
@@ -84,7 +101,7 @@ class StructuredOutputsField(OpenAIModel):
     disable_any_whitespace: bool = False
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestModel):
     """Fields shared by completions and chat completions."""
 
     model: Optional[str] = None
@@ -348,7 +365,7 @@ class ChatMessage(OpenAIModel):
         return message
 
 
-class ChatTemplateFields(OpenAIModel):
+class ChatTemplateFields(RequestModel):
     messages: list[ChatMessage] = Field(..., min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -481,7 +498,7 @@ class ModelList(OpenAIModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
-class TokenizeCompletionRequest(OpenAIModel):
+class TokenizeCompletionRequest(RequestModel):
     model: Optional[str] = None
     prompt: str
     add_special_tokens: bool = True
@@ -504,7 +521,7 @@ class TokenizeResponse(OpenAIModel):
     token_strs: Optional[list[str]] = None
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestModel):
     model: Optional[str] = None
     tokens: list[int]
 

@@ -20,7 +20,8 @@ from starlette.responses import Response, StreamingResponse
 
 from tokenmill.entrypoints.openai.errors import error_body
 from tokenmill.entrypoints.openai.protocol import UsageInfo
-from tokenmill.errors import EngineDeadError, ModelNotFoundError, TokenmillError
+from tokenmill.entrypoints.openai.rate_limit import REASON, request_key
+from tokenmill.errors import EngineDeadError, ModelNotFoundError, RateLimitExceededError, TokenmillError
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind
 
@@ -106,6 +107,7 @@ class RequestLog:
     arrival: float = field(default_factory=time.monotonic)
     first_token: Optional[float] = None
     emitted: bool = False
+    tenant: Optional[str] = None
 
     def emit(self, status: str, outputs: list[RequestOutput]) -> None:
         if self.emitted:
@@ -116,6 +118,7 @@ class RequestLog:
             "event": "request_finished",
             "request_id": self.request_id,
             "endpoint": self.endpoint,
+            "tenant": self.tenant,
             "status": status,
             "prompt_tokens": sum(len(out.prompt_token_ids) for out in outputs),
             "output_tokens": sum(len(c.token_ids) for out in outputs for c in out.outputs),
@@ -191,6 +194,11 @@ class ServingBase:
         yield SSE_DONE
 
 
+def _limiter(request: Optional[Request]) -> Any:
+    app = getattr(request, "app", None) if request is not None else None
+    return getattr(getattr(app, "state", None), "rate_limiter", None)
+
+
 def merge_delta(into: Optional[RequestOutput], delta: RequestOutput, keep_text: bool) -> RequestOutput:
     """Fold a DELTA output into an earlier one (per sample: tokens and logprobs appended, text too when
     keep_text, the newest finish reason). Costs what the delta holds, not what came before."""
@@ -237,7 +245,10 @@ class GenerationGroup:
         self.latest: dict[int, RequestOutput] = {}
         self._request = request
         self._priority = priority
-        self._user = user
+        # An API key's tenant (--api-keys-file) stands for the request's user: the fair policy's tenant.
+        limiter = _limiter(request)
+        self._user = (limiter.tenant(request_key(request)) if limiter is not None else None) or user
+        log.tenant = self._user
         self._pending: dict[int, RequestOutput] = {}
         self._ended = [False] * len(jobs)
         self._error: Optional[BaseException] = None
@@ -253,9 +264,22 @@ class GenerationGroup:
         for job in self.jobs:
             params = self.engine.input_processor.validate(job.prompt.prompt_token_ids, job.params)
             job.params = params.clone(output_kind=kind)
+        self._charge_tokens()
         self._tasks = [asyncio.ensure_future(self._produce(i, job)) for i, job in enumerate(self.jobs)]
         if self._request is not None:
             self._watcher = asyncio.ensure_future(self._watch_disconnect(self._request))
+
+    def _charge_tokens(self) -> None:
+        """The API key's tokens-per-minute limit, charged with the most this request may use."""
+        limiter = _limiter(self._request)
+        if limiter is None:
+            return
+        cost = sum(len(job.prompt.prompt_token_ids) + job.params.n * (job.params.max_tokens or 0) for job in self.jobs)
+        try:
+            limiter.charge_tokens(request_key(self._request), cost)
+        except RateLimitExceededError:
+            self.engine.num_rejected[REASON] = self.engine.num_rejected.get(REASON, 0) + 1
+            raise
 
     async def _produce(self, index: int, job: GenerationJob) -> None:
         try:
