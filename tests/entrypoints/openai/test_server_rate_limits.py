@@ -75,6 +75,8 @@ def test_per_key_rate_limits(start_server, tiny_llama_dir, tmp_path):
     with httpx.Client(timeout=60) as client:
         client.post(url, json={**ok_body, "user": "carol"}, headers=auth("sk-free"))
         client.post(url, json={**ok_body, "user": "mallory"}, headers=auth("sk-alice"))
-    time.sleep(0.2)
+    deadline = time.monotonic() + 10  # the server writes a request's log line as the request ends
+    while len(server.request_log()) < len(records) + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
     tenants = [r["tenant"] for r in server.request_log()[-2:]]
     assert tenants == ["carol", "alice"]
