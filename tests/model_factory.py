@@ -160,3 +160,108 @@ def mixed_gguf_type(hf_name: str):
 
     module = hf_name.removesuffix(".weight").rsplit(".", 1)[-1]
     return GGMLQuantizationType[MIXED_GGUF_TYPES.get(module, "F32")]
+
+
+# ---- other families --------------------------------------------------------------------------
+
+# Tiny configs shaped like the real ones (Qwen2.5-0.5B and Gemma 3 tie their embeddings, Qwen3-8B
+# does not); Gemma 3's window is shorter than the golden prompts so local layers really slide.
+TINY_FAMILIES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=True, sliding_window=32,
+                                                     use_sliding_window=False)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", dict(tie_word_embeddings=False, head_dim=16)),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        # GGUF carries neither the layer pattern nor query_pre_attn_scalar: llama.cpp and transformers
+        # assume Gemma 3's (five local layers, then a global one; 256), so the tiny model keeps them.
+        tie_word_embeddings=True, head_dim=16, query_pre_attn_scalar=256, sliding_window=12, num_hidden_layers=6,
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, hidden_activation="gelu_pytorch_tanh")),
+}
+
+
+def build_tiny_family(directory: Path, tokenizer, family: str, *, seed: int = 0) -> Path:
+    """A random model of `family` (TINY_FAMILIES), saved as safetensors with a tokenizer.
+
+    Norm weights and biases are randomized too (HF initializes them to constants), so a mix-up of
+    norms, a missing (1 + w) or a dropped bias changes the tokens.
+    """
+    import transformers
+
+    config_name, model_name, extra = TINY_FAMILIES[family]
+    settings = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024, rms_norm_eps=1e-6,
+                    bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    settings.update(extra)
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(**settings)
+    config.architectures = [model_name]
+    model = getattr(transformers, model_name)(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name or name.endswith(".bias"):
+                param.add_(torch.randn_like(param) * 0.2)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    return directory
+
+
+_FAMILY_GGUF_NAMES = {
+    **_GGUF_NAMES, "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
+}
+_GEMMA_GGUF_NAMES = {
+    **_FAMILY_GGUF_NAMES, "post_attention_layernorm": "post_attention_norm",
+    "pre_feedforward_layernorm": "ffn_norm", "post_feedforward_layernorm": "post_ffw_norm",
+}
+
+
+def family_tensor_type(hf_name: str):
+    """Q8_0 for the projections (kept as int8 blocks where the kernels run), F32 for the rest."""
+    from gguf import GGMLQuantizationType as T
+
+    return T.Q8_0 if hf_name.endswith("proj.weight") else T.F32
+
+
+def write_family_gguf(path: Path, hf_dir: Path, arch: str) -> dict[str, torch.Tensor]:
+    """Convert a tiny Qwen2/Qwen3/Gemma 3 checkpoint as llama.cpp does (no q/k permutation for these;
+    Gemma's norms stored as 1 + w). Returns the HF tensors holding the values the file stores, for an
+    HF model to run the same weights."""
+    import gguf
+
+    config = json.loads((hf_dir / "config.json").read_text())
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    names = _GEMMA_GGUF_NAMES if arch == "gemma3" else _FAMILY_GGUF_NAMES
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(config["num_attention_heads"])
+    writer.add_head_count_kv(config["num_key_value_heads"])
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    rope = config["rope_parameters"]
+    writer.add_rope_freq_base((rope["full_attention"] if arch == "gemma3" else rope)["rope_theta"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_bos_token_id(config["bos_token_id"])
+    writer.add_eos_token_id(config["eos_token_id"])
+    if arch == "gemma3":
+        writer.add_sliding_window(config["sliding_window"])
+    stored: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        weight = tensor.float()
+        if arch == "gemma3" and name.endswith("norm.weight"):
+            weight = weight + 1
+        kind = family_tensor_type(name)
+        array = gguf.quants.quantize(weight.numpy(), kind)
+        values = torch.from_numpy(gguf.quants.dequantize(array, kind).reshape(weight.shape).copy())
+        stored[name] = values - 1 if arch == "gemma3" and name.endswith("norm.weight") else values
+        stem, _, suffix = name.rpartition(".")
+        stem = stem.removeprefix("model.")
+        if stem.startswith("layers."):
+            layer, module = stem.removeprefix("layers.").split(".", 1)
+            gguf_name = f"blk.{layer}.{names[module]}.{suffix}"
+        else:
+            gguf_name = f"{names['model.' + stem] if 'model.' + stem in names else names[stem]}.{suffix}"
+        writer.add_tensor(gguf_name, array, raw_dtype=kind)
+    finish_gguf(writer)
+    return stored

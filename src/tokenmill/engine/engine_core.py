@@ -31,9 +31,14 @@ logger = logging.getLogger("tokenmill")
 
 def derive_max_model_len(config: EngineConfig, hf_config) -> int:
     model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
+    from tokenmill.model.registry import SLIDING_WINDOW_ARCHITECTURES
+
     window = getattr(hf_config, "sliding_window", None)
-    if window:
-        # Without a sliding-window kernel, attention is exact only while contexts fit the window.
+    if getattr(hf_config, "use_sliding_window", True) is False:
+        window = None  # Qwen2/3 configs carry a window they do not use
+    architecture = (getattr(hf_config, "architectures", None) or [None])[0]
+    if window and architecture not in SLIDING_WINDOW_ARCHITECTURES:
+        # A family that cannot attend through a window is exact only while contexts fit it.
         model_max = min(model_max, window)
     if config.max_model_len is None:
         return model_max

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,11 +36,37 @@ class GgufFamily:
     hf_architecture: str
     config_class_name: str  # attribute of `transformers`, resolved lazily (importing it is slow)
     unpermute_qk: bool  # llama.cpp reorders q/k rows only for some families (llama yes, qwen2 no)
+    block_names: dict[str, str] = field(default_factory=lambda: _BLOCK_TENSOR_NAMES)
+    # llama.cpp's converter stores Gemma's norm weights as 1 + w; transformers subtracts the 1 again
+    # on load (and adds it per call), so the loader does the same to get the same float32 values.
+    norm_offset: float = 0.0
 
 
-# Add a family here together with its tensor names below and a model implementation.
+_BLOCK_TENSOR_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+}
+_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
+# Gemma's four norms per block: llama.cpp's ffn_norm is the one *before* the MLP there.
+_GEMMA_NORM_NAMES = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
+                     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
+
+# Add a family here together with its tensor names and a model implementation (registry.py).
 GGUF_FAMILIES: dict[str, GgufFamily] = {
     "llama": GgufFamily("LlamaForCausalLM", "LlamaConfig", unpermute_qk=True),
+    "qwen2": GgufFamily("Qwen2ForCausalLM", "Qwen2Config", unpermute_qk=False),
+    "qwen3": GgufFamily("Qwen3ForCausalLM", "Qwen3Config", unpermute_qk=False,
+                        block_names={**_BLOCK_TENSOR_NAMES, **_QK_NORM_NAMES}),
+    "gemma3": GgufFamily("Gemma3ForCausalLM", "Gemma3TextConfig", unpermute_qk=False,
+                         block_names={**_BLOCK_TENSOR_NAMES, **_QK_NORM_NAMES, **_GEMMA_NORM_NAMES},
+                         norm_offset=1.0),
 }
 
 # Quantization types gguf-py dequantizes in numpy. The common set is F32/F16/BF16/Q8_0/
@@ -54,17 +80,6 @@ _GLOBAL_TENSOR_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
-}
-_BLOCK_TENSOR_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
 }
 # Tensors that carry no HF parameter: llama3 rope factors are folded into the config instead.
 _NON_PARAMETER_TENSORS = frozenset({"rope_freqs.weight"})
@@ -91,16 +106,18 @@ def gguf_architecture(reader: gguf.GGUFReader, path: Path) -> tuple[str, GgufFam
     return arch, family
 
 
-def gguf_hf_name(gguf_name: str) -> str | None:
-    """HF parameter name for a GGUF tensor name; None when the name is unknown."""
+def gguf_hf_name(gguf_name: str, block_names: dict[str, str] | None = None) -> str | None:
+    """HF parameter name for a GGUF tensor name (block tensors per `block_names`, Llama's by default);
+    None when the name is unknown."""
+    block_names = _BLOCK_TENSOR_NAMES if block_names is None else block_names
     stem, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
     if stem in _GLOBAL_TENSOR_NAMES:
         return f"{_GLOBAL_TENSOR_NAMES[stem]}.{suffix}"
     parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _BLOCK_TENSOR_NAMES:
-        return f"model.layers.{int(parts[1])}.{_BLOCK_TENSOR_NAMES[parts[2]]}.{suffix}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in block_names:
+        return f"model.layers.{int(parts[1])}.{block_names[parts[2]]}.{suffix}"
     return None
 
 
@@ -140,6 +157,12 @@ def read_gguf_config(reader: gguf.GGUFReader, path: Path) -> tuple[PretrainedCon
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
     )
+    if arch == "gemma3":
+        # Only the global layers' base is in the file; the local base, query_pre_attn_scalar and the
+        # layer pattern take Gemma3TextConfig's defaults, as transformers' own GGUF loading does.
+        del settings["rope_parameters"]
+        settings["rope_theta"] = rope_theta
+        settings["sliding_window"] = _field(reader, f"{arch}.attention.sliding_window")
     config_class = getattr(transformers, family.config_class_name)
     return config_class(**settings), family.hf_architecture
 
@@ -162,7 +185,7 @@ def iter_gguf_weights(
     for tensor in reader.tensors:
         if tensor.name in _NON_PARAMETER_TENSORS:
             continue
-        hf_name = gguf_hf_name(tensor.name)
+        hf_name = gguf_hf_name(tensor.name, family.block_names)
         if hf_name is None:
             raise ModelLoadError(f"unexpected tensor {tensor.name!r} in {path.name}")
         type_name = tensor.tensor_type.name
@@ -182,6 +205,8 @@ def iter_gguf_weights(
             unpermute = config.num_key_value_heads
         if unpermute is not None:
             weight = unpermute_rotary_rows(weight, unpermute)
+        if family.norm_offset and tensor.name.endswith("norm.weight"):
+            weight = weight - family.norm_offset
         if int8_blocks is not None and dtype == torch.float32 and weight.dim() == 2:
             blocks = gguf_int8_blocks(tensor)
             if blocks is not None and unpermute is not None:

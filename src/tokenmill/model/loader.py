@@ -20,12 +20,13 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.model import gguf_loader
 from tokenmill.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from tokenmill.model.layers.linear import Int8Blocks
+from tokenmill.model.registry import MODEL_REGISTRY
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-# HF architectures with a tokenmill implementation. Kept in step with the GGUF families.
-SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset({"LlamaForCausalLM"})
+# HF architectures with a tokenmill implementation: the registry's.
+SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(MODEL_REGISTRY)
 
 _SAFETENSORS_INDEX = "model.safetensors.index.json"
 # Buffers older checkpoints saved next to the parameters; they are recomputed, never loaded.

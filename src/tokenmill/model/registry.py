@@ -7,8 +7,15 @@ _LLAMA = ("tokenmill.model.llama", "LlamaForCausalLM")
 
 MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "LlamaForCausalLM": _LLAMA,
-    "MistralForCausalLM": _LLAMA,  # same layers; sliding window is refused by the loader check
+    "MistralForCausalLM": _LLAMA,  # the same layers, every one with the config's sliding window
+    "Qwen2ForCausalLM": ("tokenmill.model.qwen", "Qwen2ForCausalLM"),
+    "Qwen3ForCausalLM": ("tokenmill.model.qwen", "Qwen3ForCausalLM"),
+    "Gemma3ForCausalLM": ("tokenmill.model.gemma3", "Gemma3ForCausalLM"),
 }
+
+# Every registered family attends through its sliding windows (layers.decoder.layer_windows), so a
+# config's `sliding_window` does not cap the context for them.
+SLIDING_WINDOW_ARCHITECTURES: frozenset[str] = frozenset(MODEL_REGISTRY)
 
 
 def get_model_class(architecture: str):

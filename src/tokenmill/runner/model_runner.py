@@ -10,7 +10,7 @@ import torch
 from tokenmill.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import get_attention_backend
-from tokenmill.model.layers.basic import use_cpu_kernels
+from tokenmill.model.layers.basic import keep_rotary_tables_float, use_cpu_kernels
 from tokenmill.model.layers.linear import (INT8_KERNEL_MAX_ROWS, Int8BlockLinear, Int8Blocks, PackedLinear,
                                           dense_linear, onednn_packing_supported)
 from tokenmill.model.registry import get_model_class
@@ -65,8 +65,7 @@ class ModelRunner:
         with torch.device(device):
             self.model = model_class(hf_config, self.attention_backend, max_model_len, device)
         self.model.to(dtype=self.dtype)
-        self.model.rotary.cos = self.model.rotary.cos.float()
-        self.model.rotary.sin = self.model.rotary.sin.float()
+        keep_rotary_tables_float(self.model)
         self.model.eval().requires_grad_(False)
         kernels = getattr(self.attention_backend, "kernels", None)
         if kernels is not None:

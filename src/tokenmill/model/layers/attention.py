@@ -18,6 +18,11 @@ A backend is picked once at startup: `TorchAttentionBackend` is portable (CPU or
 `CpuPagedAttentionBackend` (the default on CPU when tokenmill's C++ kernels build) attends decodes
 straight from the paged cache through `block_tables` and `context_lens`, with no gather and no
 padding, and shares the torch backend's prefill path.
+
+Sliding-window layers (Mistral, Gemma 3's local layers) pass `window`: a query at position p then
+sees only keys at positions p - window < k <= p (transformers' convention). The torch paths add it
+to their masks; the C++ decode kernel has no window, so windowed decodes run `windowed_paged_decode`,
+which gathers only the blocks a window can touch.
 """
 from __future__ import annotations
 
@@ -61,7 +66,7 @@ class AttentionBackend(Protocol):
     uses_decode_buckets: bool
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor: ...
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor: ...
 
 
 class TorchAttentionBackend:
@@ -71,7 +76,7 @@ class TorchAttentionBackend:
     uses_decode_buckets = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
         slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
@@ -79,20 +84,21 @@ class TorchAttentionBackend:
         slots[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
 
         out = torch.empty_like(q)
-        self.decode_into(out, q, kv_cache, meta, scale)
-        self.prefill_into(out, q, kv_cache, meta, scale)
+        self.decode_into(out, q, kv_cache, meta, scale, window)
+        self.prefill_into(out, q, kv_cache, meta, scale, window)
         return out
 
     def decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> None:
+                    scale: float, window: int | None = None) -> None:
         for bucket in meta.decode_buckets:
-            out[bucket.start:bucket.end] = self._decode(q[bucket.start:bucket.end], kv_cache, bucket, meta, scale)
+            out[bucket.start:bucket.end] = self._decode(q[bucket.start:bucket.end], kv_cache, bucket, meta, scale,
+                                                        window)
 
     def prefill_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float) -> None:
+                     scale: float, window: int | None = None) -> None:
         for (start, end), ctx_len, block_ids in zip(meta.prefill_query_ranges, meta.prefill_context_lens,
                                                     meta.prefill_block_ids):
-            out[start:end] = self._prefill(q[start:end], kv_cache, block_ids, ctx_len, scale)
+            out[start:end] = self._prefill(q[start:end], kv_cache, block_ids, ctx_len, scale, window)
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -110,7 +116,7 @@ class TorchAttentionBackend:
         return out.view(2, -1, num_kv_heads, head_dim)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, bucket: DecodeBucket, meta: AttentionMetadata,
-                scale: float) -> torch.Tensor:
+                scale: float, window: int | None = None) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads
@@ -120,18 +126,31 @@ class TorchAttentionBackend:
         # The `group` query heads sharing a KV head act as `group` queries of length 1 each; with no
         # causal mask between them this equals grouped-query attention without repeating K/V.
         query = q.view(batch, num_kv_heads, group, head_dim)
-        out = F.scaled_dot_product_attention(query, keys.to(q.dtype), values.to(q.dtype), attn_mask=bucket.mask,
+        mask = bucket.mask
+        if window is not None:
+            # The bucket's mask is each row's context as a prefix of Trues; the row's query sits at its end.
+            lengths = mask.sum(dim=-1, keepdim=True)
+            key_pos = torch.arange(mask.shape[-1], device=mask.device)
+            mask = mask & (key_pos >= lengths - window)
+        out = F.scaled_dot_product_attention(query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
                                              scale=scale)
         return out.reshape(batch, num_heads, head_dim)
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, ctx_len: int,
-                 scale: float) -> torch.Tensor:
+                 scale: float, window: int | None = None) -> torch.Tensor:
         kv = self._gather_prefill(kv_cache, block_ids)
         keys = kv[0][:ctx_len].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, ctx, D]
         values = kv[1][:ctx_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
         num_q = q.shape[0]
         query = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-        if num_q == ctx_len:
+        # Only a context longer than the window hides any key from any of these queries.
+        windowed = window is not None and ctx_len > window
+        if windowed:
+            q_pos = torch.arange(ctx_len - num_q, ctx_len, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(ctx_len, device=q.device).unsqueeze(0)
+            mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+            out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+        elif num_q == ctx_len:
             out = F.scaled_dot_product_attention(query, keys, values, is_causal=True, scale=scale, enable_gqa=True)
         elif num_q >= SPLIT_CHUNK_MIN_TOKENS and q.device.type == "cpu" and _FLASH_WITH_LSE is not None:
             out = chunk_after_prefix_attention(query, keys, values, scale)
@@ -209,13 +228,47 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         self.kernels = kernels
 
     def decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float) -> None:
-        if meta.num_decodes:
+                    scale: float, window: int | None = None) -> None:
+        if meta.num_decodes and window is not None:
+            # The C++ kernel attends a whole context; windowed layers take the torch path.
+            out[:meta.num_decodes] = windowed_paged_decode(q[:meta.num_decodes], kv_cache, meta.decode_block_tables,
+                                                           meta.decode_context_lens, scale, window)
+        elif meta.num_decodes:
             # The kernel reads a 16-bit cache under a float32 query directly; other mixes meet in the cache's dtype.
             mixed = q.dtype == torch.float32 and kv_cache.dtype in (torch.float16, torch.bfloat16)
             query = q[:meta.num_decodes].to(q.dtype if mixed else kv_cache.dtype).contiguous()
             out[:meta.num_decodes] = self.kernels.paged_decode_attention(
                 query, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+
+
+def windowed_paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
+                          context_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+    """Decode attention over the last `window` keys of each row, read through its block table.
+
+    q: [rows, Hq, D]; block_tables: [rows, max_blocks]; context_lens: [rows] (incl. the query). Each row
+    gathers the `span` blocks from the one holding its first visible key (a window touches at most
+    ceil(window / block_size) + 1 blocks), so the work is bounded by the window, not the context:
+
+        context: |b0|b1|b2|b3|b4|      window of 6, block_size 4, 19 keys (query at 18)
+        gather:        b3 b4 (+b5 clamped, masked)  keys 13..18 visible
+    """
+    rows, num_heads, head_dim = q.shape
+    num_blocks, block_size, num_kv_heads = kv_cache.shape[1:4]
+    lengths = context_lens.long().unsqueeze(1)  # [rows, 1]
+    max_blocks = block_tables.shape[1]
+    span = -(-window // block_size) + 1
+    cols = (lengths - window).clamp(min=0) // block_size + torch.arange(span, device=q.device)  # [rows, span]
+    ids = block_tables.long().gather(1, cols.clamp(max=max_blocks - 1))
+    blocks = kv_cache.view(2, num_blocks, block_size * num_kv_heads * head_dim)
+    kv = blocks[:, ids.flatten()].view(2, rows, span * block_size, num_kv_heads, head_dim)
+    # Positions from the unclamped columns: a clamped duplicate lies past the context and is masked.
+    key_pos = (cols.unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)).view(rows, -1)
+    mask = (key_pos < lengths) & (key_pos >= lengths - window)
+    keys = kv[0].transpose(1, 2).to(q.dtype)  # [rows, Hkv, span * block_size, D]
+    values = kv[1].transpose(1, 2).to(q.dtype)
+    query = q.reshape(rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask.view(rows, 1, 1, -1), scale=scale)
+    return out.reshape(rows, num_heads, head_dim)
 
 
 def get_attention_backend(device: torch.device, name: str = "auto") -> AttentionBackend:

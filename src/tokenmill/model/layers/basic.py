@@ -58,8 +58,30 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
-def rope_parameters(config) -> tuple[str, float]:
+class GeluTanhAndMul(nn.Module):
+    """gelu_tanh(gate) * up (Gemma's MLP); no fused kernel, so it always runs the torch ops."""
+
+    kernels: Optional[Any] = None  # accepted for symmetry with SiluAndMul; unused
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
+def make_gated_activation(name: str) -> nn.Module:
+    """The `act(gate) * up` layer for an HF `hidden_act` / `hidden_activation` name."""
+    if name == "silu":
+        return SiluAndMul()
+    if name in ("gelu_pytorch_tanh", "gelu_tanh"):
+        return GeluTanhAndMul()
+    raise ValueError(f"unsupported activation {name!r}")
+
+
+def rope_parameters(config, layer_type: Optional[str] = None) -> tuple[str, float]:
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if layer_type is not None:
+        # Families with several attention kinds (Gemma 3) keep one rope dict per layer type.
+        params = params[layer_type]
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     return rope_type, float(theta)
@@ -70,9 +92,10 @@ class RotaryEmbedding(nn.Module):
 
     kernels: Optional[Any] = None
 
-    def __init__(self, config, head_dim: int, max_positions: int, device: torch.device) -> None:
+    def __init__(self, config, head_dim: int, max_positions: int, device: torch.device,
+                 layer_type: Optional[str] = None) -> None:
         super().__init__()
-        rope_type, theta = rope_parameters(config)
+        rope_type, theta = rope_parameters(config, layer_type)
         scaling = 1.0
         if rope_type == "default":
             inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
@@ -80,7 +103,8 @@ class RotaryEmbedding(nn.Module):
             # Scaled variants (llama3, linear, dynamic, yarn ...) come from transformers' own formulas.
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+            extra = {} if layer_type is None else {"layer_type": layer_type}
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device, **extra)
         positions = torch.arange(max_positions, dtype=torch.float32, device=device)
         freqs = torch.outer(positions, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -113,7 +137,14 @@ def use_cpu_kernels(model: nn.Module, kernels: Any) -> int:
         if isinstance(module, (RMSNorm, SiluAndMul, RotaryEmbedding)):
             module.kernels = kernels
             count += 1
-    if isinstance(getattr(model, "rotary", None), RotaryEmbedding):
-        model.rotary.cos = model.rotary.cos.float().contiguous()
-        model.rotary.sin = model.rotary.sin.float().contiguous()
+    keep_rotary_tables_float(model)
     return count
+
+
+def keep_rotary_tables_float(model: nn.Module) -> None:
+    """cos/sin tables stay float32 (and contiguous, as the kernels read them) under any model dtype:
+    `model.to(dtype)` casts buffers too, and bf16 positions tables lose the rotation's precision."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.cos = module.cos.float().contiguous()
+            module.sin = module.sin.float().contiguous()

@@ -1,0 +1,202 @@
+"""`DecoderForCausalLM`: embeddings, a stack of `DecoderLayer`s, the final norm and the LM head, with
+everything the runner asks of a model in one place for every family.
+
+A family subclass only says how its HF config reads as a `DecoderSpec` (`build_spec`). The runner's
+hooks live here: `convert_linear_layers` (packed / block-int8 projections), `checkpoint_weight_names`
+(which checkpoint matrices a fused projection stacks), and `enable_int8_decode` (the whole stack as
+one C++ call for decode steps), which declines, with a log line naming the reason, for models whose
+layers the fused kernel does not implement (q/k norms, sandwich norms, GELU, sliding windows).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
+from tokenmill.model.layers.basic import RMSNorm, RotaryEmbedding
+from tokenmill.model.layers.decoder import DecoderLayer, DecoderSpec
+from tokenmill.model.layers.linear import INT8_KERNEL_MAX_ROWS, Int8BlockLinear, LinearFactory, replace_linear_layers
+
+logger = logging.getLogger("tokenmill")
+
+
+class DecoderForCausalLM(nn.Module):
+    # Checkpoint names that are fused into one of our parameters: (ours, theirs, shard index).
+    _FUSED = (("qkv_proj", "q_proj", 0), ("qkv_proj", "k_proj", 1), ("qkv_proj", "v_proj", 2),
+              ("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+
+    @classmethod
+    def build_spec(cls, config) -> DecoderSpec:
+        raise NotImplementedError
+
+    def __init__(self, config, backend: AttentionBackend, max_positions: int, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.spec = spec = self.build_spec(config)
+        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        # HF keeps the scale as a float32 tensor cast to the weights' dtype; the same here, so bf16 rounds alike.
+        self.embed_scale: Optional[torch.Tensor]
+        self.register_buffer("embed_scale", None if spec.embed_scale is None else torch.tensor(spec.embed_scale),
+                             persistent=False)
+        # One rotary table per distinct rope (Gemma 3: global and local layers differ in base).
+        self.rotaries = nn.ModuleDict({
+            _rope_key(key): RotaryEmbedding(config, spec.head_dim, max_positions, device, layer_type=key)
+            for key in dict.fromkeys(spec.layer_rope)})
+        self.layers = nn.ModuleList(
+            DecoderLayer(spec, backend, self.rotaries[_rope_key(rope)], window)
+            for rope, window in zip(spec.layer_rope, spec.layer_windows))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.tie_word_embeddings = spec.tie_word_embeddings
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
+        self._int8_decode: Optional[tuple[Any, list[torch.Tensor]]] = None  # (kernels, per-layer tensors)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return x if self.embed_scale is None else x * self.embed_scale.to(x.dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                meta: AttentionMetadata) -> torch.Tensor:
+        rows = input_ids.numel()
+        if (self._int8_decode is not None and meta.num_decodes == rows <= INT8_KERNEL_MAX_ROWS
+                and meta.decode_block_tables is not None):
+            return self._forward_int8_decode(input_ids, positions, kv_caches, meta)
+        x, residual = self.embed(input_ids), None
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        return self.norm(x, residual)[0]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.lm_head is None:
+            logits = F.linear(hidden, self.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        cap = self.spec.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    # ---- the fused int8 decode stack -------------------------------------------------------
+    def int8_decode_blocker(self) -> Optional[str]:
+        """Why the fused C++ decode stack cannot run this model, or None when it can.
+
+        The kernel implements exactly the Llama layer: pre-norms only, fused rotary, SiLU, full attention.
+        """
+        spec = self.spec
+        if spec.qk_norm:
+            return "per-head q/k norms"
+        if spec.sandwich_norms:
+            return "norms after attention and MLP"
+        if spec.activation != "silu":
+            return f"activation {spec.activation}"
+        if any(window is not None for window in spec.layer_windows):
+            return "sliding-window layers"
+        if len(self.rotaries) > 1:
+            return "per-layer rotary tables"
+        return None
+
+    def enable_int8_decode(self, kernels: Any) -> bool:
+        """Run decode-only steps of up to INT8_KERNEL_MAX_ROWS rows as one C++ call over the whole stack
+        (`llama_decode_int8`).
+
+        Same kernels in the same order as the layers, so the same bits; it skips ~0.2 ms of Python and
+        dispatch per layer, most of a small decode step's non-matmul time. Needs every projection in
+        block-int8 form and the rotary/norm kernels (use_cpu_kernels); returns whether it was enabled.
+        """
+        blocker = self.int8_decode_blocker()
+        if blocker is not None:
+            logger.info("%s: decode steps run layer by layer (the fused int8 decode stack lacks %s)",
+                        type(self).__name__, blocker)
+            return False
+        params: list[torch.Tensor] = []
+        none = torch.empty(0)
+        for layer in self.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if (not all(isinstance(linear, Int8BlockLinear) for linear in linears)
+                    or layer.input_layernorm.kernels is None):
+                return False
+            qkv, o, gate_up, down = ([linear.q, linear.scales, none if linear.mins is None else linear.mins,
+                                      none if linear.bias is None else linear.bias] for linear in linears)
+            params += [layer.input_layernorm.weight, *qkv, *o, layer.post_attention_layernorm.weight, *gate_up, *down]
+        self._int8_decode = (kernels, params)
+        return True
+
+    def _forward_int8_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
+                             meta: AttentionMetadata) -> torch.Tensor:
+        kernels, params = self._int8_decode
+        attn = self.layers[0].self_attn
+        return kernels.llama_decode_int8(
+            self.embed(input_ids), positions, meta.slot_mapping, meta.decode_block_tables,
+            meta.decode_context_lens, kv_caches, params, self.norm.weight, attn.rotary.cos, attn.rotary.sin,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norm.eps, attn.scale)
+
+    # ---- runner hooks for linear layers ----------------------------------------------------
+    def convert_linear_layers(self, make: LinearFactory) -> None:
+        """After loading: every projection and the LM head rebuilt by make(name, weight, bias) (packed,
+        block-int8).
+
+        A tied head gets its own converted copy; the embedding lookup keeps its plain weights.
+        """
+        replace_linear_layers(self, make)
+        if self.lm_head is None:
+            self.lm_head = make("lm_head", self.embed_tokens.weight, None)
+
+    def checkpoint_weight_names(self, module_name: str) -> list[str]:
+        """The checkpoint tensors whose rows, stacked in order, are this linear module's weight."""
+        if module_name == "lm_head":
+            return ["model.embed_tokens.weight" if self.tie_word_embeddings else "lm_head.weight"]
+        prefix, _, leaf = module_name.rpartition(".")
+        parts = [theirs for ours, theirs, _ in self._FUSED if ours == leaf] or [leaf]
+        return [f"model.{prefix}.{part}.weight" for part in parts]
+
+    # ---- weights -------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding is the head
+            target, shard = self._map_name(name)
+            if target not in params:
+                raise KeyError(f"unexpected weight {name}")
+            param = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    param.copy_(tensor)
+                else:
+                    offset, size = self._shard_range(target, shard)
+                    param[offset:offset + size].copy_(tensor)
+            loaded.add(f"{target}#{shard}")
+        missing = [n for n in params if not any(key.startswith(n + "#") for key in loaded)]
+        if missing:
+            raise KeyError(f"weights missing from the checkpoint: {missing[:5]}")
+        if self.spec.norm_weight_offset:
+            # (1 + w) computed once here in the weights' dtype, as HF computes it per call in float32; the
+            # same values in float32, and every norm kernel stays the plain x * w one.
+            with torch.no_grad():
+                for module in self.modules():
+                    if isinstance(module, RMSNorm):
+                        module.weight.add_(self.spec.norm_weight_offset)
+
+    def _map_name(self, name: str) -> tuple[str, int | None]:
+        for ours, theirs, shard in self._FUSED:
+            if f".{theirs}." in name:
+                return name.replace(f".{theirs}.", f".{ours}."), shard
+        return name, None
+
+    def _shard_range(self, target: str, shard: int) -> tuple[int, int]:
+        if ".qkv_proj." in target:
+            attn = self.layers[0].self_attn
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.spec.intermediate_size] * 2
+        return sum(sizes[:shard]), sizes[shard]
+
+
+def _rope_key(layer_type: Optional[str]) -> str:
+    return layer_type or "default"

@@ -1,0 +1,145 @@
+"""Qwen2, Qwen3 and Gemma 3 from tiny random checkpoints: greedy tokens equal HF transformers' (fp32)
+under batching, chunked prefill, preemption and prefix-cache hits, from safetensors and from a GGUF;
+sliding windows attend only their window; and which configs cap the context."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from model_factory import GOLDEN_PROMPTS, build_tiny_family, hf_greedy, write_family_gguf
+from tokenmill import LLM, SamplingParams
+
+FAMILIES = ["qwen2", "qwen3", "gemma3"]
+MAX_TOKENS = [12, 20, 5, 16, 24, 9, 30, 14, 22]
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory, smollm2_tokenizer) -> dict[str, Path]:
+    return {family: build_tiny_family(tmp_path_factory.mktemp(f"tiny-{family}"), smollm2_tokenizer, family)
+            for family in FAMILIES}
+
+
+def hf_model(directory: Path, weights: dict[str, torch.Tensor] | None = None):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    if weights is not None:  # the values a GGUF stores (quantized projections)
+        missing = model.load_state_dict(weights, strict=False).missing_keys
+        assert all("lm_head" in name for name in missing), missing
+        if model.config.tie_word_embeddings:  # the copied embedding must be the head as well
+            assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    return model
+
+
+def check_parity(llm: LLM, hf, tokenizer) -> None:
+    """Nine prompts at once through a small budget (chunks) and 12 KV blocks (preemption); then the
+    longest prompt again, served from the prefix cache."""
+    prompt_ids = [tokenizer.encode(p) for p in GOLDEN_PROMPTS]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in MAX_TOKENS]
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids], params, use_tqdm=False)
+    expected = [hf_greedy(hf, ids, m) for ids, m in zip(prompt_ids, MAX_TOKENS)]
+    for ids, out, want in zip(prompt_ids, outputs, expected):
+        assert out.outputs[0].token_ids == want, f"mismatch for {tokenizer.decode(ids)!r}"
+    core = llm.llm_engine.core.core
+    assert core.scheduler.num_preemptions > 0
+    longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+    again = llm.generate([{"prompt_token_ids": prompt_ids[longest]}], params[longest], use_tqdm=False)[0]
+    assert again.num_cached_tokens > 0
+    assert again.outputs[0].token_ids == expected[longest]
+    assert core.kv_cache.usage == 0.0
+
+
+def engine(model: str, backend: str, **kwargs) -> LLM:
+    return LLM(model, device="cpu", max_num_batched_tokens=24, num_kv_blocks=12, max_model_len=192,
+               attention_backend=backend, **kwargs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_matches_hf(request, family_dirs, smollm2_tokenizer, family, backend):
+    if backend == "cpu":
+        request.getfixturevalue("kernels")
+    directory = family_dirs[family]
+    llm = engine(str(directory), backend)
+    assert llm.llm_engine.core.core.runner.attention_backend.name == backend
+    check_parity(llm, hf_model(directory), smollm2_tokenizer)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_gguf_matches_hf(request, tmp_path, family_dirs, smollm2_tokenizer, family, caplog):
+    """Q8_0 projections (kept as int8 blocks where the kernels build) and float norms: HF runs the very
+    values the file stores. Qwen2's layers fit the fused int8 decode stack; Qwen3's and Gemma's do not,
+    which the runner logs."""
+    from tokenmill.model.layers import cpu_kernels
+
+    directory = family_dirs[family]
+    path = tmp_path / f"{family}.gguf"
+    stored = write_family_gguf(path, directory, family)
+    backend = "cpu" if cpu_kernels.load() is not None else "torch"
+    with caplog.at_level("INFO", logger="tokenmill"):
+        llm = engine(str(path), backend, tokenizer=str(directory))
+    runner = llm.llm_engine.core.core.runner
+    assert type(runner.model).__name__ == runner.hf_config.architectures[0]
+    if backend == "cpu":
+        assert runner.num_gguf_layers_kept > 0
+        fused = runner.model._int8_decode is not None
+        assert fused == (family == "qwen2")
+        assert fused or "decode steps run layer by layer" in caplog.text
+    check_parity(llm, hf_model(directory, stored), smollm2_tokenizer)
+
+
+def test_gemma3_gguf_config_matches_hf(tmp_path, family_dirs):
+    """The GGUF's metadata rebuilds the parts of Gemma3TextConfig the model reads."""
+    from tokenmill.model.loader import load_model_source
+
+    directory = family_dirs["gemma3"]
+    path = tmp_path / "gemma3.gguf"
+    write_family_gguf(path, directory, "gemma3")
+    config = load_model_source(str(path), tokenizer=str(directory)).hf_config
+    original = json.loads((directory / "config.json").read_text())
+    assert config.layer_types == original["layer_types"] == ["sliding_attention"] * 5 + ["full_attention"]
+    assert config.sliding_window == original["sliding_window"] and config.head_dim == original["head_dim"]
+    assert config.rope_parameters["full_attention"]["rope_theta"] == 1_000_000.0
+    assert config.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0
+
+
+def test_windowed_paged_decode_attends_only_the_window():
+    from tokenmill.model.layers.attention import windowed_paged_decode
+
+    torch.manual_seed(0)
+    block_size, heads, kv_heads, dim, window = 4, 4, 2, 8, 6
+    cache = torch.randn(2, 12, block_size, kv_heads, dim)
+    tables = torch.tensor([[3, 7, 1, 9, 0], [5, 2, 0, 0, 0], [11, 4, 6, 8, 10]], dtype=torch.int32)
+    lengths = torch.tensor([19, 5, 20], dtype=torch.int32)
+    q = torch.randn(3, heads, dim)
+    out = windowed_paged_decode(q, cache, tables, lengths, 0.3, window)
+    for row in range(3):
+        length = int(lengths[row])
+        slots = [int(tables[row, p // block_size]) * block_size + p % block_size
+                 for p in range(max(0, length - window), length)]
+        keys = cache[0].reshape(-1, kv_heads, dim)[slots].repeat_interleave(2, dim=1)  # [n, Hq, D]
+        values = cache[1].reshape(-1, kv_heads, dim)[slots].repeat_interleave(2, dim=1)
+        weights = torch.softmax(torch.einsum("hd,nhd->hn", q[row], keys) * 0.3, dim=-1)
+        torch.testing.assert_close(out[row], torch.einsum("hn,nhd->hd", weights, values))
+
+
+def test_sliding_window_caps_the_context_only_where_it_is_not_attended():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.engine_core import derive_max_model_len
+
+    config = EngineConfig(model=None)
+    # Qwen2 checkpoints carry a window with use_sliding_window false: nothing is windowed.
+    qwen2 = Qwen2Config(max_position_embeddings=4096, sliding_window=1024, use_sliding_window=False,
+                        architectures=["Qwen2ForCausalLM"])
+    assert derive_max_model_len(config, qwen2) == 4096
+    # Mistral's window is attended through: the context is the model's, not the window.
+    mistral = MistralConfig(max_position_embeddings=8192, sliding_window=1024, architectures=["MistralForCausalLM"])
+    assert derive_max_model_len(config, mistral) == 8192
+    llama = LlamaConfig(max_position_embeddings=2048, architectures=["SomethingElse"])
+    llama.sliding_window = 512  # a family that cannot window stays capped
+    assert derive_max_model_len(config, llama) == 512
