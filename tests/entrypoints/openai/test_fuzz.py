@@ -8,6 +8,7 @@ run is part of the normal suite; `pytest -m fuzz` runs the long one.
 from __future__ import annotations
 
 import json
+import urllib.parse
 
 import httpx
 import pytest
@@ -133,3 +134,108 @@ def test_fuzz_short(smollm2_server):
 @pytest.mark.fuzz
 def test_fuzz_long(smollm2_server):
     run_fuzz(smollm2_server, examples=2000)
+
+
+# ---- every route of the server's own /openapi.json ----------------------------------------------
+def schema_strategy(schema: dict, components: dict, depth: int = 0) -> st.SearchStrategy:
+    """Values for a JSON-schema node of the spec: of its type (weird ones) or junk of any type."""
+    if "$ref" in schema:
+        schema = components.get(schema["$ref"].rsplit("/", 1)[-1], {})
+    options = schema.get("anyOf") or schema.get("oneOf")
+    if options:
+        return st.one_of(*[schema_strategy(o, components, depth) for o in options[:6]], junk)
+    kind = schema.get("type")
+    if "enum" in schema or "const" in schema:
+        return st.one_of(st.sampled_from(schema.get("enum") or [schema.get("const")]), junk)
+    if kind == "string":
+        return weird_text
+    if kind in ("integer", "number"):
+        return weird_number
+    if kind == "boolean":
+        return st.one_of(st.booleans(), junk)
+    if kind == "array" and depth < 3:
+        return st.one_of(st.lists(schema_strategy(schema.get("items", {}), components, depth + 1), max_size=3), junk)
+    if kind == "object" and depth < 3 and "properties" in schema:
+        return object_strategy(schema, components, depth + 1)
+    return junk
+
+
+def object_strategy(schema: dict, components: dict, depth: int = 0) -> st.SearchStrategy:
+    """Objects with the schema's required fields and any of its optional ones, each value weird."""
+    properties = schema.get("properties", {})
+    required = set(schema.get("required", []))
+    return st.fixed_dictionaries(
+        {name: schema_strategy(sub, components, depth) for name, sub in properties.items() if name in required},
+        optional={name: schema_strategy(sub, components, depth) for name, sub in properties.items()
+                  if name not in required})
+
+
+def openapi_cases(spec: dict) -> st.SearchStrategy:
+    """(method, path, path parameters, body) over every route the server documents in /openapi.json:
+    bodies shaped by each route's request schema (field names and types from the spec, values weird),
+    or junk; path parameters filled with weird text."""
+    components = spec.get("components", {}).get("schemas", {})
+    cases = []
+    for path, methods in spec["paths"].items():
+        for method, operation in methods.items():
+            params = [p["name"] for p in operation.get("parameters", []) if p.get("in") == "path"]
+            path_values = st.fixed_dictionaries({name: st.one_of(weird_text, st.just("../x")) for name in params})
+            schema = (operation.get("requestBody", {}).get("content", {}).get("application/json", {})
+                      .get("schema"))
+            body = st.none()
+            if schema is not None:
+                body = st.one_of(schema_strategy(schema, components).map(_small_generation), junk)
+            cases.append(st.tuples(st.just(method.upper()), st.just(path), path_values, body))
+    return st.one_of(*cases)
+
+
+def _small_generation(body):
+    """Bodies may ask for thousands of tokens (leaving max_tokens out means the rest of the context):
+    cap what a fuzz case can make the engine do, so a slow answer is never mistaken for a hang."""
+    if isinstance(body, dict):
+        if "max_tokens" not in body and ("messages" in body or "prompt" in body):
+            body["max_tokens"] = 4
+        for field in ("max_tokens", "max_completion_tokens"):
+            value = body.get(field)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 4:
+                body[field] = 4
+        if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) and body["n"] > 2:
+            body["n"] = 2
+    return body
+
+
+def check_route(client: httpx.Client, method: str, path: str, path_values: dict, body) -> None:
+    url = path
+    for name, value in path_values.items():
+        quoted = urllib.parse.quote(value.encode("utf-8", "surrogatepass"), safe="")
+        url = url.replace("{" + name + "}", quoted or "x")
+    if method == "GET":
+        response = client.get(url, timeout=ANSWER_WITHIN_S)
+    else:
+        response = client.request(method, url, content=json.dumps(body).encode(),
+                                  headers={"content-type": "application/json"}, timeout=ANSWER_WITHIN_S)
+    assert response.status_code < 500, (method, url, str(body)[:300], response.status_code, response.text[:300])
+
+
+def run_openapi_fuzz(server, examples: int) -> None:
+    with httpx.Client(base_url=server.url, headers=server.headers) as client:
+        spec = client.get("/openapi.json").json()
+        assert {"/v1/completions", "/v1/chat/completions", "/v1/models/{model_id}"} <= set(spec["paths"])
+
+        @settings(max_examples=examples, deadline=None, derandomize=examples <= 100,
+                  suppress_health_check=list(HealthCheck))
+        @given(openapi_cases(spec))
+        def fuzz(case) -> None:
+            check_route(client, *case)
+
+        fuzz()
+        assert httpx.get(server.url + "/health", timeout=5).status_code == 200
+
+
+def test_fuzz_every_openapi_route_short(smollm2_server):
+    run_openapi_fuzz(smollm2_server, examples=60)
+
+
+@pytest.mark.fuzz
+def test_fuzz_every_openapi_route_long(smollm2_server):
+    run_openapi_fuzz(smollm2_server, examples=2000)
