@@ -40,6 +40,9 @@ class GgufFamily:
     # llama.cpp's converter stores Gemma's norm weights as 1 + w; transformers subtracts the 1 again
     # on load (and adds it per call), so the loader does the same to get the same float32 values.
     norm_offset: float = 0.0
+    # A token that ends a chat turn and, like llama.cpp's end-of-generation set, stops generation
+    # besides the file's EOS (HF lists it in eos_token_id, e.g. Gemma 3's [1, 106]).
+    end_of_turn_token: str | None = None
 
 
 _BLOCK_TENSOR_NAMES = {
@@ -66,7 +69,7 @@ GGUF_FAMILIES: dict[str, GgufFamily] = {
                         block_names={**_BLOCK_TENSOR_NAMES, **_QK_NORM_NAMES}),
     "gemma3": GgufFamily("Gemma3ForCausalLM", "Gemma3TextConfig", unpermute_qk=False,
                          block_names={**_BLOCK_TENSOR_NAMES, **_QK_NORM_NAMES, **_GEMMA_NORM_NAMES},
-                         norm_offset=1.0),
+                         norm_offset=1.0, end_of_turn_token="<end_of_turn>"),
 }
 
 # Quantization types gguf-py dequantizes in numpy. The common set is F32/F16/BF16/Q8_0/
@@ -163,6 +166,9 @@ def read_gguf_config(reader: gguf.GGUFReader, path: Path) -> tuple[PretrainedCon
         del settings["rope_parameters"]
         settings["rope_theta"] = rope_theta
         settings["sliding_window"] = _field(reader, f"{arch}.attention.sliding_window")
+    end_of_turn = _token_id(reader, family.end_of_turn_token)
+    if end_of_turn is not None and settings["eos_token_id"] not in (None, end_of_turn):
+        settings["eos_token_id"] = [settings["eos_token_id"], end_of_turn]
     config_class = getattr(transformers, family.config_class_name)
     return config_class(**settings), family.hf_architecture
 
@@ -356,6 +362,16 @@ def _field(reader: gguf.GGUFReader, key: str) -> Any:
         # value the converter was given, so configs compare equal to the HF originals.
         value = float(str(np.float32(value)))
     return value
+
+
+def _token_id(reader: gguf.GGUFReader, token: str | None) -> int | None:
+    """The id of `token` in the file's vocabulary (tokenizer.ggml.tokens), None when absent."""
+    tokens = reader.fields.get("tokenizer.ggml.tokens") if token is not None else None
+    if tokens is None:
+        return None
+    wanted = token.encode()
+    # Special tokens sit near the start of the vocabulary; stop at the first match.
+    return next((i for i, part in enumerate(tokens.data) if bytes(tokens.parts[part]) == wanted), None)
 
 
 def _vocab_size(reader: gguf.GGUFReader, arch: str, path: Path) -> int:

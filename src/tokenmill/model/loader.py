@@ -9,6 +9,7 @@ model builder can copy each into place without two copies of the model in memory
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,12 +19,15 @@ import torch
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model import gguf_loader
+from tokenmill.model.chat_templates import ensure_chat_template
 from tokenmill.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from tokenmill.model.layers.linear import Int8Blocks
 from tokenmill.model.registry import MODEL_REGISTRY
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
+logger = logging.getLogger("tokenmill")
 
 # HF architectures with a tokenmill implementation: the registry's.
 SUPPORTED_ARCHITECTURES: frozenset[str] = frozenset(MODEL_REGISTRY)
@@ -110,6 +114,7 @@ def _load_gguf(path: Path, tokenizer: str | None) -> ModelSource:
     reader = gguf_loader.open_gguf(path)
     config, architecture = gguf_loader.read_gguf_config(reader, path)
     tok = _load_tokenizer(Path(tokenizer).expanduser()) if tokenizer else gguf_loader.load_gguf_tokenizer(path)
+    _add_known_chat_template(tok, architecture, path)
     return ModelSource(
         hf_config=config,
         architecture=architecture,
@@ -133,6 +138,7 @@ def _load_hf_dir(directory: Path, tokenizer: str | None) -> ModelSource:
     except Exception as exc:  # transformers raises ValueError/KeyError/OSError for bad configs
         raise ModelLoadError(f"cannot read {directory / 'config.json'}: {exc}".splitlines()[0]) from None
     tok = _load_tokenizer(Path(tokenizer).expanduser() if tokenizer else directory)
+    _add_known_chat_template(tok, architecture, directory)
     return ModelSource(
         hf_config=config,
         architecture=architecture,
@@ -141,6 +147,11 @@ def _load_hf_dir(directory: Path, tokenizer: str | None) -> ModelSource:
         path=directory,
         is_gguf=False,
     )
+
+
+def _add_known_chat_template(tokenizer: PreTrainedTokenizerBase, architecture: str, path: Path) -> None:
+    if ensure_chat_template(tokenizer, architecture):
+        logger.info("%s carries no chat template; using tokenmill's %s template", path.name, architecture)
 
 
 def _hf_architecture(directory: Path) -> str:
