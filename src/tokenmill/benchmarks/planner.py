@@ -57,6 +57,8 @@ PRESETS: dict[str, ModelSpec] = {spec.name: spec for spec in (
     ModelSpec("qwen2.5-72b", 80, 64, 8, 128, 72_706_203_648, 32768),
     ModelSpec("mistral-7b", 32, 32, 8, 128, 7_241_732_096, 32768),
     ModelSpec("smollm2-135m", 30, 9, 3, 64, 134_515_008, 8192),
+    # tokenmill gives every layer KV for the whole context, Gemma 3's sliding-window layers too.
+    ModelSpec("gemma3-270m", 18, 4, 1, 256, 268_098_176, 32768),
 )}
 
 

@@ -289,7 +289,7 @@ def run_bench_throughput(args: argparse.Namespace) -> int:
 def _add_plan(subparsers: Any) -> None:
     parser = subparsers.add_parser("plan", help="devices needed for a model, context length and concurrency")
     parser.add_argument("--model", required=True, help="preset (llama-3-8b, llama-3-70b, qwen2.5-7b, mistral-7b, "
-                                                       "smollm2-135m, ...), HF model dir, or .gguf")
+                                                       "smollm2-135m, gemma3-270m, ...), HF model dir, or .gguf")
     device = parser.add_mutually_exclusive_group(required=True)
     device.add_argument("--gpu", default=None, help="A100-40GB, A100-80GB, H100-80GB, H200, L4, L40S, A10G, "
                                                     "RTX-4090, MI300X")
