@@ -31,15 +31,16 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    """`python -m tokenmill.entrypoints.openai.api_server ...` with its output in a log file."""
+    """`python -m tokenmill.entrypoints.openai.api_server ...` (or another `entry`, such as the `tokenmill
+    serve` CLI) with its output in a log file."""
 
     def __init__(self, args: list[str], log_dir: Path, env: Optional[dict[str, str]] = None,
-                 api_key: Optional[str] = None) -> None:
+                 api_key: Optional[str] = None,
+                 entry: tuple[str, ...] = ("-m", "tokenmill.entrypoints.openai.api_server")) -> None:
         self.port = free_port()
         self.api_key = api_key
         self.log_path = log_dir / f"server-{self.port}.log"
-        cmd = [sys.executable, "-m", "tokenmill.entrypoints.openai.api_server", "--host", "127.0.0.1",
-               "--port", str(self.port), *args]
+        cmd = [sys.executable, *entry, "--host", "127.0.0.1", "--port", str(self.port), *args]
         environment = {k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}
         environment.update(env or {})
         self._log = open(self.log_path, "wb")
@@ -155,4 +156,15 @@ def start_server(server_log_dir) -> Iterator[Callable[..., ServerProcess]]:
 
     yield start
     for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def gemma3_270m_server(gemma3_270m_gguf, server_log_dir) -> Iterator[ServerProcess]:
+    """`tokenmill serve --model <the real Gemma 3 270M GGUF>` (skipped when its package is not installed)."""
+    server = ServerProcess(["--model", str(gemma3_270m_gguf), "--max-model-len", "512", "--num-kv-blocks", "64",
+                            "--disable-access-log"], server_log_dir, entry=("-m", "tokenmill.entrypoints.cli", "serve"))
+    try:
+        yield server.wait_ready()
+    finally:
         server.stop()
