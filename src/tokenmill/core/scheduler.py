@@ -71,6 +71,8 @@ class SchedulerStats:
     num_queue_timeouts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    # Filled by the engine core on accelerators: device memory its process holds (bytes).
+    device_memory_bytes: int = 0
 
 
 class Scheduler:

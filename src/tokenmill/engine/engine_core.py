@@ -247,7 +247,11 @@ class EngineCore:
         outputs, self._pending = self._pending, []
         if self.scheduler.has_unfinished_requests():
             outputs.extend(self._step())
-        return EngineCoreOutputs(outputs=outputs, stats=self.scheduler.get_stats(), timestamp=time.time())
+        stats = self.scheduler.get_stats()
+        if self.device.type == "cuda":
+            # The API process holds no CUDA context: device memory is reported from here.
+            stats.device_memory_bytes = torch.cuda.memory_allocated(self.device)
+        return EngineCoreOutputs(outputs=outputs, stats=stats, timestamp=time.time())
 
     def _step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()

@@ -73,7 +73,7 @@ def scheduler_snapshot(outputs: EngineCoreOutputs) -> SchedulerSnapshot:
         num_preemptions=stats.num_preemptions, prefix_cache_queries=stats.prefix_cache_queries,
         prefix_cache_hits=stats.prefix_cache_hits, num_cached_blocks=stats.num_cached_blocks,
         num_evictions=stats.num_evictions, spec_num_draft_tokens=stats.spec_num_draft_tokens,
-        spec_num_accepted_tokens=stats.spec_num_accepted_tokens)
+        spec_num_accepted_tokens=stats.spec_num_accepted_tokens, device_memory_bytes=stats.device_memory_bytes)
 
 
 class LLMEngine:

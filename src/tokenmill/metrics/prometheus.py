@@ -73,12 +73,9 @@ class PrometheusStatLogger:
         self._replica_gauges: Optional[dict[str, Gauge]] = None
         self.device_memory: Optional[Gauge] = None
         if device_memory:
-            # Read at scrape time: a CUDA query per engine step would cost more than it tells.
-            import torch
-
+            # Reported by the engine core with its stats (this process holds no CUDA context).
             self.device_memory = Gauge(p + "device_memory_used_bytes", "CUDA memory allocated by the engine",
                                        labels, registry=r)
-            self.device_memory.labels(model_name).set_function(torch.cuda.memory_allocated)
         self._last = SchedulerSnapshot()
         self._rejected_seen: dict[str, int] = {}
         self._create_series()
@@ -106,6 +103,8 @@ class PrometheusStatLogger:
         self.swapped.labels(m).set(scheduler.num_swapped)
         self.kv_usage.labels(m).set(scheduler.kv_cache_usage)
         self.cached_blocks.labels(m).set(scheduler.num_cached_blocks)
+        if self.device_memory is not None:
+            self.device_memory.labels(m).set(scheduler.device_memory_bytes)
         last = self._last
         self.preemptions.labels(m).inc(max(0, scheduler.num_preemptions - last.num_preemptions))
         self.prefix_queries.labels(m).inc(max(0, scheduler.prefix_cache_queries - last.prefix_cache_queries))

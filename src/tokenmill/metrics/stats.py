@@ -24,6 +24,7 @@ class SchedulerSnapshot:
     num_evictions: int = 0  # cumulative
     spec_num_draft_tokens: int = 0  # cumulative: speculative drafts verified
     spec_num_accepted_tokens: int = 0  # cumulative: drafts kept
+    device_memory_bytes: int = 0  # CUDA memory the engine core holds (0 on CPU)
 
 
 @dataclass(slots=True)
