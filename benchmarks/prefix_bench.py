@@ -19,7 +19,6 @@ import os
 import shlex
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -27,7 +26,7 @@ from benchmarks.engine_options import effective, given
 from benchmarks.make_bench import _display_path, _usable_cores, machine_info, positive, publish_report
 from benchmarks.shared_prefix import SharedPrefixSpec, build_shared_prefix_workload, ideal_cached_tokens
 from benchmarks.tables import markdown_table, text_table
-from tokenmill.benchmarks.throughput import check_output_lengths, percentile, throughput_result, warm_up_llm
+from tokenmill.benchmarks.throughput import generate_timed, percentile, throughput_result, warm_up_llm
 from tokenmill.benchmarks.workloads import WorkloadRequest, workload_summary
 
 SECTION = "prefix-cache"
@@ -132,24 +131,16 @@ def _release_memory(torch) -> None:
 
 def measure(llm, requests: Sequence[WorkloadRequest], name: str, use_tqdm: bool = True) -> dict[str, Any]:
     """One timed `LLM.generate` over the whole workload (all queued at t=0), after an untimed warm-up."""
-    from tokenmill import SamplingParams
-
     warm_up_llm(llm, requests)
     core = llm.llm_engine.core.core
     stats = core.kv_cache.prefix_stats
     queries0, hits0, evictions0 = stats.queries, stats.hits, core.kv_cache.pool.num_evictions
-    prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in requests]
-    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0) for r in requests]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
-    wall = time.perf_counter() - start
-    lengths = [len(o.outputs[0].token_ids) for o in outputs]
-    check_output_lengths(name, requests, lengths)
+    wall, outputs = generate_timed(llm, requests, use_tqdm, name)
     queries, hits = stats.queries - queries0, stats.hits - hits0
     return throughput_result(
         name, wall,
         prompt_tokens=sum(r.prompt_len for r in requests),
-        output_tokens=sum(lengths),
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         num_requests=len(requests),
         **ttft_stats(outputs),
         prefix_cache_queries=queries,

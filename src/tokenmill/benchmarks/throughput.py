@@ -70,26 +70,33 @@ def warm_up_llm(llm: "LLM", requests: Sequence[WorkloadRequest]) -> None:
                  [SamplingParams(max_tokens=4, ignore_eos=True, temperature=0.0)], use_tqdm=False)
 
 
-def run_offline_throughput(llm: "LLM", requests: Sequence[WorkloadRequest], *, use_tqdm: bool = True,
-                           warmup: bool = True, engine: str = "tokenmill") -> dict[str, Any]:
-    """Generate every request (exactly max_tokens each) in one `LLM.generate` call; return the numbers."""
+def generate_timed(llm: "LLM", requests: Sequence[WorkloadRequest], use_tqdm: bool,
+                   name: str = "tokenmill") -> tuple[float, list]:
+    """Generate every request (greedy, exactly max_tokens each) in one `LLM.generate` call; returns the
+    wall time and the outputs, after checking every output has its length."""
     from tokenmill import SamplingParams
 
-    if not requests:
-        raise ValueError("no requests to run")
-    if warmup:
-        warm_up_llm(llm, requests)
     prompts = [{"prompt_token_ids": list(r.prompt_token_ids)} for r in requests]
     params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True, temperature=0.0) for r in requests]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     wall = time.perf_counter() - start
-    lengths = [len(o.outputs[0].token_ids) for o in outputs]
-    check_output_lengths(engine, requests, lengths)
+    check_output_lengths(name, requests, [len(o.outputs[0].token_ids) for o in outputs])
+    return wall, outputs
+
+
+def run_offline_throughput(llm: "LLM", requests: Sequence[WorkloadRequest], *, use_tqdm: bool = True,
+                           warmup: bool = True, engine: str = "tokenmill") -> dict[str, Any]:
+    """Generate every request (exactly max_tokens each) in one `LLM.generate` call; return the numbers."""
+    if not requests:
+        raise ValueError("no requests to run")
+    if warmup:
+        warm_up_llm(llm, requests)
+    wall, outputs = generate_timed(llm, requests, use_tqdm, engine)
     return throughput_result(
         engine, wall,
         prompt_tokens=sum(r.prompt_len for r in requests),
-        output_tokens=sum(lengths),
+        output_tokens=sum(len(o.outputs[0].token_ids) for o in outputs),
         num_requests=len(requests),
         **_latency_stats(outputs),
     )
