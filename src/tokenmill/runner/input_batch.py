@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Optional
 
+import numpy as np
 import torch
 
 from tokenmill.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
@@ -42,6 +43,8 @@ class CachedRequestState:
     # Every token by position (prompt, generated, and the drafts of the last verify).
     token_ids: list[int]
     block_ids: list[int] = field(default_factory=list)
+    # Its row of the batch's persistent block table (None: no table kept).
+    row: Optional[int] = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -84,26 +87,58 @@ class StepRow:
     token_ids: list[int]  # the known tokens, then the drafts
     block_ids: list[int]  # the request's whole block table (the runner's own list)
     spec_token_ids: list[int]
+    row: Optional[int] = None  # its row of the persistent block table, when there is one
 
 
 class InputBatch:
-    """The runner's requests, updated from each step's SchedulerOutput."""
+    """The runner's requests, updated from each step's SchedulerOutput.
 
-    def __init__(self) -> None:
+    Besides each request's lists, the batch keeps one persistent int32 block table, a row per request
+    (rows reused as requests come and go), written only where a step's delta adds block ids; a decode
+    step's [decodes, max_blocks] table is then one gather of its rows instead of lists built anew.
+    """
+
+    def __init__(self, max_blocks_per_request: Optional[int] = None) -> None:
         self.requests: dict[str, CachedRequestState] = {}
+        self.max_blocks = max_blocks_per_request
+        self.block_table: Optional[np.ndarray] = None
+        if max_blocks_per_request is not None:
+            self.block_table = np.zeros((16, max_blocks_per_request), dtype=np.int32)
+        self._free_rows: list[int] = list(range(15, -1, -1))
+
+    def _drop(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None and state.row is not None:
+            self._free_rows.append(state.row)
+
+    def _assign_row(self, state: CachedRequestState) -> None:
+        if self.block_table is None:
+            return
+        if not self._free_rows:
+            old = self.block_table.shape[0]
+            self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+            self._free_rows = list(range(2 * old - 1, old - 1, -1))
+        state.row = self._free_rows.pop()
 
     def update(self, output: SchedulerOutput) -> list[CachedRequestState]:
         """Apply the step's deltas; returns the scheduled requests' states in `output.scheduled` order."""
         for request_id in output.finished_ids:
-            self.requests.pop(request_id, None)
+            self._drop(request_id)
         for request_id in output.preempted_ids:
-            self.requests.pop(request_id, None)
+            self._drop(request_id)
         for new in output.new_requests:
-            self.requests[new.request_id] = _new_state(new)
+            self._drop(new.request_id)
+            state = self.requests[new.request_id] = _new_state(new)
+            self._assign_row(state)
         states = []
+        table = self.block_table
         for item in output.scheduled:
             state = self.requests[item.request_id]
-            state.block_ids.extend(item.new_block_ids)
+            if item.new_block_ids:
+                if table is not None:
+                    start = len(state.block_ids)
+                    table[state.row, start:start + len(item.new_block_ids)] = item.new_block_ids
+                state.block_ids.extend(item.new_block_ids)
             tokens = state.token_ids
             del tokens[item.start_position:]
             tokens.extend(item.token_ids)
@@ -122,7 +157,7 @@ def step_rows(scheduled: Sequence[ScheduledRequest], states: Sequence[CachedRequ
     for item, state in zip(scheduled, states):
         end = item.start_position + item.num_new_tokens
         rows.append(StepRow(item.start_position, item.num_new_tokens, state.token_ids[item.start_position:end],
-                            state.block_ids, item.spec_token_ids))
+                            state.block_ids, item.spec_token_ids, state.row))
     return rows
 
 
@@ -145,8 +180,9 @@ def _bucket_decodes(lengths: list[int]) -> list[tuple[int, int]]:
 
 
 def build_model_inputs(scheduled: Sequence[StepRow], block_size: int, device: torch.device,
-                       decode_buckets: bool = True) -> ModelInputs:
-    """Flat token tensors + attention metadata; decodes as padded buckets or as block tables."""
+                       decode_buckets: bool = True, block_table: Optional[np.ndarray] = None) -> ModelInputs:
+    """Flat token tensors + attention metadata; decodes as padded buckets or as block tables (gathered
+    from the batch's persistent `block_table` when given and every row has its place there)."""
     indexed = list(enumerate(scheduled))
     # With block tables (paged-kernel backends), a speculative verify is attended as one decode row
     # per position: the same blocks, each row's context one token longer. Its rows stay together, in
@@ -178,7 +214,7 @@ def build_model_inputs(scheduled: Sequence[StepRow], block_size: int, device: to
             meta.decode_buckets.append(_decode_bucket(decodes[lo:hi], lengths[lo:hi], lo, block_size, device))
     elif decodes:
         meta.decode_block_tables, meta.decode_context_lens = _block_tables([pair for pair, _ in rows], lengths,
-                                                                           block_size, device)
+                                                                           block_size, device, block_table)
 
     offset = len(rows)  # prefill chunks start after every decode row
     for _, item in prefills:
@@ -198,15 +234,20 @@ def build_model_inputs(scheduled: Sequence[StepRow], block_size: int, device: to
 
 
 def _block_tables(members: list[tuple[int, StepRow]], lengths: list[int], block_size: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[len(members), max_blocks] int32 block ids (padded with 0) and [len(members)] int32 lengths."""
+                  device: torch.device, block_table: Optional[np.ndarray] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """[len(members), max_blocks] int32 block ids and [len(members)] int32 lengths. Entries past a
+    row's own blocks are never read (its length bounds the kernel): 0 in a built table, whatever an
+    earlier request left in a gathered one."""
     max_blocks = _num_blocks(max(lengths), block_size)
+    context_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+    if block_table is not None and all(item.row is not None for _, item in members):
+        gathered = block_table[[item.row for _, item in members], :max_blocks]
+        return torch.from_numpy(gathered).to(device), context_lens
     rows = []
     for (_, item), length in zip(members, lengths):
         row = item.block_ids[:_num_blocks(length, block_size)]
         rows.append(row + [0] * (max_blocks - len(row)))
-    return (torch.tensor(rows, dtype=torch.int32, device=device),
-            torch.tensor(lengths, dtype=torch.int32, device=device))
+    return torch.tensor(rows, dtype=torch.int32, device=device), context_lens
 
 
 def _decode_bucket(members: list[tuple[int, StepRow]], lengths: list[int], start: int, block_size: int,

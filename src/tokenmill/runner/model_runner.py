@@ -80,7 +80,9 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.host_caches: list[torch.Tensor] = []
         self.sampler = Sampler(config.seed)
-        self.input_batch = InputBatch()
+        # A persistent block table where the attention backend reads block tables (the paged kernels).
+        uses_tables = not self.attention_backend.uses_decode_buckets
+        self.input_batch = InputBatch(-(-max_model_len // block_size) if uses_tables else None)
         self.packed_linear_rows = min(config.max_num_seqs, 256) if config.packed_linear else None
         self.packed_linear = False
         self.linear_layers = ""  # how the projections run, once loaded (logged; reported by benchmarks)
@@ -202,7 +204,8 @@ class ModelRunner:
         if not output.scheduled:
             return result
         rows = step_rows(output.scheduled, states)
-        inputs = build_model_inputs(rows, self.block_size, self.device, self.attention_backend.uses_decode_buckets)
+        inputs = build_model_inputs(rows, self.block_size, self.device, self.attention_backend.uses_decode_buckets,
+                                    self.input_batch.block_table)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
 
         # Rows the sampler picks a token for, their items and states (in the same order), and the
