@@ -23,19 +23,16 @@ from typing import Any, AsyncIterator, Optional
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_client import MPClient
 from tokenmill.engine.dp_router import DataParallelRouter
-from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt, eos_token_ids
-from tokenmill.engine.llm_engine import core_request, rejection, scheduler_snapshot
+from tokenmill.engine.frontend import Frontend, rejection, scheduler_snapshot
+from tokenmill.engine.input_processor import ProcessedPrompt
 from tokenmill.engine.messages import EngineCoreAbort, EngineCoreFork, EngineCoreOutput, EngineCoreOutputs, \
     EngineCoreRequest
-from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.errors import EngineDeadError, EngineFailedError, InvalidRequestError, RequestTimeoutError, \
     TokenmillError
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
-from tokenmill.model.default_model import DEFAULT_MODEL_NAME
 from tokenmill.model.loader import load_model_source
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
-from tokenmill.structured.llguidance_backend import LLGuidanceBackend
 
 logger = logging.getLogger("tokenmill")
 
@@ -52,20 +49,16 @@ class AsyncLLM:
         # The core loads the model in its process; here only the tokenizer and the model's config.
         source = load_model_source(config.model, config.tokenizer)
         self.tokenizer = source.tokenizer
-        hf_config = source.hf_config
-        self.served_model_name = config.served_model_name or (
-            DEFAULT_MODEL_NAME if config.model is None else source.served_model_name)
-        self.eos_token_ids = eos_token_ids(self.tokenizer, hf_config)
         self.clients = _start_cores(config, log_level)
         self.ready = self.clients[0].ready
         self.max_model_len = self.ready.max_model_len
         self.router = DataParallelRouter(len(self.clients), self.ready.block_size, self.ready.num_kv_blocks,
                                          config.data_parallel_routing) if len(self.clients) > 1 else None
-        self.input_processor = InputProcessor(self.tokenizer, self.max_model_len, hf_config.vocab_size,
-                                              config.max_prompt_tokens,
-                                              LLGuidanceBackend(self.tokenizer, hf_config.vocab_size,
-                                                                self.eos_token_ids))
-        self.output_processor = OutputProcessor(self.tokenizer, self.eos_token_ids)
+        self.frontend = Frontend.build(config, source, self.max_model_len)
+        self.served_model_name = self.frontend.served_model_name
+        self.eos_token_ids = self.frontend.eos_token_ids
+        self.input_processor = self.frontend.input_processor
+        self.output_processor = self.frontend.output_processor
         self.stat_loggers: list[StatLogger] = []
         self.num_rejected: dict[str, int] = {}  # reason -> count, for metrics
         self._snapshots: list[Optional[SchedulerSnapshot]] = [None] * len(self.clients)
@@ -128,16 +121,9 @@ class AsyncLLM:
         validated: the caller already ran input_processor.validate on these parameters."""
         await self.check_health()
         self._ensure_receiving()
-        params = sampling_params if validated else self.input_processor.validate(prompt.prompt_token_ids,
-                                                                                   sampling_params)
-        if request_id in self.output_processor.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
-        message, params, core_ids = core_request(request_id, prompt, params, self.eos_token_ids,
-                                                 priority=priority, user=user)
         queue: asyncio.Queue = asyncio.Queue()
-        parent = message.request_id if message.fork_children else None
-        self.output_processor.add_request(request_id, prompt.prompt, prompt.prompt_token_ids, params, core_ids,
-                                          parent, message.arrival_time, queue=queue)
+        message = self.frontend.admit(request_id, prompt, sampling_params, priority=priority, user=user,
+                                      queue=queue, validated=validated)
         index = self._engine_of[request_id] = self._route(prompt.prompt_token_ids)
         self.clients[index].add_request(message)
         finished = False

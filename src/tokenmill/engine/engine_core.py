@@ -21,6 +21,7 @@ from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFork, EngineCo
                                        EngineCoreReady, EngineCoreRequest, roundtrip)
 from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.model.loader import load_model_source
+from tokenmill.model.registry import SLIDING_WINDOW_ARCHITECTURES
 from tokenmill.runner.model_runner import ModelRunner, resolve_device
 from tokenmill.spec_decode.ngram import NgramProposer, can_speculate
 from tokenmill.structured.backend import allocate_token_bitmask
@@ -31,8 +32,6 @@ logger = logging.getLogger("tokenmill")
 
 def derive_max_model_len(config: EngineConfig, hf_config) -> int:
     model_max = getattr(hf_config, "max_position_embeddings", None) or 2048
-    from tokenmill.model.registry import SLIDING_WINDOW_ARCHITECTURES
-
     window = getattr(hf_config, "sliding_window", None)
     if getattr(hf_config, "use_sliding_window", True) is False:
         window = None  # Qwen2/3 configs carry a window they do not use
