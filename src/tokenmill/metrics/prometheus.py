@@ -19,6 +19,18 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 # Series that exist from the start (others appear when first seen).
 FINISHED_REASONS = ("stop", "length", "abort")
 REJECTION_REASONS = ("queue_full", "queue_timeout")
+# Data parallelism, per engine core: (key of AsyncLLM.replica_stats(), metric name, description).
+REPLICA_GAUGES = (
+    ("num_requests_running", "engine_num_requests_running", "Running requests per engine core"),
+    ("num_requests_waiting", "engine_num_requests_waiting", "Waiting requests per engine core"),
+    ("kv_cache_usage", "engine_kv_cache_usage_perc", "KV cache usage per engine core (0-1)"),
+    ("prefix_cache_queries", "engine_prefix_cache_queries", "Prompt tokens looked up per engine core (cumulative)"),
+    ("prefix_cache_hits", "engine_prefix_cache_hits", "Prompt tokens found cached per engine core (cumulative)"),
+    ("in_flight", "router_requests_in_flight", "Requests the router has in flight per engine core"),
+    ("routed", "router_requests_routed", "Requests routed to each engine core (cumulative)"),
+    ("routed_by_prefix", "router_requests_routed_by_prefix",
+     "Requests routed to an engine core for its cached prefix (cumulative)"),
+)
 
 
 class PrometheusStatLogger:
@@ -136,25 +148,9 @@ class PrometheusStatLogger:
         """Data parallelism: each engine core's load and prefix hits, and the router's choices, labelled
         `engine` (the core's index), read at scrape time."""
         if self._replica_gauges is None:
-            labels, r, p = ["model_name", "engine"], self.registry, "tokenmill:"
-            self._replica_gauges = {
-                "num_requests_running": Gauge(p + "engine_num_requests_running", "Running requests per engine core",
-                                              labels, registry=r),
-                "num_requests_waiting": Gauge(p + "engine_num_requests_waiting", "Waiting requests per engine core",
-                                              labels, registry=r),
-                "kv_cache_usage": Gauge(p + "engine_kv_cache_usage_perc", "KV cache usage per engine core (0-1)",
-                                        labels, registry=r),
-                "prefix_cache_queries": Gauge(p + "engine_prefix_cache_queries", "Prompt tokens looked up per engine "
-                                              "core (cumulative)", labels, registry=r),
-                "prefix_cache_hits": Gauge(p + "engine_prefix_cache_hits", "Prompt tokens found cached per engine "
-                                           "core (cumulative)", labels, registry=r),
-                "in_flight": Gauge(p + "router_requests_in_flight", "Requests the router has in flight per engine core",
-                                   labels, registry=r),
-                "routed": Gauge(p + "router_requests_routed", "Requests routed to each engine core (cumulative)",
-                                labels, registry=r),
-                "routed_by_prefix": Gauge(p + "router_requests_routed_by_prefix", "Requests routed to an engine core "
-                                          "for its cached prefix (cumulative)", labels, registry=r),
-            }
+            self._replica_gauges = {key: Gauge("tokenmill:" + metric, description, ["model_name", "engine"],
+                                               registry=self.registry)
+                                    for key, metric, description in REPLICA_GAUGES}
         for replica in replicas:
             for name, gauge in self._replica_gauges.items():
                 gauge.labels(self.model_name, str(replica["engine"])).set(replica[name])
