@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from benchmarks.engine_options import effective, given
-from benchmarks.paths import default_workload_path, repo_root
+from benchmarks.paths import default_workload_path, module_command, repo_root
 from benchmarks.tables import markdown_table, text_table
 
 SECTION = "engine-core"
@@ -250,15 +250,10 @@ def settings_of(args: argparse.Namespace, threads: int) -> dict[str, Any]:
 
 def exact_command(argv: Sequence[str]) -> str:
     """How this run was started: `make bench ARGS=...` under make, else the python -m line."""
-    joined = shlex.join(argv)
     if os.environ.get("MAKELEVEL"):
+        joined = shlex.join(argv)
         return "make bench" + (f" ARGS={shlex.quote(joined)}" if joined else "")
-    python = sys.executable
-    try:
-        python = os.path.relpath(python)
-    except ValueError:
-        pass
-    return f"{python} -m benchmarks.make_bench {joined}".rstrip()
+    return module_command("benchmarks.make_bench", argv)
 
 
 # ---- output ------------------------------------------------------------------------------

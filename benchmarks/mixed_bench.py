@@ -15,9 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
-import os
 import random
-import shlex
 import sys
 import time
 from dataclasses import dataclass, field
@@ -26,6 +24,7 @@ from typing import Any, Optional, Sequence
 
 from benchmarks.engine_options import effective, given
 from benchmarks.make_bench import _display_path, _usable_cores, machine_info, positive, publish_report
+from benchmarks.paths import module_command
 from benchmarks.tables import markdown_table, text_table
 from tokenmill.benchmarks.throughput import BenchmarkError, percentile
 
@@ -263,12 +262,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
 
 
 def exact_command(argv: Sequence[str]) -> str:
-    python = sys.executable
-    try:
-        python = os.path.relpath(python)
-    except ValueError:
-        pass
-    return f"{python} -m benchmarks.mixed_bench {shlex.join(argv)}".rstrip()
+    return module_command("benchmarks.mixed_bench", argv)
 
 
 TABLE_HEADER = ["run", "threshold", "short TTFT p50/p95/p99 (ms)", "short ITL p50/p95/p99 (ms)",

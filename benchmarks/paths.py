@@ -1,7 +1,11 @@
 """Where the tooling reads its workload and writes its reports: relative to this checkout."""
 from __future__ import annotations
 
+import os
+import shlex
+import sys
 from pathlib import Path
+from typing import Sequence
 
 DEFAULT_WORKLOAD_NAME = "workload-64.jsonl"
 
@@ -15,3 +19,13 @@ def repo_root() -> Path:
 def default_workload_path() -> Path:
     """<repo root>/../shared/bench/workload-64.jsonl, the fixed throughput workload."""
     return repo_root().parent / "shared" / "bench" / DEFAULT_WORKLOAD_NAME
+
+
+def module_command(module: str, argv: Sequence[str]) -> str:
+    """The `python -m MODULE ARGS` line that reproduces a run (the interpreter relative to the cwd)."""
+    python = sys.executable
+    try:
+        python = os.path.relpath(python)
+    except ValueError:  # another drive (Windows)
+        pass
+    return f"{python} -m {module} {shlex.join(argv)}".rstrip()

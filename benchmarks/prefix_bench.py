@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import gc
-import os
-import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -26,6 +24,7 @@ from benchmarks.engine_options import effective, given
 from benchmarks.make_bench import _display_path, _usable_cores, machine_info, positive, publish_report
 from benchmarks.shared_prefix import SharedPrefixSpec, build_shared_prefix_workload, ideal_cached_tokens
 from benchmarks.tables import markdown_table, text_table
+from benchmarks.paths import module_command
 from tokenmill.benchmarks.throughput import generate_timed, percentile, throughput_result, warm_up_llm
 from tokenmill.benchmarks.workloads import WorkloadRequest, workload_summary
 
@@ -287,13 +286,7 @@ def settings_of(args: argparse.Namespace, threads: int) -> dict[str, Any]:
 
 def exact_command(argv: Sequence[str]) -> str:
     """The python -m line that reproduces this run (also when a make target started it)."""
-    joined = shlex.join(argv)
-    python = sys.executable
-    try:
-        python = os.path.relpath(python)
-    except ValueError:
-        pass
-    return f"{python} -m benchmarks.prefix_bench {joined}".rstrip()
+    return module_command("benchmarks.prefix_bench", argv)
 
 
 if __name__ == "__main__":
