@@ -80,7 +80,7 @@ def _patched(obj: Any, name: str, replacement: Any) -> Iterator[None]:
 @contextlib.contextmanager
 def profile_phases(llm) -> Iterator[PhaseTimer]:
     """Instrument one LLM's engine; the yielded timer fills while the block runs."""
-    from tokenmill.model.layers.linear import Int8BlockLinear, PackedLinear
+    from tokenmill.model.layers.linear import BlockQuantLinear, PackedLinear
     from tokenmill.runner import model_runner as runner_module
 
     engine = llm.llm_engine
@@ -105,7 +105,7 @@ def profile_phases(llm) -> Iterator[PhaseTimer]:
         patch(backend, "decode_into", "model: attention (decode)")
         patch(backend, "prefill_into", "model: attention (prefill)")
         for module in model.layers.modules():  # the LM head is timed as "logits"
-            if isinstance(module, (torch.nn.Linear, Int8BlockLinear, PackedLinear)):
+            if isinstance(module, (torch.nn.Linear, BlockQuantLinear, PackedLinear)):
                 patch(module, "forward", "model: linear")
         # Instance attributes shadow nn.Module.__call__'s lookup of `forward`; the sampler is called
         # as sampler(...), which looks up __call__ on the type, so route it through the instance.

@@ -160,7 +160,8 @@ def finish_gguf(writer) -> None:
 # A GGUF mixing every block type the int8 kernels keep (q/k with mins and permuted rows, v and gate
 # without), as llama.cpp's mixed "_M" files do; norms and the embedding stay float.
 MIXED_GGUF_TYPES = {"q_proj": "Q4_1", "k_proj": "Q5_1", "v_proj": "Q5_0", "o_proj": "Q4_1",
-                    "gate_proj": "Q4_0", "up_proj": "Q4_1", "down_proj": "Q8_0", "lm_head": "Q4_1"}
+                    "gate_proj": "Q4_0", "up_proj": "Q4_1", "down_proj": "Q8_0", "lm_head": "Q4_1",
+                    "embed_tokens": "Q8_0"}
 
 
 def mixed_gguf_type(hf_name: str):

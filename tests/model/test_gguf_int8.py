@@ -13,8 +13,8 @@ from model_factory import hf_greedy, mixed_gguf_type, write_gguf
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import TokenmillError
 from tokenmill.model.gguf_loader import INT8_BLOCK_TYPES, gguf_int8_blocks
-from tokenmill.model.layers.linear import (INT8_KERNEL_MAX_ROWS, Int8BlockLinear, Int8Blocks, dense_linear,
-                                          pack_int8_blocks)
+from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, BlockQuantEmbedding, BlockQuantLinear, Int8Blocks,
+                                          dense_linear, pack_blocks)
 from tokenmill.model.loader import load_model_source
 
 # Offsets of the float16 scale fields in each block type (the rest of a block is arbitrary bits).
@@ -59,22 +59,22 @@ def test_other_types_are_not_kept():
         assert gguf_int8_blocks(fake) is None
 
 
-@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 3])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, BLOCK_KERNEL_MAX_ROWS, BLOCK_KERNEL_MAX_ROWS + 3])
 def test_int8_kernel_with_mins(kernels, rows):
-    """w = q * scale + min: the kernel adds min * sum(x over each block of 32); every row's result is
-    the same bits alone or in a batch, on both sides of the 64-row chunk boundary."""
+    """w = q * scale + min: the kernel adds min * sum(x over each block of 32); up to 64 rows (the row
+    path) every row's result is the same bits alone or in a batch; above, dequantized tiles."""
     gen = torch.Generator().manual_seed(rows)
     q = torch.randint(0, 32, (37, 128), generator=gen, dtype=torch.int8)  # 37 features: a partial panel
     blocks = Int8Blocks(q, torch.rand(37, 4, generator=gen) * 0.01, -torch.rand(37, 4, generator=gen) * 0.1)
-    packed = pack_int8_blocks(blocks.q, blocks.scales, blocks.mins)
+    packed = pack_blocks(blocks, bits=8)
     bias = torch.randn(37, generator=gen)
     x = torch.randn(rows, 128, generator=gen)
-    y = kernels.int8_block_linear(x, *packed, bias, 37)
+    y = kernels.block_linear(x, *packed, bias, 37)
     torch.testing.assert_close(y, x @ blocks.dequantize().T + bias, atol=1e-5, rtol=1e-5)
-    for r in (0, rows - 1):
-        assert torch.equal(y[r:r + 1], kernels.int8_block_linear(x[r:r + 1].contiguous(), *packed, bias, 37))
-    layer = Int8BlockLinear(blocks, bias, kernels=kernels)  # dense path above 64 rows
-    torch.testing.assert_close(layer(x), x @ blocks.dequantize().T + bias, atol=1e-5, rtol=1e-5)
+    for r in (0, rows - 1) if rows <= BLOCK_KERNEL_MAX_ROWS else ():
+        assert torch.equal(y[r:r + 1], kernels.block_linear(x[r:r + 1].contiguous(), *packed, bias, 37))
+    layer = BlockQuantLinear(blocks, bias, kernels=kernels)  # 0..31: stored at 8 bits, as given
+    assert layer.bits == 8 and torch.equal(layer(x), y)
 
 
 def test_cat_fills_missing_mins_with_zeros():
@@ -120,14 +120,16 @@ def greedy(llm, tokenizer, lengths):
 
 
 def test_engine_keeps_every_block_type_and_matches_hf(kernels, tiny_gguf_path, tiny_llama_dir, smollm2_tokenizer):
-    """By default a block-quantized GGUF stays quantized: every projection and the head are int8
+    """By default a block-quantized GGUF stays quantized: every projection and the head are block
     layers (fused q/k/v and gate/up mix types with and without mins) and decode steps run the fused
     C++ stack; greedy tokens equal HF's on the dequantized weights and the dense float32 engine's."""
     llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64,
               max_model_len=512)
     model = llm.llm_engine.core.core.runner.model
-    linears = [m for m in model.modules() if isinstance(m, Int8BlockLinear)]
-    assert len(linears) == 4 * len(model.layers) + 1 and model._int8_decode is not None
+    linears = [m for m in model.modules() if isinstance(m, BlockQuantLinear)]
+    # every projection, the head, and the embedding table (the file's own Q8_0 blocks)
+    assert len(linears) == 4 * len(model.layers) + 2 and model._int8_decode is not None
+    assert isinstance(model.embed_tokens, BlockQuantEmbedding) and model.embed_tokens.table is not model.lm_head
     assert model.layers[0].self_attn.qkv_proj.mins is not None and model.layers[0].mlp.down_proj.mins is None
     hf = hf_on_file_weights(tiny_gguf_path, tiny_llama_dir)
     lengths = [12, 20, 7, 16]
@@ -136,26 +138,37 @@ def test_engine_keeps_every_block_type_and_matches_hf(kernels, tiny_gguf_path, t
         assert got == hf_greedy(hf, prompt, m)
     dense = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64,
                 max_model_len=512, quantization="none")
-    assert not any(isinstance(m, Int8BlockLinear) for m in dense.llm_engine.core.core.runner.model.modules())
+    assert not any(isinstance(m, BlockQuantLinear) for m in dense.llm_engine.core.core.runner.model.modules())
     assert greedy(dense, smollm2_tokenizer, lengths)[1] == tokens
 
 
-@pytest.mark.parametrize("max_num_seqs", [64, 128])
-def test_dense_copy_is_packed_only_where_decode_steps_reach_it(kernels, tiny_gguf_path, tiny_llama_dir, max_num_seqs):
-    """Steps over the int8 kernel's rows use the dense copy: with at most 64 running requests those are
-    prefill chunks only, served by a plain weight (MKL); with more, decode batches too, which the
-    oneDNN-packed weight serves faster. Either way the copy computes the kept blocks' values."""
-    from tokenmill.model.layers.linear import PackedLinear
+def test_kept_layers_hold_no_float_copy(kernels, tiny_gguf_path, tiny_llama_dir):
+    """After load, a kept layer holds only its packed integers, scales, mins and bias; the embedding
+    is looked up from the blocks (the tiny file's Q8_0 token embedding); no float32 tensor in the model
+    is as large as a projection. Q4_* matrices are stored at 4 bits."""
+    llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=512)
+    model = llm.llm_engine.core.core.runner.model
+    assert isinstance(model.embed_tokens, BlockQuantEmbedding)
+    layers = [m for m in model.modules() if isinstance(m, BlockQuantLinear)]
+    assert {layer.bits for layer in layers} == {4, 8}
+    smallest = min(layer.in_features * layer.out_features for layer in layers)
+    # parameters and the layers' own tensors (buffers are the rotary tables)
+    tensors = list(model.parameters()) + [t for layer in layers for t in vars(layer).values()
+                                          if isinstance(t, torch.Tensor)]
+    floats = [t for t in tensors if t.dtype == torch.float32 and t.numel() >= smallest and t.dim() == 2]
+    assert not floats, [tuple(t.shape) for t in floats]
+    for layer in layers:
+        assert all(not isinstance(v, torch.nn.Module) for v in vars(layer)["_modules"].values())
 
-    llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=512,
-              max_num_seqs=max_num_seqs)
-    layer = llm.llm_engine.core.core.runner.model.layers[0].mlp.gate_up_proj
-    packed = max_num_seqs > INT8_KERNEL_MAX_ROWS and torch.backends.mkldnn.is_available()
-    assert isinstance(layer, Int8BlockLinear) and isinstance(layer.dense, PackedLinear) == packed
-    assert isinstance(layer.dense, torch.nn.Linear) == (not packed)
-    x = torch.randn(INT8_KERNEL_MAX_ROWS + 36, layer.in_features, generator=torch.Generator().manual_seed(4))
-    expected = layer.kernels.int8_block_linear(x, layer.q, layer.scales, layer.mins, layer.bias, layer.out_features)
-    torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-4)
+
+def test_embedding_rows_are_the_dequantized_table(kernels, tiny_gguf_path, tiny_llama_dir):
+    """Embedding lookups from the blocks give exactly the dense table's rows (gguf-py's values)."""
+    source = load_model_source(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir))
+    dense = dict(source.iter_weights(torch.float32))["model.embed_tokens.weight"]
+    llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=512)
+    embed = llm.llm_engine.core.core.runner.model.embed_tokens
+    ids = torch.tensor([[0, 1, 15, 16, 17], [dense.shape[0] - 1, 31, 32, 100, 7]])
+    assert torch.equal(embed(ids), dense[ids])
 
 
 def test_tensors_of_other_types_stay_dense(kernels, tmp_path, tiny_llama_dir, smollm2_tokenizer):
@@ -168,8 +181,8 @@ def test_tensors_of_other_types_stay_dense(kernels, tmp_path, tiny_llama_dir, sm
                else mixed_gguf_type(name))
     llm = LLM(str(path), tokenizer=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, quantization="gguf")
     model = llm.llm_engine.core.core.runner.model
-    assert not isinstance(model.layers[0].mlp.down_proj, Int8BlockLinear)
-    assert isinstance(model.layers[0].mlp.gate_up_proj, Int8BlockLinear) and model._int8_decode is None
+    assert not isinstance(model.layers[0].mlp.down_proj, BlockQuantLinear)
+    assert isinstance(model.layers[0].mlp.gate_up_proj, BlockQuantLinear) and model._int8_decode is None
     hf = hf_on_file_weights(path, tiny_llama_dir)
     ids, tokens = greedy(llm, smollm2_tokenizer, [10, 10, 10, 10])
     assert tokens == [hf_greedy(hf, prompt, 10) for prompt in ids]
@@ -183,4 +196,4 @@ def test_quantization_gguf_errors(tiny_gguf_path, tiny_llama_dir):
             attention_backend="torch")
     # unset: without the CPU kernels the same file simply loads dense
     llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), num_kv_blocks=16, attention_backend="torch")
-    assert not any(isinstance(m, Int8BlockLinear) for m in llm.llm_engine.core.core.runner.model.modules())
+    assert not any(isinstance(m, BlockQuantLinear) for m in llm.llm_engine.core.core.runner.model.modules())

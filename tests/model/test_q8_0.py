@@ -8,8 +8,12 @@ import torch
 from model_factory import GOLDEN_PROMPTS, hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import TokenmillError
-from tokenmill.model.layers.linear import (INT8_KERNEL_MAX_ROWS, Int8BlockLinear, dequantize_q8_0, pack_int8_blocks,
-                                          quantize_q8_0)
+from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, BlockQuantLinear, Int8Blocks, dequantize_q8_0,
+                                          pack_blocks, quantize_q8_0)
+
+
+def pack_int8_blocks(q, scales, mins=None):
+    return pack_blocks(Int8Blocks(q, scales, mins), bits=8)
 
 
 def test_quantize_q8_0_format():
@@ -46,51 +50,49 @@ def test_pack_int8_blocks_panels_of_sixteen_features():
                 assert not column.any() and packed_scales[panel, block, j] == 0
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, INT8_KERNEL_MAX_ROWS, INT8_KERNEL_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, 16, BLOCK_KERNEL_MAX_ROWS, BLOCK_KERNEL_MAX_ROWS + 1])
 def test_q8_0_linear_both_paths_compute_the_dequantized_weights(kernels, rows):
     gen = torch.Generator().manual_seed(rows)
     weight, bias = torch.randn(96, 128, generator=gen), torch.randn(96, generator=gen)
-    layer = Int8BlockLinear.from_weight(weight, bias, kernels=kernels)
+    layer = BlockQuantLinear.from_weight(weight, bias, kernels=kernels)
     x = torch.randn(rows, 128, generator=gen)
     expected = x @ dequantize_q8_0(*quantize_q8_0(weight)).T + bias
     torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-5)
-    # routing: up to the limit the int8 kernel, more rows the dense copy
-    path = kernels.int8_block_linear(x, layer.q, layer.scales, layer.mins, layer.bias, 96) if rows <= INT8_KERNEL_MAX_ROWS \
-        else layer.dense(x)
-    assert torch.equal(layer(x), path)
+    assert layer.bits == 8 and not any(t.dtype == torch.float32 and t.numel() >= 96 * 128 for t in vars(layer).values()
+                                       if isinstance(t, torch.Tensor))  # no float copy of the weights
 
 
-# Tiles of 1-4 rows, chunks of 64 rows: every remainder, and both sides of a chunk boundary.
+# Tiles of 1-4 (AVX2) or 1-8 (AVX-512) rows: every remainder up to the row path's 64 rows; then tiles.
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 17, 63, 64, 65, 70])
 def test_q8_0_kernel_tiles_do_not_change_results(kernels, rows):
-    """The kernel tiles rows by 4 within chunks of 64; 99 features leave a partial last panel. Each
-    output must be the same bits as computing its row alone, and match x @ W^T."""
+    """The row path tiles rows by 4 or 8; 99 features leave a partial last panel. Up to 64 rows each
+    output must be the same bits as computing its row alone; every output matches x @ W^T."""
     gen = torch.Generator().manual_seed(100 + rows)
     q, scales = quantize_q8_0(torch.randn(99, 96, generator=gen))
     packed = pack_int8_blocks(q, scales)
     bias = torch.randn(99, generator=gen)
     x = torch.randn(rows, 96, generator=gen)
-    y = kernels.int8_block_linear(x, *packed, bias, 99)
-    for r in range(rows):
-        assert torch.equal(y[r:r + 1], kernels.int8_block_linear(x[r:r + 1].contiguous(), *packed, bias, 99))
+    y = kernels.block_linear(x, *packed, bias, 99)
+    for r in range(rows) if rows <= BLOCK_KERNEL_MAX_ROWS else ():
+        assert torch.equal(y[r:r + 1], kernels.block_linear(x[r:r + 1].contiguous(), *packed, bias, 99))
     torch.testing.assert_close(y, x @ dequantize_q8_0(q, scales).T + bias, atol=1e-4, rtol=1e-5)
-    no_bias = kernels.int8_block_linear(x, *packed, None, 99)
+    no_bias = kernels.block_linear(x, *packed, None, 99)
     torch.testing.assert_close(no_bias, x @ dequantize_q8_0(q, scales).T, atol=1e-4, rtol=1e-5)
 
 
 def test_q8_0_kernel_rejects_bad_shapes(kernels):
     packed = pack_int8_blocks(*quantize_q8_0(torch.randn(8, 64)))
     with pytest.raises(RuntimeError):  # K of x does not match the weights
-        kernels.int8_block_linear(torch.randn(1, 32), *packed, None, 8)
+        kernels.block_linear(torch.randn(1, 32), *packed, None, 8)
     with pytest.raises(RuntimeError):  # more features than the packed panels hold
-        kernels.int8_block_linear(torch.randn(1, 64), *packed, None, 17)
+        kernels.block_linear(torch.randn(1, 64), *packed, None, 17)
     with pytest.raises(RuntimeError):  # bias of the wrong length
-        kernels.int8_block_linear(torch.randn(1, 64), *packed, torch.zeros(9), 8)
+        kernels.block_linear(torch.randn(1, 64), *packed, torch.zeros(9), 8)
 
 
 def test_q8_0_engine_matches_hf_on_the_dequantized_weights(kernels, tiny_llama_dir, smollm2_tokenizer):
     """Greedy tokens equal HF generate on the same Q8_0-rounded weights: decode steps with few
-    requests take the int8 kernel, prefill chunks the dense path; both must agree with HF."""
+    requests take the kernel's row path, long prefill chunks its dequantized tiles; both must agree with HF."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
@@ -118,7 +120,7 @@ def test_q8_0_needs_cpu_kernels(tiny_llama_dir):
                                                     ("gguf", "auto")])
 def test_int8_fused_decode_stack_is_bit_identical_to_the_layers(request, kernels, tiny_llama_dir, smollm2_tokenizer,
                                                                 weights, kv_cache_dtype):
-    """Decode-only steps of up to INT8_KERNEL_MAX_ROWS rows run the whole decoder stack in one C++ call;
+    """Decode-only steps of up to BLOCK_KERNEL_MAX_ROWS rows run the whole decoder stack in one C++ call;
     it must produce the very same hidden states and cache writes as the per-layer modules (same
     kernels, same order), here on a decode step of three requests whose contexts end mid-block, with
     a float32 cache and with 16-bit ones (rounded as torch rounds), and with a GGUF's own blocks

@@ -19,7 +19,8 @@ import torch.nn.functional as F
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.basic import RMSNorm, RotaryEmbedding
 from tokenmill.model.layers.decoder import DecoderLayer, DecoderSpec
-from tokenmill.model.layers.linear import INT8_KERNEL_MAX_ROWS, Int8BlockLinear, LinearFactory, replace_linear_layers
+from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, BlockQuantEmbedding, BlockQuantLinear, Int8Blocks,
+                                          LinearFactory, replace_linear_layers)
 
 logger = logging.getLogger("tokenmill")
 
@@ -61,7 +62,7 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 meta: AttentionMetadata) -> torch.Tensor:
         rows = input_ids.numel()
-        if (self._int8_decode is not None and meta.num_decodes == rows <= INT8_KERNEL_MAX_ROWS
+        if (self._int8_decode is not None and meta.num_decodes == rows <= BLOCK_KERNEL_MAX_ROWS
                 and meta.decode_block_tables is not None):
             return self._forward_int8_decode(input_ids, positions, kv_caches, meta)
         x, residual = self.embed(input_ids), None
@@ -70,7 +71,7 @@ class DecoderForCausalLM(nn.Module):
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
+        if self.lm_head is None:  # tied, before convert_linear_layers
             logits = F.linear(hidden, self.embed_tokens.weight).float()
         else:
             logits = self.lm_head(hidden).float()
@@ -97,12 +98,12 @@ class DecoderForCausalLM(nn.Module):
         return None
 
     def enable_int8_decode(self, kernels: Any) -> bool:
-        """Run decode-only steps of up to INT8_KERNEL_MAX_ROWS rows as one C++ call over the whole stack
+        """Run decode-only steps of up to BLOCK_KERNEL_MAX_ROWS rows as one C++ call over the whole stack
         (`llama_decode_int8`).
 
         Same kernels in the same order as the layers, so the same bits; it skips ~0.2 ms of Python and
         dispatch per layer, most of a small decode step's non-matmul time. Needs every projection in
-        block-int8 form and the rotary/norm kernels (use_cpu_kernels); returns whether it was enabled.
+        block-quantized form and the rotary/norm kernels (use_cpu_kernels); returns whether it was enabled.
         """
         blocker = self.int8_decode_blocker()
         if blocker is not None:
@@ -114,7 +115,7 @@ class DecoderForCausalLM(nn.Module):
         for layer in self.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if (not all(isinstance(linear, Int8BlockLinear) for linear in linears)
+            if (not all(isinstance(linear, BlockQuantLinear) for linear in linears)
                     or layer.input_layernorm.kernels is None):
                 return False
             qkv, o, gate_up, down = ([linear.q, linear.scales, none if linear.mins is None else linear.mins,
@@ -135,13 +136,26 @@ class DecoderForCausalLM(nn.Module):
     # ---- runner hooks for linear layers ----------------------------------------------------
     def convert_linear_layers(self, make: LinearFactory) -> None:
         """After loading: every projection and the LM head rebuilt by make(name, weight, bias) (packed,
-        block-int8).
+        block-quantized).
 
-        A tied head gets its own converted copy; the embedding lookup keeps its plain weights.
+        A tied head gets its own converted copy; the embedding lookup keeps its plain weights unless
+        `keep_embedding_blocks` replaces them.
         """
         replace_linear_layers(self, make)
         if self.lm_head is None:
             self.lm_head = make("lm_head", self.embed_tokens.weight, None)
+
+    def keep_embedding_blocks(self, blocks: Optional[Int8Blocks], kernels: Any) -> bool:
+        """Look embeddings up from block-quantized storage instead of a float table: the tied LM head's
+        own blocks when it has them, else `blocks` (the file's token embedding). Returns whether it did."""
+        if self.tie_word_embeddings and isinstance(self.lm_head, BlockQuantLinear):
+            table = self.lm_head
+        elif blocks is not None:
+            table = BlockQuantLinear(blocks, None, kernels)
+        else:
+            return False
+        self.embed_tokens = BlockQuantEmbedding(table)
+        return True
 
     def checkpoint_weight_names(self, module_name: str) -> list[str]:
         """The checkpoint tensors whose rows, stacked in order, are this linear module's weight."""

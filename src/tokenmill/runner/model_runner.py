@@ -11,7 +11,7 @@ from tokenmill.core.sched_output import ModelRunnerOutput, NewRequestData, Sched
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import get_attention_backend
 from tokenmill.model.layers.basic import keep_rotary_tables_float, use_cpu_kernels
-from tokenmill.model.layers.linear import (INT8_KERNEL_MAX_ROWS, Int8BlockLinear, Int8Blocks, PackedLinear,
+from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, BlockQuantLinear, Int8Blocks, PackedLinear,
                                           dense_linear, onednn_packing_supported)
 from tokenmill.model.registry import get_model_class
 from tokenmill.runner.input_batch import InputBatch, OutputTokens, build_model_inputs, step_rows
@@ -119,32 +119,34 @@ class ModelRunner:
     def _prepare_linear_layers(self, int8_blocks: Optional[dict[str, Int8Blocks]] = None) -> str:
         convertible = hasattr(self.model, "convert_linear_layers")
         rows = self.packed_linear_rows or 64
-        limit = INT8_KERNEL_MAX_ROWS
         kernels = self._int8_kernels()
-        # Block-int8 layers' dense copy serves prefill chunks, and decode steps too where more requests
-        # than the int8 kernel's rows may run at once: packed for oneDNN then, plain (MKL) otherwise.
-        dense_rows = self.packed_linear_rows if (self.packed_linear_rows or 0) > limit else None
         if self.quantization == "q8_0":
             if kernels is None:
                 raise ModelLoadError(f"--quantization q8_0 {INT8_KERNELS_NEEDED}")
             self.model.convert_linear_layers(
-                lambda name, weight, bias: Int8BlockLinear.from_weight(weight, bias, kernels, dense_rows))
-            return (f"Q8_0 weights rounded at load (int8 kernel for steps of up to {limit} rows, dense "
-                    "dequantized copy above" + self._enable_int8_decode(kernels))
+                lambda name, weight, bias: BlockQuantLinear.from_weight(weight, bias, kernels))
+            return "Q8_0 weights rounded at load (" + self._block_kernel_paths() + self._enable_int8_decode(kernels)
         if int8_blocks:
+            widths: dict[int, int] = {}
+
             def make(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Module:
                 parts = [int8_blocks.get(part) for part in self.model.checkpoint_weight_names(name)]
                 if all(part is not None for part in parts):
                     self.num_gguf_layers_kept += 1
-                    blocks = Int8Blocks.cat(parts) if len(parts) > 1 else parts[0]
-                    return Int8BlockLinear(blocks, bias, kernels, dense_rows, dequantized=weight.detach())
+                    layer = BlockQuantLinear(Int8Blocks.cat(parts) if len(parts) > 1 else parts[0], bias, kernels)
+                    widths[layer.bits] = widths.get(layer.bits, 0) + 1
+                    return layer
                 # A matrix GGUF blocks do not cover (a Q6_K head, an F16 projection) stays dense.
                 return dense_linear(weight, bias, self.packed_linear_rows)
 
             self.model.convert_linear_layers(make)
+            embedding = ("; embeddings read from the blocks"
+                         if self.model.keep_embedding_blocks(int8_blocks.get("model.embed_tokens.weight"), kernels)
+                         else "")
             int8_blocks.clear()  # the layers hold their packed copies now
-            return (f"GGUF weights kept quantized in {self.num_gguf_layers_kept} layers (int8 kernel for steps of "
-                    f"up to {limit} rows, dense copy of the same values above" + self._enable_int8_decode(kernels))
+            kept = ", ".join(f"{count} at {bits} bits" for bits, count in sorted(widths.items()))
+            return (f"GGUF weights kept quantized in {self.num_gguf_layers_kept} layers ({kept}{embedding}; "
+                    + self._block_kernel_paths() + self._enable_int8_decode(kernels))
         if self.quantization == "gguf":
             raise ModelLoadError("--quantization gguf: the file has no matrices in a type kept quantized "
                                  "(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K)")
@@ -155,9 +157,14 @@ class ModelRunner:
             return "oneDNN packed weights"
         return "torch F.linear"
 
+    @staticmethod
+    def _block_kernel_paths() -> str:
+        return (f"row kernel for steps of up to {BLOCK_KERNEL_MAX_ROWS} rows, dequantized tiles through sgemm "
+                "above, no float copy")
+
     def _enable_int8_decode(self, kernels) -> str:
         fused = getattr(self.model, "enable_int8_decode", lambda _: False)(kernels)
-        limit = INT8_KERNEL_MAX_ROWS
+        limit = BLOCK_KERNEL_MAX_ROWS
         return f"; decode steps of up to {limit} rows run the decoder stack in one C++ call)" if fused else ")"
 
     def initialize_kv_cache(self, num_blocks: int) -> None:

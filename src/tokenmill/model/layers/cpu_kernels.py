@@ -37,9 +37,13 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
-def _extension_name() -> str:
+def _extension_name(variant: str = "") -> str:
     digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
-    return f"tokenmill_cpu_kernels_{digest}"
+    return f"tokenmill_cpu_kernels_{variant + '_' if variant else ''}{digest}"
+
+
+# Narrower builds of the same source on a wider CPU, so tests run every SIMD path the kernels have.
+VARIANT_DEFINES = {"avx2": ["-DTOKENMILL_NO_AVX512"], "portable": ["-DTOKENMILL_PORTABLE"]}
 
 
 def _put_venv_scripts_on_path() -> None:
@@ -62,21 +66,33 @@ def load(verbose: bool = False) -> Optional[ModuleType]:
             _error = "disabled by TOKENMILL_DISABLE_CPU_KERNELS"
             return None
         try:
-            from torch.utils.cpp_extension import load as load_extension
-
-            _put_venv_scripts_on_path()
-            _module = load_extension(
-                name=_extension_name(),
-                sources=[str(_SOURCE)],
-                # -ffp-contract=off: no implicit multiply-add fusion, so fp32 results round as torch's do.
-                extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"],
-                extra_ldflags=["-fopenmp"],
-                verbose=verbose,
-            )
+            _module = _build("", verbose)
         except Exception as exc:  # a missing compiler, headers or an unsupported platform
             _error = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
             logger.warning("CPU kernels unavailable (%s); using the torch attention backend", _error)
         return _module
+
+
+def _build(variant: str, verbose: bool = False) -> ModuleType:
+    from torch.utils.cpp_extension import load as load_extension
+
+    _put_venv_scripts_on_path()
+    return load_extension(
+        name=_extension_name(variant),
+        sources=[str(_SOURCE)],
+        # -ffp-contract=off: no implicit multiply-add fusion, so fp32 results round as torch's do.
+        extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", *VARIANT_DEFINES.get(variant, [])],
+        extra_ldflags=["-fopenmp"],
+        verbose=verbose,
+    )
+
+
+def load_variant(variant: str) -> ModuleType:
+    """A build limited to one SIMD path ("avx2", "portable") for tests; raises if it cannot be built."""
+    if variant not in VARIANT_DEFINES:
+        raise ValueError(f"unknown kernel variant {variant!r} (known: {', '.join(VARIANT_DEFINES)})")
+    with _lock:
+        return _build(variant)
 
 
 def build_error() -> Optional[str]:

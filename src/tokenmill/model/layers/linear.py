@@ -70,22 +70,24 @@ def replace_linear_layers(model: nn.Module, make: LinearFactory) -> int:
     return len(targets)
 
 
-# ---- Block-int8 weights (GGUF's Q8_0, Q4_*, Q5_* kept quantized) --------------------------------
-INT8_BLOCK = 32
-# Up to this many rows a block-int8 layer runs tokenmill's int8 kernel: decode steps (bandwidth-bound at
-# a few rows, and ~1.7x ahead of oneDNN's fp32 GEMM at 16 rows here, even at 64); above it the dense
-# copy of the same dequantized values (prefill chunks, where oneDNN's cache blocking wins).
-INT8_KERNEL_MAX_ROWS = 64
+# ---- Block-quantized weights (GGUF's Q8_0, Q4_*, Q5_* kept as the file stores them) ---------------
+QUANT_BLOCK = 32
+QUANT_PANEL = 16
+# Up to this many rows the C++ kernel's row path runs (decode steps: bandwidth-bound at a few rows);
+# above it, the same call dequantizes cache-sized tiles into sgemm (prefill chunks). Decode-only steps
+# of up to this many rows may run the whole decoder stack in one C++ call.
+BLOCK_KERNEL_MAX_ROWS = 64
 
 
 @dataclass
 class Int8Blocks:
-    """A weight stored as w[n, k] = q[n, k] * scales[n, k // 32] (+ mins[n, k // 32]).
+    """A weight as small integers: w[n, k] = q[n, k] * scales[n, k // 32] (+ mins[n, k // 32]).
 
-    q holds small integers (int8), one fp32 scale (and optionally one fp32 offset) per block of 32
+    q holds the integers as int8, one fp32 scale (and optionally one fp32 offset) per block of 32
     inputs. GGUF's Q8_0, Q4_0 and Q5_0 have no offset; Q4_1, Q5_1 and the 32-value sub-blocks of
-    Q4_K / Q5_K have one. `dequantize` computes q * scale + min in float32, one rounding, as gguf-py
-    does, so a file's weights are reproduced bit for bit.
+    Q4_K / Q5_K have one. `dequantize` computes q * scale + min in float32, one rounding each, as
+    gguf-py does, so a file's weights are reproduced bit for bit. `BlockQuantLinear` stores them
+    packed at the narrowest width that holds them exactly (`storage_bits`).
     """
 
     q: torch.Tensor  # int8 [out_features, in_features]
@@ -94,11 +96,18 @@ class Int8Blocks:
 
     def dequantize(self) -> torch.Tensor:
         out_features, in_features = self.q.shape
-        blocks = self.q.float().reshape(out_features, in_features // INT8_BLOCK, INT8_BLOCK)
+        blocks = self.q.float().reshape(out_features, in_features // QUANT_BLOCK, QUANT_BLOCK)
         blocks = blocks * self.scales.unsqueeze(-1)
         if self.mins is not None:
             blocks = blocks + self.mins.unsqueeze(-1)
         return blocks.reshape(out_features, in_features)
+
+    def storage_bits(self) -> int:
+        """4 when every integer fits a nibble as GGUF's 4-bit types store it (0..15 with mins, Q4_1 and
+        Q4_K; -8..7 without, Q4_0, kept as q + 8), else 8."""
+        low, high = (0, 15) if self.mins is not None else (-8, 7)
+        fits = self.q.numel() == 0 or (int(self.q.min()) >= low and int(self.q.max()) <= high)
+        return 4 if fits else 8
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Int8Blocks":
         """The same permutation of output features applied to q, scales and mins."""
@@ -119,9 +128,9 @@ class Int8Blocks:
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """GGUF's Q8_0: per block of 32 inputs, scale = max|w| / 127 and q = round(w / scale)."""
     out_features, in_features = weight.shape
-    if in_features % INT8_BLOCK:
-        raise ValueError(f"Q8_0 needs in_features divisible by {INT8_BLOCK}, got {in_features}")
-    blocks = weight.detach().float().reshape(out_features, in_features // INT8_BLOCK, INT8_BLOCK)
+    if in_features % QUANT_BLOCK:
+        raise ValueError(f"Q8_0 needs in_features divisible by {QUANT_BLOCK}, got {in_features}")
+    blocks = weight.detach().float().reshape(out_features, in_features // QUANT_BLOCK, QUANT_BLOCK)
     scales = blocks.abs().amax(dim=-1) / 127.0
     safe = torch.where(scales == 0, torch.ones_like(scales), scales)
     q = torch.round(blocks / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
@@ -132,71 +141,120 @@ def dequantize_q8_0(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
     return Int8Blocks(q, scales).dequantize()
 
 
-INT8_PANEL = 16
-
-
 def _pack_panel_values(values: torch.Tensor, panels: int) -> torch.Tensor:
     """Per-block values [out, blocks] as [panel][block][16], the last panel zero-padded."""
     out_features, blocks = values.shape
-    padded = torch.zeros(panels * INT8_PANEL, blocks, dtype=torch.float32)
+    padded = torch.zeros(panels * QUANT_PANEL, blocks, dtype=torch.float32)
     padded[:out_features] = values
-    return padded.reshape(panels, INT8_PANEL, blocks).permute(0, 2, 1).contiguous()
+    return padded.reshape(panels, QUANT_PANEL, blocks).permute(0, 2, 1).contiguous()
 
 
-def pack_int8_blocks(q: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor] = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """The int8 kernel's layout: output features in panels of 16, q as [panel][block][k in 32][16]
-    and scales (and mins) as [panel][block][16], so the 16 features of one input are one 16-byte row
-    and a panel is one sequential stream. The last panel is zero-padded to 16 features."""
+def pack_blocks(blocks: Int8Blocks, bits: Optional[int] = None
+                ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """The C++ kernel's layout: output features in panels of 16; per panel, block of 32 inputs and
+    input k, the 16 features' integers are one row, so a panel is one sequential stream. 8-bit: q as
+    int8 [panel][block][k][16]. 4-bit: uint8 [panel][block][k][8], byte j holding feature j in its low
+    nibble and feature j + 8 in its high one (without mins each nibble is q + 8, as Q4_0 stores it).
+    Scales (and mins) as [panel][block][16]. The last panel is zero-padded to 16 features."""
+    bits = blocks.storage_bits() if bits is None else bits
+    q, scales, mins = blocks.q, blocks.scales, blocks.mins
     out_features, in_features = q.shape
-    blocks = in_features // INT8_BLOCK
-    panels = -(-out_features // INT8_PANEL)
-    q_padded = torch.zeros(panels * INT8_PANEL, in_features, dtype=torch.int8)
+    num_blocks = in_features // QUANT_BLOCK
+    panels = -(-out_features // QUANT_PANEL)
+    q_padded = torch.zeros(panels * QUANT_PANEL, in_features, dtype=torch.int8)
     q_padded[:out_features] = q
-    packed_q = q_padded.reshape(panels, INT8_PANEL, blocks, INT8_BLOCK).permute(0, 2, 3, 1).contiguous()
+    packed_q = q_padded.reshape(panels, QUANT_PANEL, num_blocks, QUANT_BLOCK).permute(0, 2, 3, 1).contiguous()
+    if bits == 4:
+        nibbles = packed_q.to(torch.int16) + (0 if mins is not None else 8)
+        packed_q = (nibbles[..., :8] | (nibbles[..., 8:] << 4)).to(torch.uint8).contiguous()
+    elif bits != 8:
+        raise ValueError(f"block storage is 4 or 8 bits, not {bits}")
     packed_mins = None if mins is None else _pack_panel_values(mins, panels)
     return packed_q, _pack_panel_values(scales, panels), packed_mins
 
 
-class Int8BlockLinear(nn.Module):
-    """A float32 linear whose weights are block-int8 (`Int8Blocks`): GGUF blocks kept as the file
-    stores them, or a float weight rounded to Q8_0 at load (`from_weight`).
+def unpack_blocks(q: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor], out_features: int
+                  ) -> Int8Blocks:
+    """`pack_blocks` undone: the integers, scales and mins per output feature."""
+    if q.dtype == torch.uint8:
+        low, high = (q & 0x0F).to(torch.int16), (q >> 4).to(torch.int16)
+        q = torch.cat([low, high], dim=-1) - (0 if mins is not None else 8)
+    panels, num_blocks = q.shape[0], q.shape[1]
+    rows = q.to(torch.int8).permute(0, 3, 1, 2).reshape(panels * QUANT_PANEL, num_blocks * QUANT_BLOCK)
 
-    Steps with few rows run tokenmill's int8 kernel (a quarter of fp32's weight bytes); larger steps
-    run a dense copy of the very same dequantized values, so a request's numbers do not depend on
-    which path its step took beyond float summation order. Without `dense_rows_hint` the copy is a
-    plain float32 weight for torch's `F.linear` (MKL): when no decode step exceeds the kernel's rows,
-    only prefill chunks of hundreds of rows reach it, and there MKL ran 5-10% faster than the
-    oneDNN-packed weight (384-2048 rows, 2-core AVX2 host). With a hint (decode batches of up to that
-    many rows) it is packed for oneDNN, which was ~15% faster at 65-128 rows.
+    def per_feature(values: torch.Tensor) -> torch.Tensor:
+        return values.permute(0, 2, 1).reshape(panels * QUANT_PANEL, num_blocks)[:out_features].contiguous()
+
+    return Int8Blocks(rows[:out_features].contiguous(), per_feature(scales),
+                      None if mins is None else per_feature(mins))
+
+
+class BlockQuantLinear(nn.Module):
+    """A float32 linear whose weights stay block-quantized (`Int8Blocks`) at the width the GGUF stores
+    them (4-bit Q4_0/Q4_1/Q4_K, 8-bit Q8_0/Q5_*), or a float weight rounded to Q8_0 at load
+    (`from_weight`). No float copy of the weights is kept: tokenmill's C++ kernel reads the packed
+    integers for decode steps and dequantizes cache-sized tiles for prefill chunks (`block_linear`).
     """
 
-    def __init__(self, blocks: Int8Blocks, bias: torch.Tensor | None, kernels,
-                 dense_rows_hint: Optional[int] = None, dequantized: Optional[torch.Tensor] = None) -> None:
-        """`dequantized`: blocks.dequantize() when the caller already holds it (the loader checked a
-        GGUF's blocks against the dense weights bit for bit), so it is not computed twice at load."""
+    def __init__(self, blocks: Int8Blocks, bias: torch.Tensor | None, kernels) -> None:
         super().__init__()
         self.out_features, self.in_features = blocks.q.shape
-        if self.in_features % INT8_BLOCK:
-            raise ValueError(f"block-int8 weights need in_features divisible by {INT8_BLOCK}")
-        self.q, self.scales, self.mins = pack_int8_blocks(blocks.q, blocks.scales, blocks.mins)
+        if self.in_features % QUANT_BLOCK:
+            raise ValueError(f"block-quantized weights need in_features divisible by {QUANT_BLOCK}")
+        self.q, self.scales, self.mins = pack_blocks(blocks)
+        self.bits = 4 if self.q.dtype == torch.uint8 else 8
         self.bias = None if bias is None else bias.detach().float()
-        self.dense = dense_linear(blocks.dequantize() if dequantized is None else dequantized, self.bias,
-                                  dense_rows_hint)
         self.kernels = kernels
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels,
-                    dense_rows_hint: Optional[int] = None) -> "Int8BlockLinear":
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> "BlockQuantLinear":
         """`--quantization q8_0`: the float weight rounded to GGUF's Q8_0 at load."""
-        return cls(Int8Blocks(*quantize_q8_0(weight)), bias, kernels, dense_rows_hint)
+        return cls(Int8Blocks(*quantize_q8_0(weight)), bias, kernels)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.shape[0] <= INT8_KERNEL_MAX_ROWS:
-            return self.kernels.int8_block_linear(x.contiguous(), self.q, self.scales, self.mins, self.bias,
-                                                  self.out_features)
-        return self.dense(x)
+        rows = x.reshape(-1, self.in_features).contiguous()
+        y = self.kernels.block_linear(rows, self.q, self.scales, self.mins, self.bias, self.out_features)
+        return y.reshape(*x.shape[:-1], self.out_features)
+
+    def blocks(self) -> Int8Blocks:
+        """The integers, scales and mins per output feature (unpacked copies)."""
+        return unpack_blocks(self.q, self.scales, self.mins, self.out_features)
+
+    def dequantize_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of the float weight, [len(ids), in_features]: q * scale (+ min) in float32 exactly
+        as `Int8Blocks.dequantize` computes them, read from the packed storage (embedding lookups)."""
+        panel, lane = ids // QUANT_PANEL, ids % QUANT_PANEL
+        if self.bits == 8:
+            q = self.q[panel, :, :, lane].float()  # [tokens, blocks, 32]
+        else:
+            byte = self.q[panel, :, :, lane % 8].to(torch.int16)
+            q = ((byte >> (4 * (lane // 8)).view(-1, 1, 1)) & 0x0F) - (0 if self.mins is not None else 8)
+            q = q.float()
+        w = q * self.scales[panel, :, lane].unsqueeze(-1)
+        if self.mins is not None:
+            w = w + self.mins[panel, :, lane].unsqueeze(-1)
+        return w.reshape(ids.numel(), self.in_features)
+
+    def storage_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.mins, self.bias) if t is not None)
 
     def extra_repr(self) -> str:
-        kind = "int8 blocks with mins" if self.mins is not None else "int8 blocks"
+        kind = f"{self.bits}-bit blocks" + (" with mins" if self.mins is not None else "")
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
+
+
+class BlockQuantEmbedding(nn.Module):
+    """An embedding table read from a `BlockQuantLinear`'s packed blocks (the tied LM head's, or the
+    file's own token embedding): each lookup dequantizes only the rows it needs."""
+
+    def __init__(self, table: BlockQuantLinear) -> None:
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = self.table.dequantize_rows(input_ids.reshape(-1))
+        return rows.reshape(*input_ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.table.bits}-bit blocks"

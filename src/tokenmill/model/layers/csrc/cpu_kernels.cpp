@@ -25,9 +25,13 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+// TOKENMILL_PORTABLE / TOKENMILL_NO_AVX512 build the narrower paths on a wider CPU (their tests).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(TOKENMILL_PORTABLE)
 #include <immintrin.h>
 #define TOKENMILL_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(TOKENMILL_NO_AVX512)
+#define TOKENMILL_AVX512 1
+#endif
 #endif
 
 namespace {
@@ -564,25 +568,30 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
   });
 }
 
-// ---- Block-int8 weight-only linear for small and medium steps --------------------------------
+// ---- Block-quantized weight-only linear -------------------------------------------------------
 // y[m, n] = sum_k x[m, k] * w[n, k] + bias[n] with w[n, k] = q[n, k] * scale[n, k / 32] (+ min[n, k / 32])
-// for int8 q: GGUF's Q8_0 and Q4_0/Q5_0 (no min), and Q4_1/Q5_1 and the sub-blocks of Q4_K/Q5_K (with
-// a min), whose small integers fit int8 exactly. A decode step with few rows is bound by reading the
-// weights, and int8 reads a quarter of fp32's bytes; with more rows the widened weights are reused
-// across rows and the kernel reaches ~105-150 GFLOP/s (60-80% of the FMA peak) at 8-64 rows on a
-// 2-core AVX2 machine, ahead of oneDNN's fp32 GEMM up to ~64 rows (docs/performance.md).
+// for small integers q kept at the width a GGUF stores them: 8 bits for Q8_0, Q5_0/Q5_1 and the
+// sub-blocks of Q5_K; 4 bits, two per byte, for Q4_0 (no min), Q4_1 and the sub-blocks of Q4_K (with a
+// min). A decode step with few rows is bound by reading the weights: 4-bit blocks read an eighth of
+// fp32's bytes (plus 4 or 8 bytes of scales per 32 weights). With more rows the widened weights are
+// reused across rows and the row kernel reaches ~105-150 GFLOP/s (60-80% of the FMA peak) at 8-64 rows.
+// Above kRowKernelMaxRows (prefill chunks, large decode batches) the weights are dequantized a tile
+// of output features at a time into a cache-resident float32 tile, which BLAS's sgemm multiplies: no
+// dense copy of the layer exists, and dequantizing costs ~1/rows of the GEMM's work.
 //
-// Layout (tokenmill.model.layers.linear.pack_int8_blocks): output features in panels of 16; panel p
-// holds features 16p..16p+15 as q[p][block][k in 0..32][16] (int8) and scale[p][block][16] (fp32; mins
-// alike), so for each input k the 16 features are one contiguous 16-byte row, and a panel is one
-// sequential stream. The last panel is zero-padded to 16 features. Per row and panel the kernel keeps
-// two 8-wide accumulators per block (x[m, k] broadcast times the widened int8 row), and folds them into
-// the running sums with the block's scales once per 32 inputs: the scale costs 1/32 of an FMA per
-// weight instead of a multiply per weight. Mins add min * sum(x over the block) to the same sums in a
-// second pass over the blocks, with the block sums of x computed once per call.
+// Layout (tokenmill.model.layers.linear.pack_blocks): output features in panels of 16; panel p holds
+// features 16p..16p+15. For each block of 32 inputs and each input k of it, the 16 features' integers
+// are one contiguous row: 16 int8 bytes (8-bit), or 8 bytes whose low nibbles are features 0-7 and high
+// nibbles features 8-15 (4-bit; without mins the nibble is q + 8, Q4_0's own encoding). Scales (and
+// mins) are fp32 [panel][block][16]. The last panel is zero-padded to 16 features. Per row and panel
+// the row kernel keeps two 8-wide accumulators per block (x[m, k] broadcast times the widened integer
+// row), and folds them into the running sums with the block's scales once per 32 inputs: the scale
+// costs 1/32 of an FMA per weight instead of a multiply per weight. Mins add min * sum(x over the
+// block) to the same sums in a second pass over the blocks, with the block sums of x computed once.
 //
 // Every row goes through the same operations in the same order whatever the tile it lands in and
-// however many rows the call has, so a row's result does not depend on the batch it was computed in.
+// however many rows (up to kRowKernelMaxRows) the call has, so a decoding row's result does not depend
+// on the batch it was computed in; 4-bit and 8-bit storage of the same integers give the same bits.
 namespace {
 
 constexpr int64_t kQ8Block = 32;
@@ -593,6 +602,29 @@ constexpr int64_t kQ8TileRows = 4;
 constexpr int64_t kQ8PrefetchBytes = 1024;
 // Rows of x per work item for larger steps: the panel stays in L1/L2 while a chunk of x streams past.
 constexpr int64_t kQ8RowChunk = 64;
+// Up to this many rows the row kernel runs; above it, dequantized tiles through sgemm.
+constexpr int64_t kRowKernelMaxRows = 64;
+// Float32 elements of one dequantized tile (2 MiB: in L2 with sgemm's packing buffers on 4 MiB-L2 cores;
+// tiles of ~450-900 features ran 10-15% faster than one GEMM over the whole layer there).
+constexpr int64_t kTileElements = 512 * 1024;
+
+// The integers of one input's 16 features (one panel row) at a storage width.
+template <int Bits>
+struct PanelRow;
+
+template <>
+struct PanelRow<8> {
+  static constexpr int64_t kBytes = kQ8Panel;
+  static inline int value(const uint8_t* row, int64_t j, int /*zero*/) { return static_cast<int8_t>(row[j]); }
+};
+
+template <>
+struct PanelRow<4> {
+  static constexpr int64_t kBytes = kQ8Panel / 2;
+  static inline int value(const uint8_t* row, int64_t j, int zero) {
+    return (j < 8 ? row[j] & 0x0F : row[j - 8] >> 4) - zero;
+  }
+};
 
 // Per row and block of 32 inputs, the sum of x in a fixed order (the min term's factor).
 void block_sums(const float* x, int64_t rows, int64_t in_features, float* out) {
@@ -611,6 +643,19 @@ inline __m256 widen_int8x8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
+// One panel row widened to float: features 0-7 in lo, 8-15 in hi.
+template <int Bits>
+inline void widen_row(const uint8_t* row, __m256i zero, __m256& lo, __m256& hi) {
+  if constexpr (Bits == 8) {
+    lo = widen_int8x8(reinterpret_cast<const int8_t*>(row));
+    hi = widen_int8x8(reinterpret_cast<const int8_t*>(row) + 8);
+  } else {
+    const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row)));
+    lo = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(bytes, _mm256_set1_epi32(0x0F)), zero));
+    hi = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(bytes, 4), zero));
+  }
+}
+
 // out[r] += (v0, v1) * v[r * stride] for R rows: one input (or block sum) of each row against 16 features.
 template <int R>
 inline void fma_broadcast_rows(__m256 (&out)[R][2], __m256 v0, __m256 v1, const float* v, int64_t stride) {
@@ -623,25 +668,28 @@ inline void fma_broadcast_rows(__m256 (&out)[R][2], __m256 v0, __m256 v1, const 
 
 // R rows of x (row stride in_features) against one panel; y gets the panel's `width` valid columns.
 // mp/xs: the panel's mins and the rows' block sums of x (both null without mins).
-template <int R>
-inline void int8_panel_tile(const float* x, int64_t in_features, const int8_t* qp, const float* sp, const float* mp,
-                            const float* xs, int64_t width, const float* bias, bool prefetch, float* y,
-                            int64_t y_stride) {
+template <int R, int Bits>
+inline void panel_tile(const float* x, int64_t in_features, const uint8_t* qp, int zero, const float* sp,
+                       const float* mp, const float* xs, int64_t width, const float* bias, bool prefetch, float* y,
+                       int64_t y_stride) {
+  constexpr int64_t row_bytes = PanelRow<Bits>::kBytes;
   const int64_t blocks = in_features / kQ8Block;
+  const __m256i zero_v = _mm256_set1_epi32(zero);
   __m256 sum[R][2];
   for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const int8_t* qb = qp + b * kQ8Block * kQ8Panel;
+    const uint8_t* qb = qp + b * kQ8Block * row_bytes;
     if (prefetch)  // the first tile streams the panel from DRAM; later tiles find it in cache
-      for (int64_t line = 0; line < kQ8Block * kQ8Panel; line += 64)
+      for (int64_t line = 0; line < kQ8Block * row_bytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(qb + kQ8PrefetchBytes + line), _MM_HINT_T0);
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const float* xb = x + b * kQ8Block;
 #pragma GCC unroll 4
     for (int k = 0; k < kQ8Block; ++k) {
-      fma_broadcast_rows<R>(acc, widen_int8x8(qb + k * kQ8Panel), widen_int8x8(qb + k * kQ8Panel + 8),
-                            xb + k, in_features);
+      __m256 lo, hi;
+      widen_row<Bits>(qb + k * row_bytes, zero_v, lo, hi);
+      fma_broadcast_rows<R>(acc, lo, hi, xb + k, in_features);
     }
     const __m256 s0 = _mm256_loadu_ps(sp + b * kQ8Panel), s1 = _mm256_loadu_ps(sp + b * kQ8Panel + 8);
     for (int r = 0; r < R; ++r) {
@@ -663,15 +711,157 @@ inline void int8_panel_tile(const float* x, int64_t in_features, const int8_t* q
   }
 }
 
-using Int8TileFn = void (*)(const float*, int64_t, const int8_t*, const float*, const float*, const float*, int64_t,
-                            const float*, bool, float*, int64_t);
-constexpr Int8TileFn kInt8TileByRows[kQ8TileRows] = {int8_panel_tile<1>, int8_panel_tile<2>, int8_panel_tile<3>,
-                                                     int8_panel_tile<4>};
+#ifdef TOKENMILL_AVX512
+// The same arithmetic on 16-wide registers: one panel row is one vector, so each input costs half
+// the FMAs, and 8 rows of accumulators fit. Every lane runs the AVX2 tile's operations in the same
+// order, so the two give the same bits. Zero: the nibble offset (8 for Q4_0), a template argument so
+// the common Q4_1 / Q4_K path has no subtraction.
+
+// Two consecutive panel rows (inputs k and k + 1) widened to float.
+template <int Bits, int Zero>
+inline void widen_rows16(const uint8_t* rows, __m512& w0, __m512& w1) {
+  if constexpr (Bits == 8) {
+    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows))));
+    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + 16))));
+  } else {
+    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows));  // 8 bytes per row
+    const __m128i mask = _mm_set1_epi8(0x0F);
+    const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+    __m512i v0 = _mm512_cvtepu8_epi32(_mm_unpacklo_epi64(low, high));  // features 0-7 low, 8-15 high
+    __m512i v1 = _mm512_cvtepu8_epi32(_mm_unpackhi_epi64(low, high));
+    if constexpr (Zero != 0) {
+      v0 = _mm512_sub_epi32(v0, _mm512_set1_epi32(Zero));
+      v1 = _mm512_sub_epi32(v1, _mm512_set1_epi32(Zero));
+    }
+    w0 = _mm512_cvtepi32_ps(v0);
+    w1 = _mm512_cvtepi32_ps(v1);
+  }
+}
+
+template <int R>
+inline void store_rows16(const __m512 (&sum)[R], int64_t width, const float* bias, float* y, int64_t y_stride) {
+  for (int r = 0; r < R; ++r) {
+    alignas(64) float out[kQ8Panel];
+    _mm512_store_ps(out, sum[r]);
+    for (int64_t j = 0; j < width; ++j) y[r * y_stride + j] = out[j] + (bias == nullptr ? 0.0f : bias[j]);
+  }
+}
+
+// Up to 8 rows against one panel, widening each panel row as it is used (few rows: the panel is read once).
+template <int R, int Bits, int Zero>
+void panel_tile16(const float* x, int64_t in_features, const uint8_t* qp, const float* sp, const float* mp,
+                  const float* xs, int64_t width, const float* bias, bool prefetch, float* y, int64_t y_stride) {
+  constexpr int64_t row_bytes = PanelRow<Bits>::kBytes;
+  const int64_t blocks = in_features / kQ8Block;
+  __m512 sum[R];
+  for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* qb = qp + b * kQ8Block * row_bytes;
+    if (prefetch)
+      for (int64_t line = 0; line < kQ8Block * row_bytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(qb + kQ8PrefetchBytes + line), _MM_HINT_T0);
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    const float* xb = x + b * kQ8Block;
+#pragma GCC unroll 2
+    for (int k = 0; k < kQ8Block; k += 2) {
+      __m512 w0, w1;
+      widen_rows16<Bits, Zero>(qb + k * row_bytes, w0, w1);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(w0, _mm512_set1_ps(xb[r * in_features + k]), acc[r]);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(w1, _mm512_set1_ps(xb[r * in_features + k + 1]), acc[r]);
+    }
+    const __m512 scale = _mm512_loadu_ps(sp + b * kQ8Panel);
+    for (int r = 0; r < R; ++r) sum[r] = _mm512_fmadd_ps(acc[r], scale, sum[r]);
+  }
+  if (mp != nullptr)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const __m512 m = _mm512_loadu_ps(mp + b * kQ8Panel);
+      for (int r = 0; r < R; ++r) sum[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[r * blocks + b]), sum[r]);
+    }
+  store_rows16<R>(sum, width, bias, y, y_stride);
+}
+
+// R rows against one block already widened into wf[32][16]; their running sums live in sums[r][16].
+template <int R>
+inline void widened_block_tile(const float* wf, const float* xb, int64_t in_features, __m512 scale, float* sums) {
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+  for (int k = 0; k < kQ8Block; ++k) {
+    const __m512 w = _mm512_load_ps(wf + k * kQ8Panel);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[r * in_features + k]), acc[r]);
+  }
+  for (int r = 0; r < R; ++r)
+    _mm512_store_ps(sums + r * kQ8Panel, _mm512_fmadd_ps(acc[r], scale, _mm512_load_ps(sums + r * kQ8Panel)));
+}
+
+using WidenedTileFn = void (*)(const float*, const float*, int64_t, __m512, float*);
+constexpr WidenedTileFn kWidenedTileByRows[8] = {widened_block_tile<1>, widened_block_tile<2>, widened_block_tile<3>,
+                                                 widened_block_tile<4>, widened_block_tile<5>, widened_block_tile<6>,
+                                                 widened_block_tile<7>, widened_block_tile<8>};
+
+// More than 8 rows (up to kQ8RowChunk) against one panel: each block is widened to float once, into
+// L1, and every row tile reads it from there, so the unpacking is paid once per block, not per tile.
+template <int Bits, int Zero>
+void panel_rows16(const float* x, int64_t rows, int64_t in_features, const uint8_t* qp, const float* sp,
+                  const float* mp, const float* xs, int64_t width, const float* bias, float* y, int64_t y_stride) {
+  constexpr int64_t row_bytes = PanelRow<Bits>::kBytes;
+  const int64_t blocks = in_features / kQ8Block;
+  alignas(64) float sums[kQ8RowChunk * kQ8Panel];
+  alignas(64) float wf[kQ8Block * kQ8Panel];
+  std::fill(sums, sums + rows * kQ8Panel, 0.0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* qb = qp + b * kQ8Block * row_bytes;
+    for (int k = 0; k < kQ8Block; k += 2) {
+      __m512 w0, w1;
+      widen_rows16<Bits, Zero>(qb + k * row_bytes, w0, w1);
+      _mm512_store_ps(wf + k * kQ8Panel, w0);
+      _mm512_store_ps(wf + (k + 1) * kQ8Panel, w1);
+    }
+    const __m512 scale = _mm512_loadu_ps(sp + b * kQ8Panel);
+    for (int64_t r0 = 0; r0 < rows; r0 += 8)
+      kWidenedTileByRows[std::min<int64_t>(8, rows - r0) - 1](wf, x + r0 * in_features + b * kQ8Block, in_features,
+                                                               scale, sums + r0 * kQ8Panel);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 sum = _mm512_load_ps(sums + r * kQ8Panel);
+    if (mp != nullptr)
+      for (int64_t b = 0; b < blocks; ++b)
+        sum = _mm512_fmadd_ps(_mm512_loadu_ps(mp + b * kQ8Panel), _mm512_set1_ps(xs[r * blocks + b]), sum);
+    alignas(64) float out[kQ8Panel];
+    _mm512_store_ps(out, sum);
+    for (int64_t j = 0; j < width; ++j) y[r * y_stride + j] = out[j] + (bias == nullptr ? 0.0f : bias[j]);
+  }
+}
+
+// One (row chunk, panel) work item: direct tiles for a few rows, the widened-block path for more.
+template <int Bits, int Zero>
+void panel_chunk16(const float* x, int64_t rows, int64_t in_features, const uint8_t* qp, const float* sp,
+                   const float* mp, const float* xs, int64_t width, const float* bias, float* y, int64_t y_stride) {
+  constexpr void (*kDirect[8])(const float*, int64_t, const uint8_t*, const float*, const float*, const float*,
+                               int64_t, const float*, bool, float*, int64_t) = {
+      panel_tile16<1, Bits, Zero>, panel_tile16<2, Bits, Zero>, panel_tile16<3, Bits, Zero>,
+      panel_tile16<4, Bits, Zero>, panel_tile16<5, Bits, Zero>, panel_tile16<6, Bits, Zero>,
+      panel_tile16<7, Bits, Zero>, panel_tile16<8, Bits, Zero>};
+  if (rows <= 8)
+    kDirect[rows - 1](x, in_features, qp, sp, mp, xs, width, bias, true, y, y_stride);
+  else
+    panel_rows16<Bits, Zero>(x, rows, in_features, qp, sp, mp, xs, width, bias, y, y_stride);
+}
+#endif
+
+using PanelTileFn = void (*)(const float*, int64_t, const uint8_t*, int, const float*, const float*, const float*,
+                             int64_t, const float*, bool, float*, int64_t);
+template <int Bits>
+constexpr PanelTileFn kPanelTileByRows[kQ8TileRows] = {panel_tile<1, Bits>, panel_tile<2, Bits>, panel_tile<3, Bits>,
+                                                       panel_tile<4, Bits>};
 #else
 // Portable fallback: the same arithmetic (per-block partial sums, then scaled), one value at a time.
-inline void int8_panel_tile_scalar(const float* x, int64_t rows, int64_t in_features, const int8_t* qp,
-                                   const float* sp, const float* mp, const float* xs, int64_t width,
-                                   const float* bias, float* y, int64_t y_stride) {
+template <int Bits>
+inline void panel_tile_scalar(const float* x, int64_t rows, int64_t in_features, const uint8_t* qp, int zero,
+                              const float* sp, const float* mp, const float* xs, int64_t width, const float* bias,
+                              float* y, int64_t y_stride) {
+  constexpr int64_t row_bytes = PanelRow<Bits>::kBytes;
   const int64_t blocks = in_features / kQ8Block;
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t j = 0; j < width; ++j) {
@@ -679,7 +869,8 @@ inline void int8_panel_tile_scalar(const float* x, int64_t rows, int64_t in_feat
       for (int64_t b = 0; b < blocks; ++b) {
         float acc = 0.0f;
         for (int64_t k = 0; k < kQ8Block; ++k)
-          acc += static_cast<float>(qp[(b * kQ8Block + k) * kQ8Panel + j]) * x[r * in_features + b * kQ8Block + k];
+          acc += static_cast<float>(PanelRow<Bits>::value(qp + (b * kQ8Block + k) * row_bytes, j, zero)) *
+                 x[r * in_features + b * kQ8Block + k];
         sum += acc * sp[b * kQ8Panel + j];
       }
       if (mp != nullptr)
@@ -689,10 +880,12 @@ inline void int8_panel_tile_scalar(const float* x, int64_t rows, int64_t in_feat
 }
 #endif
 
-void int8_linear_rows(const float* x, int64_t rows, int64_t in_features, const int8_t* q, const float* scales,
-                      const float* mins, int64_t out_features, const float* bias, float* y) {
+template <int Bits>
+void block_linear_rows(const float* x, int64_t rows, int64_t in_features, const uint8_t* q, int zero,
+                       const float* scales, const float* mins, int64_t out_features, const float* bias, float* y) {
   if (rows == 0) return;
   const int64_t blocks = in_features / kQ8Block;
+  const int64_t panel_bytes = blocks * kQ8Block * PanelRow<Bits>::kBytes;
   const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel;
   const int64_t chunks = (rows + kQ8RowChunk - 1) / kQ8RowChunk;
   std::vector<float> x_block_sums;
@@ -705,37 +898,165 @@ void int8_linear_rows(const float* x, int64_t rows, int64_t in_features, const i
     for (int64_t item = begin; item < end; ++item) {
       const int64_t p = item % panels, chunk = item / panels;
       const int64_t n0 = p * kQ8Panel, width = std::min(kQ8Panel, out_features - n0);
-      const int8_t* qp = q + p * blocks * kQ8Block * kQ8Panel;
+      const uint8_t* qp = q + p * panel_bytes;
       const float* sp = scales + p * blocks * kQ8Panel;
       const float* mp = mins == nullptr ? nullptr : mins + p * blocks * kQ8Panel;
       const float* bp = bias == nullptr ? nullptr : bias + n0;
-      const int64_t r_end = std::min(rows, (chunk + 1) * kQ8RowChunk);
-      for (int64_t r0 = chunk * kQ8RowChunk; r0 < r_end; r0 += kQ8TileRows) {
-        const int64_t tile = std::min(kQ8TileRows, r_end - r0);
-        const float* xs = mins == nullptr ? nullptr : x_block_sums.data() + r0 * blocks;
-#ifdef TOKENMILL_AVX2
-        kInt8TileByRows[tile - 1](x + r0 * in_features, in_features, qp, sp, mp, xs, width, bp,
-                                  r0 == chunk * kQ8RowChunk, y + r0 * out_features + n0, out_features);
+      const int64_t r_begin = chunk * kQ8RowChunk, r_end = std::min(rows, r_begin + kQ8RowChunk);
+      const float* xs = mins == nullptr ? nullptr : x_block_sums.data() + r_begin * blocks;
+#if defined(TOKENMILL_AVX512)
+      const auto chunk_fn = Bits == 8 ? panel_chunk16<Bits, 0> : (zero == 0 ? panel_chunk16<Bits, 0> : panel_chunk16<Bits, 8>);
+      chunk_fn(x + r_begin * in_features, r_end - r_begin, in_features, qp, sp, mp, xs, width, bp,
+               y + r_begin * out_features + n0, out_features);
 #else
-        int8_panel_tile_scalar(x + r0 * in_features, tile, in_features, qp, sp, mp, xs, width, bp,
-                               y + r0 * out_features + n0, out_features);
+      for (int64_t r0 = r_begin; r0 < r_end; r0 += kQ8TileRows) {
+        const int64_t tile = std::min(kQ8TileRows, r_end - r0);
+        const float* xs_tile = mins == nullptr ? nullptr : x_block_sums.data() + r0 * blocks;
+#ifdef TOKENMILL_AVX2
+        kPanelTileByRows<Bits>[tile - 1](x + r0 * in_features, in_features, qp, zero, sp, mp, xs_tile, width, bp,
+                                         r0 == r_begin, y + r0 * out_features + n0, out_features);
+#else
+        panel_tile_scalar<Bits>(x + r0 * in_features, tile, in_features, qp, zero, sp, mp, xs_tile, width, bp,
+                                y + r0 * out_features + n0, out_features);
 #endif
       }
+#endif
+    }
+  });
+}
+
+// Panels [p0, p1) dequantized into wt, transposed: wt[k][16 * (p - p0) + j] = q * scale (+ min), the
+// arithmetic of Int8Blocks.dequantize (two roundings, no fused multiply-add), for every input k.
+template <int Bits>
+void dequantize_panels_transposed(const uint8_t* q, int zero, const float* scales, const float* mins,
+                                  int64_t blocks, int64_t p0, int64_t p1, float* wt) {
+  constexpr int64_t row_bytes = PanelRow<Bits>::kBytes;
+  const int64_t width = (p1 - p0) * kQ8Panel;
+  for (int64_t p = p0; p < p1; ++p)
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* qb = q + (p * blocks + b) * kQ8Block * row_bytes;
+      const float* sp = scales + (p * blocks + b) * kQ8Panel;
+      const float* mp = mins == nullptr ? nullptr : mins + (p * blocks + b) * kQ8Panel;
+      float* out = wt + b * kQ8Block * width + (p - p0) * kQ8Panel;
+#if defined(TOKENMILL_AVX512)
+      const __m512 scale = _mm512_loadu_ps(sp);
+      const __m512 offset = mp == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(mp);
+      for (int64_t k = 0; k < kQ8Block; k += 2) {
+        __m512 w0, w1;
+        if (zero == 0)
+          widen_rows16<Bits, 0>(qb + k * row_bytes, w0, w1);
+        else
+          widen_rows16<Bits, 8>(qb + k * row_bytes, w0, w1);
+        w0 = _mm512_mul_ps(w0, scale);
+        w1 = _mm512_mul_ps(w1, scale);
+        if (mp != nullptr) {
+          w0 = _mm512_add_ps(w0, offset);
+          w1 = _mm512_add_ps(w1, offset);
+        }
+        _mm512_storeu_ps(out + k * width, w0);
+        _mm512_storeu_ps(out + (k + 1) * width, w1);
+      }
+#elif defined(TOKENMILL_AVX2)
+      const __m256i zero_v = _mm256_set1_epi32(zero);
+      const __m256 s0 = _mm256_loadu_ps(sp), s1 = _mm256_loadu_ps(sp + 8);
+      const __m256 m0 = mp == nullptr ? _mm256_setzero_ps() : _mm256_loadu_ps(mp);
+      const __m256 m1 = mp == nullptr ? _mm256_setzero_ps() : _mm256_loadu_ps(mp + 8);
+      for (int64_t k = 0; k < kQ8Block; ++k) {
+        __m256 lo, hi;
+        widen_row<Bits>(qb + k * row_bytes, zero_v, lo, hi);
+        lo = _mm256_mul_ps(lo, s0);
+        hi = _mm256_mul_ps(hi, s1);
+        if (mp != nullptr) {
+          lo = _mm256_add_ps(lo, m0);
+          hi = _mm256_add_ps(hi, m1);
+        }
+        _mm256_storeu_ps(out + k * width, lo);
+        _mm256_storeu_ps(out + k * width + 8, hi);
+      }
+#else
+      for (int64_t k = 0; k < kQ8Block; ++k)
+        for (int64_t j = 0; j < kQ8Panel; ++j) {
+          float w = static_cast<float>(PanelRow<Bits>::value(qb + k * row_bytes, j, zero)) * sp[j];
+          out[k * width + j] = mp == nullptr ? w : w + mp[j];
+        }
+#endif
+    }
+}
+
+}  // namespace
+
+// BLAS's sgemm, where torch was built with one (MKL on x86 wheels); weak, so the kernels still load
+// where it is missing and tiles go through at::mm instead.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc) __attribute__((weak));
+namespace {
+
+// y[:, n0:n0 + width] = x @ wt (wt [in_features][width] row-major), sequential: runs inside a parallel region.
+void tile_gemm(const float* x, int64_t rows, int64_t in_features, const float* wt, int64_t width, float* y,
+               int64_t y_stride) {
+  // Column-major: y^T (width x rows, ld y_stride) = wt^T (width x K, ld width) * x^T (K x rows, ld K).
+  const int m = static_cast<int>(width), n = static_cast<int>(rows), k = static_cast<int>(in_features);
+  const int lda = m, ldb = k, ldc = static_cast<int>(y_stride);
+  const float one = 1.0f, zero = 0.0f;
+  if (sgemm_ != nullptr) {
+    sgemm_("N", "N", &m, &n, &k, &one, wt, &lda, x, &ldb, &zero, y, &ldc);
+    return;
+  }
+  auto options = torch::TensorOptions().dtype(torch::kFloat);
+  torch::Tensor product = at::mm(torch::from_blob(const_cast<float*>(x), {rows, in_features}, options),
+                                 torch::from_blob(const_cast<float*>(wt), {in_features, width}, options));
+  torch::from_blob(y, {rows, width}, {y_stride, 1}, options).copy_(product);
+}
+
+template <int Bits>
+void block_linear_tiled(const float* x, int64_t rows, int64_t in_features, const uint8_t* q, int zero,
+                        const float* scales, const float* mins, int64_t out_features, const float* bias, float* y) {
+  const int64_t blocks = in_features / kQ8Block;
+  const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel;
+  // Tiles of whole panels near kTileElements, their count a multiple of the threads so none idles.
+  const int64_t threads = at::get_num_threads();
+  const int64_t panels_per_tile_target = std::max<int64_t>(1, kTileElements / (in_features * kQ8Panel));
+  int64_t tiles = (panels + panels_per_tile_target - 1) / panels_per_tile_target;
+  tiles = std::min(panels, (tiles + threads - 1) / threads * threads);
+  const int64_t panels_per_tile = (panels + tiles - 1) / tiles;
+  tiles = (panels + panels_per_tile - 1) / panels_per_tile;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<float> buffer;  // kept between calls: no page faults per tile
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t p0 = t * panels_per_tile, p1 = std::min(panels, p0 + panels_per_tile);
+      const int64_t n0 = p0 * kQ8Panel, padded = (p1 - p0) * kQ8Panel;
+      const int64_t width = std::min(out_features, p1 * kQ8Panel) - n0;
+      if (static_cast<int64_t>(buffer.size()) < in_features * padded) buffer.resize(in_features * padded);
+      dequantize_panels_transposed<Bits>(q, zero, scales, mins, blocks, p0, p1, buffer.data());
+      if (width == padded) {
+        tile_gemm(x, rows, in_features, buffer.data(), padded, y + n0, out_features);
+      } else {  // the zero-padded last panel: multiply its padded width, keep the valid columns
+        std::vector<float> part(rows * padded);
+        tile_gemm(x, rows, in_features, buffer.data(), padded, part.data(), padded);
+        for (int64_t r = 0; r < rows; ++r)
+          std::copy(part.data() + r * padded, part.data() + r * padded + width, y + r * out_features + n0);
+      }
+      if (bias != nullptr)
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t j = 0; j < width; ++j) y[r * out_features + n0 + j] += bias[n0 + j];
     }
   });
 }
 
 }  // namespace
 
-torch::Tensor int8_block_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales,
-                                c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias,
-                                int64_t out_features) {
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                           c10::optional<torch::Tensor> bias, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: contiguous float32 [rows, K]");
   TORCH_CHECK(x.size(1) % kQ8Block == 0, "K must be a multiple of 32");
+  TORCH_CHECK(q.scalar_type() == torch::kChar || q.scalar_type() == torch::kByte,
+              "q: int8 (8-bit blocks) or uint8 (4-bit blocks, two per byte)");
+  const int bits = q.scalar_type() == torch::kChar ? 8 : 4;
   const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel, blocks = x.size(1) / kQ8Block;
-  TORCH_CHECK(out_features > 0 && q.is_contiguous() && q.scalar_type() == torch::kInt8 &&
-              q.numel() == panels * blocks * kQ8Block * kQ8Panel,
-              "q: contiguous int8 in pack_int8_blocks's layout [panels, K / 32, 32, 16] matching x and out_features");
+  TORCH_CHECK(out_features > 0 && q.is_contiguous() &&
+              q.numel() == panels * blocks * kQ8Block * kQ8Panel * bits / 8,
+              "q: contiguous, in pack_blocks's layout [panels, K / 32, 32, 16 * bits / 8] matching x and out_features");
   TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat &&
               scales.numel() == panels * blocks * kQ8Panel, "scales: contiguous float32 [panels, K / 32, 16]");
   const float* mins_ptr = nullptr;
@@ -745,18 +1066,24 @@ torch::Tensor int8_block_linear(torch::Tensor x, torch::Tensor q, torch::Tensor 
     mins_ptr = mins->data_ptr<float>();
   }
   const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined()) {
+  if (bias.has_value() && bias->defined() && bias->numel() > 0) {
     TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == out_features,
                 "bias: float32 [N]");
     bias_ptr = bias->data_ptr<float>();
   }
-  auto y = torch::empty({x.size(0), out_features}, x.options());
-  int8_linear_rows(x.data_ptr<float>(), x.size(0), x.size(1), q.data_ptr<int8_t>(), scales.data_ptr<float>(),
-                   mins_ptr, out_features, bias_ptr, y.data_ptr<float>());
+  // 4-bit blocks without mins (Q4_0) store q + 8 in each nibble.
+  const int zero = bits == 4 && mins_ptr == nullptr ? 8 : 0;
+  const int64_t rows = x.size(0);
+  auto y = torch::empty({rows, out_features}, x.options());
+  const uint8_t* q_ptr = static_cast<const uint8_t*>(q.data_ptr());
+  const auto run = rows <= kRowKernelMaxRows ? (bits == 8 ? block_linear_rows<8> : block_linear_rows<4>)
+                                             : (bits == 8 ? block_linear_tiled<8> : block_linear_tiled<4>);
+  run(x.data_ptr<float>(), rows, x.size(1), q_ptr, zero, scales.data_ptr<float>(), mins_ptr, out_features, bias_ptr,
+      y.data_ptr<float>());
   return y;
 }
 
-// ---- A whole Llama decoder stack for a decode-only step with block-int8 weights ---------------
+// ---- A whole Llama decoder stack for a decode-only step with block-quantized weights ----------
 // The same kernels, in the same order, as the Python layers (so the result is bit-identical), called
 // from one C++ loop: a decode step of a few rows spends most of its non-matmul time in Python and in
 // per-op dispatch (~0.2 ms per layer on 2 cores), not in the kernels themselves.
@@ -773,7 +1100,7 @@ c10::optional<torch::Tensor> optional_tensor(const torch::Tensor& t) {
 
 // One projection of the stack: w points at its (q, scales, mins, bias).
 torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor* w, int64_t out_features) {
-  return int8_block_linear(x, w[0], w[1], optional_tensor(w[2]), optional_tensor(w[3]), out_features);
+  return block_linear(x, w[0], w[1], optional_tensor(w[2]), optional_tensor(w[3]), out_features);
 }
 
 // K and V of each new token into its cache slot (the Python backend's index_copy_).
@@ -842,7 +1169,7 @@ torch::Tensor llama_decode_int8(torch::Tensor hidden, torch::Tensor positions, t
     torch::Tensor attn = paged_decode_attention(query, cache, block_tables, context_lens, scale);
     h = stack_linear(attn.view({rows, q_size}), w + 5, hidden_size);
     h = rms_norm(h, residual, w[9], eps);
-    const int64_t intermediate_size = w[14].size(1) * kQ8Block;  // down's inputs ([panels, K / 32, 32, 16])
+    const int64_t intermediate_size = w[14].size(1) * kQ8Block;  // down's inputs ([panels, K / 32, 32, 16 or 8])
     h = silu_and_mul(stack_linear(h, w + 10, 2 * intermediate_size));
     x = stack_linear(h, w + 14, hidden_size);
   }
@@ -850,19 +1177,27 @@ torch::Tensor llama_decode_int8(torch::Tensor hidden, torch::Tensor positions, t
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+#if defined(TOKENMILL_AVX512)
+  m.attr("simd") = "avx512";
+#elif defined(TOKENMILL_AVX2)
+  m.attr("simd") = "avx2";
+#else
+  m.attr("simd") = "portable";
+#endif
   // Every kernel runs without the GIL (arguments are converted before, results after), so the
   // server's HTTP thread can stream and tokenize while the engine thread is inside one.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
-  m.def("int8_block_linear", &int8_block_linear,
-        "x @ dequant(block-int8 weights)^T + bias for float32 x (weights in pack_int8_blocks's layout)",
+  m.def("block_linear", &block_linear,
+        "x @ dequant(block-quantized weights)^T + bias for float32 x (weights in pack_blocks's layout)",
         py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("out_features"),
         nogil);
   m.def("paged_decode_attention", &paged_decode_attention,
         "decode attention over a paged KV cache (one query token per request)", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:]", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (residual updated in place)", nogil);
-  m.def("llama_decode_int8", &llama_decode_int8, "a Llama decoder stack (block-int8 weights) for a decode-only step",
+  m.def("llama_decode_int8", &llama_decode_int8, "a Llama decoder stack (block-quantized weights) for a decode-only step",
         nogil);
   m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding in place on the first heads of each row",
         nogil);
 }
+
