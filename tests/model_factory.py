@@ -184,6 +184,8 @@ TINY_FAMILIES = {
         # assume Gemma 3's (five local layers, then a global one; 256), so the tiny model keeps them.
         tie_word_embeddings=True, head_dim=16, query_pre_attn_scalar=256, sliding_window=12, num_hidden_layers=6,
         rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, hidden_activation="gelu_pytorch_tanh")),
+    # Every layer windowed (Mistral), with a window far shorter than the long prompts.
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=12)),
 }
 
 

@@ -52,9 +52,14 @@ def check_parity(llm: LLM, hf, tokenizer) -> None:
     assert core.kv_cache.usage == 0.0
 
 
-def engine(model: str, backend: str, **kwargs) -> LLM:
-    return LLM(model, device="cpu", max_num_batched_tokens=24, num_kv_blocks=12, max_model_len=192,
-               attention_backend=backend, **kwargs)
+# Gemma 3's local and global layers keep separate block tables (core.kv_cache_groups): six groups of one
+# layer, so a block holds one layer's K/V and the same squeeze takes more of them.
+KV_BLOCKS = {"gemma3": 60}
+
+
+def engine(model: str, backend: str, family: str, **kwargs) -> LLM:
+    return LLM(model, device="cpu", max_num_batched_tokens=24, num_kv_blocks=KV_BLOCKS.get(family, 12),
+               max_model_len=192, attention_backend=backend, **kwargs)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -63,7 +68,7 @@ def test_family_matches_hf(request, family_dirs, smollm2_tokenizer, family, back
     if backend == "cpu":
         request.getfixturevalue("kernels")
     directory = family_dirs[family]
-    llm = engine(str(directory), backend)
+    llm = engine(str(directory), backend, family)
     assert llm.llm_engine.core.core.runner.attention_backend.name == backend
     check_parity(llm, hf_model(directory), smollm2_tokenizer)
 
@@ -80,7 +85,7 @@ def test_family_gguf_matches_hf(request, tmp_path, family_dirs, smollm2_tokenize
     stored = write_family_gguf(path, directory, family)
     backend = "cpu" if cpu_kernels.load() is not None else "torch"
     with caplog.at_level("INFO", logger="tokenmill"):
-        llm = engine(str(path), backend, tokenizer=str(directory))
+        llm = engine(str(path), backend, family, tokenizer=str(directory))
     runner = llm.llm_engine.core.core.runner
     assert type(runner.model).__name__ == runner.hf_config.architectures[0]
     if backend == "cpu":
@@ -143,3 +148,85 @@ def test_sliding_window_caps_the_context_only_where_it_is_not_attended():
     llama = LlamaConfig(max_position_embeddings=2048, architectures=["SomethingElse"])
     llama.sliding_window = 512  # a family that cannot window stays capped
     assert derive_max_model_len(config, llama) == 512
+
+
+# ---- sliding-window KV memory ----------------------------------------------------------------------
+
+WINDOW_FAMILIES = ["mistral", "gemma3"]
+# Block tables of 4-token blocks; a chunk is at most 16 tokens. Mistral: one windowed group of both layers;
+# Gemma 3: five local groups and one global group of one layer each.
+WINDOW_KV_BLOCKS = {"mistral": 14, "gemma3": 80}
+
+
+@pytest.fixture(scope="session")
+def window_dirs(tmp_path_factory, smollm2_tokenizer, family_dirs) -> dict[str, Path]:
+    mistral = build_tiny_family(tmp_path_factory.mktemp("tiny-mistral"), smollm2_tokenizer, "mistral")
+    return {"mistral": mistral, "gemma3": family_dirs["gemma3"]}
+
+
+def long_prompts(tokenizer) -> list[list[int]]:
+    """Four prompts of 3-5 windows (12 tokens), two of them sharing a long prefix."""
+    base = tokenizer.encode(GOLDEN_PROMPTS[7])
+    return [base[:40], base[:40] + tokenizer.encode(" Because"), tokenizer.encode(GOLDEN_PROMPTS[3]) + base[:20],
+            base[10:58]]
+
+
+@pytest.mark.parametrize("backend", ["torch", "cpu"])
+@pytest.mark.parametrize("family", WINDOW_FAMILIES)
+def test_sliding_window_kv_stays_bounded_and_matches_hf(request, window_dirs, smollm2_tokenizer, family, backend):
+    """Prompts three windows and more, generating far past the window under chunked prefill, preemption and
+    prefix-cache hits: greedy tokens equal HF's, and a windowed group never holds more blocks than its
+    window (and the chunk being computed) can reach, while a global group holds the whole context."""
+    if backend == "cpu":
+        request.getfixturevalue("kernels")
+    directory = window_dirs[family]
+    llm = LLM(str(directory), device="cpu", block_size=4, max_num_batched_tokens=16, max_model_len=128,
+              num_kv_blocks=WINDOW_KV_BLOCKS[family], attention_backend=backend)
+    core = llm.llm_engine.core.core
+    kv = core.kv_cache
+    window, block = 12, 4
+    assert set(kv.group_windows) == ({12} if family == "mistral" else {12, None})
+    most_held = [0] * kv.num_groups
+    longest_context = 0
+    allocate = kv.allocate_slots
+
+    def checked_allocate(req, num_new, hits=()):
+        nonlocal longest_context
+        new = allocate(req, num_new, hits)
+        if new is not None:
+            start = req.num_computed_tokens + len(hits) * block
+            longest_context = max(longest_context, start + num_new)
+            for group, (held, group_window) in enumerate(zip(kv.num_held_blocks(req.request_id), kv.group_windows)):
+                most_held[group] = max(most_held[group], held)
+                if group_window is not None:  # the chunk's keys span window - 1 + num_new positions
+                    assert held <= -(-(window - 1 + num_new) // block) + 1
+                    if num_new == 1:
+                        assert held <= window // block + 2
+        return new
+
+    kv.allocate_slots = checked_allocate
+    prompts = long_prompts(smollm2_tokenizer)
+    assert min(len(p) for p in prompts) >= 3 * window
+    max_tokens = [40, 30, 36, 24]
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    hf = hf_model(directory)
+    expected = [hf_greedy(hf, p, m) for p, m in zip(prompts, max_tokens)]
+    for out, want in zip(outputs, expected):
+        assert out.outputs[0].token_ids == want
+    assert longest_context >= 6 * window
+    assert core.scheduler.num_preemptions > 0
+    assert outputs[1].num_cached_tokens > 0 or outputs[0].num_cached_tokens > 0
+    for held, group_window in zip(most_held, kv.group_windows):
+        if group_window is None:
+            assert held >= longest_context // block  # global layers keep every block
+    # A conversation continued: by its end its early blocks were dropped (and, in this small pool, evicted),
+    # but a hit needs only the last window's blocks of a windowed group (and a global group's whole prefix).
+    first = llm.generate([{"prompt_token_ids": prompts[0]}], params[0], use_tqdm=False)[0]
+    assert first.outputs[0].token_ids == expected[0]
+    follow_up = prompts[0] + first.outputs[0].token_ids
+    again = llm.generate([{"prompt_token_ids": follow_up}], SamplingParams(temperature=0.0, max_tokens=8,
+                                                                          ignore_eos=True), use_tqdm=False)[0]
+    assert again.num_cached_tokens >= 3 * window
+    assert again.outputs[0].token_ids == hf_greedy(hf, follow_up, 8)
+    assert kv.usage == 0.0

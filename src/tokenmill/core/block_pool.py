@@ -72,8 +72,8 @@ class FreeBlockQueue:
 
 
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
-        if num_blocks < 1:
+    def __init__(self, num_blocks: int, enable_caching: bool = True, reserve_null_block: bool = False) -> None:
+        if num_blocks < 1 + reserve_null_block:
             raise ValueError("the KV cache needs at least one block")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
@@ -81,6 +81,16 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.cached: dict[bytes, KVBlock] = {}
         self.num_evictions = 0
+        # Sliding-window layers: block 0 stands in for blocks a request no longer holds (behind its
+        # window). Nobody writes it and nobody frees it; attention never reads it unmasked.
+        self.null_block: Optional[KVBlock] = None
+        if reserve_null_block:
+            self.null_block = self.free_queue.popleft()
+            self.null_block.ref_cnt = 1
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - (self.null_block is not None)
 
     @property
     def num_free_blocks(self) -> int:
@@ -89,7 +99,7 @@ class BlockPool:
     @property
     def usage(self) -> float:
         """Fraction of blocks held by requests (free cached blocks count as free)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def get_new_blocks(self, count: int) -> list[KVBlock]:
         if count > self.num_free_blocks:
@@ -140,7 +150,7 @@ class BlockPool:
                     self.free_queue.appendleft(block)
 
     def reset_prefix_cache(self) -> bool:
-        if self.num_free_blocks != self.num_blocks:
+        if self.num_free_blocks != self.num_usable_blocks:
             return False
         for block in self.blocks:
             self._evict(block)

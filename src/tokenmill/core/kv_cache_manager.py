@@ -30,13 +30,37 @@ class PrefixCacheStats:
     hits: int = 0  # of those, tokens found cached
 
 
+def first_needed_block(position: int, window: Optional[int], block_size: int) -> int:
+    """Index of the first block a chunk starting at `position` reads in a layer with `window`: its
+    first query sees keys from position - window + 1 on (None: every block).
+
+        window 6, block_size 4, chunk from position 13: keys 8.. -> blocks 2..
+        |b0 0-3|b1 4-7|b2 8-11|b3 12-15|
+    """
+    if window is None:
+        return 0
+    return max(0, position - window + 1) // block_size
+
+
 class KVCacheManager:
+    """Block tables of every request, one per KV cache group (core.kv_cache_groups), over one pool.
+
+    A group of sliding-window layers keeps only the blocks its window can still reach: entries behind
+    it point to the pool's null block. With a single group of full-attention layers (the common case)
+    this is one block table per request, exactly as before.
+    """
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0) -> None:
+                 num_host_blocks: int = 0, group_windows: Sequence[Optional[int]] = (None,)) -> None:
         self.block_size = block_size
         self.enable_caching = enable_caching
-        self.pool = BlockPool(num_blocks, enable_caching)
-        self.req_to_blocks: dict[str, list[KVBlock]] = {}
+        self.group_windows = tuple(group_windows)
+        windowed = any(window is not None for window in self.group_windows)
+        self.pool = BlockPool(num_blocks, enable_caching, reserve_null_block=windowed)
+        self.null_block = self.pool.null_block
+        # Per group: request id -> its block table (KVBlock per block of tokens, null_block where dropped).
+        self.group_blocks: list[dict[str, list[KVBlock]]] = [{} for _ in self.group_windows]
+        self.req_to_blocks = self.group_blocks[0]
         # How many leading blocks of each request are already in the prefix cache.
         self.num_cached_blocks: dict[str, int] = {}
         self.prefix_stats = PrefixCacheStats()
@@ -53,6 +77,10 @@ class KVCacheManager:
         self._host_blocks_to_free: list[KVBlock] = []
 
     @property
+    def num_groups(self) -> int:
+        return len(self.group_windows)
+
+    @property
     def usage(self) -> float:
         return self.pool.usage
 
@@ -60,16 +88,28 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())]
+    def block_ids(self, request_id: str, group: int = 0) -> list[int]:
+        return [b.block_id for b in self.group_blocks[group].get(request_id, ())]
 
-    def block_ids_from(self, request_id: str, start: int) -> list[int]:
+    def block_ids_from(self, request_id: str, start: int, group: int = 0) -> list[int]:
         """The request's block ids from index `start` on (what a runner that holds `start` lacks)."""
-        return [b.block_id for b in self.req_to_blocks.get(request_id, ())[start:]]
+        return [b.block_id for b in self.group_blocks[group].get(request_id, ())[start:]]
+
+    def num_held_blocks(self, request_id: str) -> list[int]:
+        """Per group, the blocks the request holds (dropped entries behind a window not counted)."""
+        return [sum(b is not self.null_block for b in blocks.get(request_id, ())) for blocks in self.group_blocks]
 
     def take_rewritten_tables(self) -> set[str]:
         rewritten, self.rewritten_tables = self.rewritten_tables, set()
         return rewritten
+
+    def _real(self, blocks: Sequence[KVBlock]) -> list[KVBlock]:
+        return [b for b in blocks if b is not self.null_block]
+
+    @staticmethod
+    def _cache_key(block_hash: bytes, group: int) -> bytes:
+        # Each group holds its own copy of a block of tokens (other layers' K/V).
+        return block_hash if group == 0 else block_hash + group.to_bytes(2, "little")
 
     # ---- hashing -------------------------------------------------------------------------
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
@@ -82,62 +122,125 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, request.all_token_ids[start:start + bs]))
 
     # ---- lookup --------------------------------------------------------------------------
-    def _cached_prefix(self, request: Request) -> list[KVBlock]:
-        """Cached blocks of the request's longest cached prefix. The last token must be computed to
-        get logits, so at most num_tokens - 1 tokens are looked up."""
+    def _cached_prefix(self, request: Request) -> list[list[KVBlock]]:
+        """Per group, the blocks of the request's longest cached prefix. The last token must be computed
+        to get logits, so at most num_tokens - 1 tokens are looked up.
+
+        A hit of k blocks needs, in a full-attention group, blocks 0..k-1 cached; in a sliding-window
+        group only the blocks the window of position k * block_size reaches (the entries before them
+        are the null block). Chained hashes make a block's key name every token before it, so a
+        cached block's K/V is right for any request whose prefix reaches its key.
+        """
         max_tokens = request.num_tokens - 1
         self._update_block_hashes(request, max_tokens)
-        hits: list[KVBlock] = []
-        for block_hash in request.block_hashes[: max_tokens // self.block_size]:
-            block = self.pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
+        hashes = request.block_hashes[: max_tokens // self.block_size]
+        limit = len(hashes)
+        found: list[list[Optional[KVBlock]]] = []
+        for group, window in enumerate(self.group_windows):
+            blocks: list[Optional[KVBlock]] = []
+            for block_hash in hashes[:limit]:
+                block = self.pool.get_cached_block(self._cache_key(block_hash, group))
+                if block is None and window is None:
+                    break
+                blocks.append(block)
+            if window is None:
+                limit = len(blocks)
+            found.append(blocks)
+        num_hits = limit
+        while num_hits > 0 and not all(self._window_present(blocks, num_hits, window)
+                                       for blocks, window in zip(found, self.group_windows)):
+            num_hits -= 1
+        hits = []
+        for blocks, window in zip(found, self.group_windows):
+            first = first_needed_block(num_hits * self.block_size, window, self.block_size)
+            hits.append([self.null_block] * first + blocks[first:num_hits])
         return hits
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
-        """Longest cached prefix of the request, leaving at least its last token to compute."""
+    def _window_present(self, blocks: list[Optional[KVBlock]], num_hits: int, window: Optional[int]) -> bool:
+        first = first_needed_block(num_hits * self.block_size, window, self.block_size)
+        return all(block is not None for block in blocks[first:num_hits])
+
+    def _pack(self, hits: list[list[KVBlock]]) -> list:
+        """Cache hits as the scheduler holds them: a block per hit (one group), or a tuple of one
+        block per group."""
+        return hits[0] if self.num_groups == 1 else list(zip(*hits))
+
+    def _unpack(self, hits: Sequence) -> list[list[KVBlock]]:
+        if self.num_groups == 1:
+            return [list(hits)]
+        return [list(column) for column in zip(*hits)] if hits else [[] for _ in self.group_windows]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list, int]:
+        """Longest cached prefix of the request, leaving at least its last token to compute: the hit
+        blocks (for several groups, a tuple per block of tokens) and the tokens they hold."""
         if not self.enable_caching:
             return [], 0
         hits = self._cached_prefix(request)
+        num_hits = len(hits[0])
         self.prefix_stats.queries += request.num_tokens
-        self.prefix_stats.hits += len(hits) * self.block_size
-        return hits, len(hits) * self.block_size
+        self.prefix_stats.hits += num_hits * self.block_size
+        return self._pack(hits), num_hits * self.block_size
 
     def peek_cached_tokens(self, request: Request) -> int:
         """Cached prefix length in tokens, without taking the blocks or counting a query."""
         if not self.enable_caching:
             return 0
-        return len(self._cached_prefix(request)) * self.block_size
+        return len(self._cached_prefix(request)[0]) * self.block_size
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: Sequence[KVBlock] = ()) -> Optional[list[KVBlock]]:
+                       new_computed_blocks: Sequence = ()) -> Optional[list[KVBlock]]:
         """Give the request room for num_new_tokens more tokens (after its computed ones and any
         cache hits). Returns the newly allocated blocks, or None when the pool cannot fit them
-        (nothing is changed then, and the scheduler may preempt)."""
-        blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(new_computed_blocks) * self.block_size
+        (nothing is changed then but dropping blocks its windows have passed, and the scheduler
+        may preempt)."""
+        rid = request.request_id
+        bs = self.block_size
+        hits = self._unpack(new_computed_blocks)
+        num_hits = len(new_computed_blocks)
+        tables = [blocks.setdefault(rid, []) for blocks in self.group_blocks]
+        num_computed = request.num_computed_tokens + num_hits * bs
         total_tokens = num_computed + num_new_tokens
-        num_needed = -(-total_tokens // self.block_size) - len(blocks) - len(new_computed_blocks)
+        self._drop_behind_windows(tables, num_computed)
+        num_needed = [-(-total_tokens // bs) - len(table) - num_hits for table in tables]
         # Cache hits sitting in the free queue stop being free once we take them.
-        num_revived = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        shared_partial = self._shared_partial_block(request, blocks) if num_new_tokens > 0 else None
-        num_copies = 1 if shared_partial is not None else 0
-        if max(num_needed, 0) + num_revived + num_copies > self.pool.num_free_blocks:
-            if not blocks:
-                del self.req_to_blocks[request.request_id]
+        num_revived = sum(1 for column in hits for b in column if b is not self.null_block and b.ref_cnt == 0)
+        shared = [self._shared_partial_block(request, table) if num_new_tokens > 0 else None for table in tables]
+        num_copies = sum(index is not None for index in shared)
+        if sum(max(n, 0) for n in num_needed) + num_revived + num_copies > self.pool.num_free_blocks:
+            if not tables[0]:
+                for blocks in self.group_blocks:
+                    blocks.pop(rid, None)
             return None
-        if shared_partial is not None:
-            self._copy_on_write(blocks, shared_partial)
-            self.rewritten_tables.add(request.request_id)
-        self.pool.touch(new_computed_blocks)
-        blocks.extend(new_computed_blocks)
-        new_blocks = self.pool.get_new_blocks(num_needed) if num_needed > 0 else []
-        blocks.extend(new_blocks)
+        new_blocks: list[KVBlock] = []
+        for table, column, count, index in zip(tables, hits, num_needed, shared):
+            if index is not None:
+                self._copy_on_write(table, index)
+                self.rewritten_tables.add(rid)
+            self.pool.touch(self._real(column))
+            table.extend(column)
+            fresh = self.pool.get_new_blocks(count) if count > 0 else []
+            table.extend(fresh)
+            new_blocks += fresh
         if self.enable_caching:
             self._cache_full_blocks(request, total_tokens)
         return new_blocks
+
+    def _drop_behind_windows(self, tables: list[list[KVBlock]], position: int) -> None:
+        """Sliding-window groups: return the blocks a chunk starting at `position` (and every later one)
+        no longer reads to the pool; their entries become the null block. Cached ones stay in the prefix
+        cache (free, LRU) until evicted."""
+        for table, window in zip(tables, self.group_windows):
+            first = min(first_needed_block(position, window, self.block_size), len(table))
+            dropped = []
+            # Entries are dropped front to back, so the first null entry met going back ends the scan.
+            for i in range(first - 1, -1, -1):
+                if table[i] is self.null_block:
+                    break
+                dropped.append(table[i])
+                table[i] = self.null_block
+            # Oldest first: the blocks a later hit is least likely to need are evicted first.
+            self.pool.free_blocks(reversed(dropped))
 
     def _shared_partial_block(self, request: Request, blocks: list[KVBlock]) -> Optional[int]:
         """Index of the block the next token is written into, if other requests share it."""
@@ -160,9 +263,10 @@ class KVCacheManager:
 
     def fork(self, parent: Request, child: Request) -> None:
         """The child shares every block of the parent (ref counts up); writes copy on demand."""
-        blocks = self.req_to_blocks.get(parent.request_id, [])
-        self.pool.touch(blocks)
-        self.req_to_blocks[child.request_id] = list(blocks)
+        for blocks in self.group_blocks:
+            table = blocks.get(parent.request_id, [])
+            self.pool.touch(self._real(table))
+            blocks[child.request_id] = list(table)
         self.num_cached_blocks[child.request_id] = self.num_cached_blocks.get(parent.request_id, 0)
         child.block_hashes = list(parent.block_hashes)
 
@@ -172,17 +276,21 @@ class KVCacheManager:
         # Only tokens whose ids are known can be hashed (speculative or future ones cannot).
         num_tokens = min(num_tokens, request.num_tokens)
         self._update_block_hashes(request, num_tokens)
-        blocks = self.req_to_blocks[request.request_id]
         start = self.num_cached_blocks.get(request.request_id, 0)
         end = num_tokens // self.block_size
-        for i in range(start, end):
-            self.pool.cache_full_block(blocks[i], request.block_hashes[i])
+        for group, blocks in enumerate(self.group_blocks):
+            table = blocks[request.request_id]
+            for i in range(start, end):
+                if table[i] is not self.null_block:
+                    self.pool.cache_full_block(table[i], self._cache_key(request.block_hashes[i], group))
         self.num_cached_blocks[request.request_id] = max(start, end)
 
     # ---- swapping ------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
+        """Swapping copies one block table; models with sliding-window groups recompute instead."""
         blocks = self.req_to_blocks.get(request.request_id)
-        return self.host_pool is not None and bool(blocks) and len(blocks) <= self.host_pool.num_free_blocks
+        return (self.host_pool is not None and self.null_block is None and self.num_groups == 1 and bool(blocks)
+                and len(blocks) <= self.host_pool.num_free_blocks)
 
     def swap_out(self, request: Request) -> None:
         """Copy the request's blocks to host memory (at the start of the next step) and free them."""
@@ -224,11 +332,12 @@ class KVCacheManager:
         host = self.req_to_host_blocks.pop(request.request_id, None)
         if host:
             self.host_pool.free_blocks(host)
-        blocks = self.req_to_blocks.pop(request.request_id, None)
         self.num_cached_blocks.pop(request.request_id, None)
-        if blocks:
-            # Tail blocks first: they are the least likely to be shared, so they are evicted first.
-            self.pool.free_blocks(reversed(blocks))
+        for group_blocks in self.group_blocks:
+            blocks = group_blocks.pop(request.request_id, None)
+            if blocks:
+                # Tail blocks first: they are the least likely to be shared, so they are evicted first.
+                self.pool.free_blocks(reversed(self._real(blocks)))
 
     def reset_prefix_cache(self) -> bool:
         return self.pool.reset_prefix_cache()

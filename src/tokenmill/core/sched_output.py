@@ -48,6 +48,9 @@ class ScheduledRequest(msgspec.Struct, omit_defaults=True):
     # Speculative decoding: drafts computed after the known tokens (the step's last
     # len(spec_token_ids) positions); each position's logits verify the next draft.
     spec_token_ids: list[int] = []
+    # Models with several KV cache groups (core.kv_cache_groups): the same for groups 1, 2, ... (group 0's
+    # are new_block_ids). Every group's table has one entry per block of tokens, so the lists are as long.
+    more_group_block_ids: list[list[int]] = []
 
 
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):

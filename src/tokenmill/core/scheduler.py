@@ -191,11 +191,14 @@ class Scheduler:
                 request_id=rid, prompt_token_ids=request.prompt_token_ids, sampling_params=request.sampling_params,
                 eos_token_id=request.eos_token_id, output_token_ids=list(request.output_token_ids)))
         new_blocks = self.kv_cache.block_ids_from(rid, num_sent)
+        more_groups = [self.kv_cache.block_ids_from(rid, num_sent, group)
+                       for group in range(1, self.kv_cache.num_groups)]
         self._runner_blocks[rid] = num_sent + len(new_blocks)
         start, count, spec = item.start_position, item.num_new_tokens, item.spec_token_ids
         return ScheduledRequest(
             request_id=rid, start_position=start, num_new_tokens=count,
             token_ids=request.all_token_ids[start:start + count - len(spec)], new_block_ids=new_blocks,
+            more_group_block_ids=more_groups,
             samples=start + count >= request.num_tokens and request.fork_children is None,
             spec_token_ids=spec)
 

@@ -46,6 +46,20 @@ def derive_max_model_len(config: EngineConfig, hf_config) -> int:
     return config.max_model_len
 
 
+def max_request_tokens(group_windows, num_blocks: int, block_size: int, max_chunk: int) -> int:
+    """The longest context one request can hold alone in num_blocks blocks (core.kv_cache_groups): a
+    full-attention group needs a block per block_size tokens; a sliding-window group at most the blocks
+    that a chunk of up to max_chunk tokens and the window before it touch; windows take the null block."""
+    windowed = [w for w in group_windows if w is not None]
+    num_full = len(group_windows) - len(windowed)
+    usable = num_blocks - (1 if windowed else 0) - sum(-(-(w - 1 + max_chunk) // block_size) + 1 for w in windowed)
+    if usable < 0:
+        return 0
+    if num_full == 0:
+        return 1 << 62  # a window's blocks are all a context of any length needs
+    return usable // num_full * block_size
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, source=None, message_roundtrip: bool = False) -> None:
         """source: the loaded model source (loaded here when None). message_roundtrip: encode and decode
@@ -68,7 +82,9 @@ class EngineCore:
         self.num_kv_blocks = num_blocks
         self.runner.initialize_kv_cache(num_blocks)
         # A request must fit in the cache on its own, or preemption could never make room for it.
-        self.max_model_len = min(max_model_len, num_blocks * config.block_size)
+        self.max_model_len = min(max_model_len, max_request_tokens(
+            self.runner.kv_layout.windows, num_blocks, config.block_size,
+            config.max_num_batched_tokens if config.enable_chunked_prefill else max_model_len))
         self.runner.max_model_len = self.max_model_len
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a prompt must fit one step, or a long one would wait forever.
@@ -85,7 +101,11 @@ class EngineCore:
             if num_host_blocks < 1:
                 raise ModelLoadError("--swap-space must hold at least one KV block for swap preemption")
             self.runner.initialize_host_cache(num_host_blocks)
-        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks)
+        windows = self.runner.kv_layout.windows
+        if num_host_blocks and (len(windows) > 1 or windows[0] is not None):
+            logger.info("sliding-window KV cache groups: preempted requests are recomputed, not swapped")
+        self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks,
+                                       group_windows=windows)
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv_cache)
         # Structured outputs: grammars compiled against the tokenizer, masks sized to the model's logits.
         self.structured_backend = LLGuidanceBackend(source.tokenizer, self.vocab_size,

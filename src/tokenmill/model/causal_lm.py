@@ -60,14 +60,17 @@ class DecoderForCausalLM(nn.Module):
         return x if self.embed_scale is None else x * self.embed_scale.to(x.dtype)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                meta: AttentionMetadata) -> torch.Tensor:
+                meta: AttentionMetadata | list[AttentionMetadata]) -> torch.Tensor:
+        """kv_caches: one per layer. meta: the step's attention metadata, or one per layer where layers
+        read different block tables (KV cache groups of sliding-window and global layers)."""
+        metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
         rows = input_ids.numel()
-        if (self._int8_decode is not None and meta.num_decodes == rows <= BLOCK_KERNEL_MAX_ROWS
-                and meta.decode_block_tables is not None):
+        if (self._int8_decode is not None and metas[0].num_decodes == rows <= BLOCK_KERNEL_MAX_ROWS
+                and metas[0].decode_block_tables is not None and not isinstance(meta, list)):
             return self._forward_int8_decode(input_ids, positions, kv_caches, meta)
         x, residual = self.embed(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+        for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas):
+            x, residual = layer(positions, x, residual, kv_cache, layer_meta)
         return self.norm(x, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -32,6 +32,8 @@ class ModelInputs:
     meta: AttentionMetadata
     # Flat index of each scheduled request's last token, in the order of the rows given.
     last_token_index: list[int]
+    # KV cache groups 1, 2, ... (core.kv_cache_groups): the same batch through their own block tables.
+    more_metas: list[AttentionMetadata] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -45,6 +47,8 @@ class CachedRequestState:
     block_ids: list[int] = field(default_factory=list)
     # Its row of the batch's persistent block table (None: no table kept).
     row: Optional[int] = None
+    # Block tables of KV cache groups 1, 2, ... (group 0's is block_ids).
+    more_block_ids: list[list[int]] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -88,6 +92,10 @@ class StepRow:
     block_ids: list[int]  # the request's whole block table (the runner's own list)
     spec_token_ids: list[int]
     row: Optional[int] = None  # its row of the persistent block table, when there is one
+    more_block_ids: list[list[int]] = field(default_factory=list)  # KV cache groups 1, 2, ...
+
+    def group_block_ids(self, group: int) -> list[int]:
+        return self.block_ids if group == 0 else self.more_block_ids[group - 1]
 
 
 class InputBatch:
@@ -98,12 +106,16 @@ class InputBatch:
     step's [decodes, max_blocks] table is then one gather of its rows instead of lists built anew.
     """
 
-    def __init__(self, max_blocks_per_request: Optional[int] = None) -> None:
+    def __init__(self, max_blocks_per_request: Optional[int] = None, num_groups: int = 1) -> None:
         self.requests: dict[str, CachedRequestState] = {}
         self.max_blocks = max_blocks_per_request
+        self.num_groups = num_groups
         self.block_table: Optional[np.ndarray] = None
+        # KV cache groups 1, 2, ...: their tables, rows as in block_table.
+        self.more_block_tables: list[np.ndarray] = []
         if max_blocks_per_request is not None:
             self.block_table = np.zeros((16, max_blocks_per_request), dtype=np.int32)
+            self.more_block_tables = [np.zeros_like(self.block_table) for _ in range(num_groups - 1)]
         self._free_rows: list[int] = list(range(15, -1, -1))
 
     def _drop(self, request_id: str) -> None:
@@ -117,6 +129,7 @@ class InputBatch:
         if not self._free_rows:
             old = self.block_table.shape[0]
             self.block_table = np.concatenate([self.block_table, np.zeros_like(self.block_table)])
+            self.more_block_tables = [np.concatenate([t, np.zeros_like(t)]) for t in self.more_block_tables]
             self._free_rows = list(range(2 * old - 1, old - 1, -1))
         state.row = self._free_rows.pop()
 
@@ -129,16 +142,22 @@ class InputBatch:
         for new in output.new_requests:
             self._drop(new.request_id)
             state = self.requests[new.request_id] = _new_state(new)
+            state.more_block_ids = [[] for _ in range(self.num_groups - 1)]
             self._assign_row(state)
         states = []
         table = self.block_table
         for item in output.scheduled:
             state = self.requests[item.request_id]
             if item.new_block_ids:
+                start = len(state.block_ids)
+                end = start + len(item.new_block_ids)
                 if table is not None:
-                    start = len(state.block_ids)
-                    table[state.row, start:start + len(item.new_block_ids)] = item.new_block_ids
+                    table[state.row, start:end] = item.new_block_ids
+                    for more_table, ids in zip(self.more_block_tables, item.more_group_block_ids):
+                        more_table[state.row, start:end] = ids
                 state.block_ids.extend(item.new_block_ids)
+                for blocks, ids in zip(state.more_block_ids, item.more_group_block_ids):
+                    blocks.extend(ids)
             tokens = state.token_ids
             del tokens[item.start_position:]
             tokens.extend(item.token_ids)
@@ -157,7 +176,7 @@ def step_rows(scheduled: Sequence[ScheduledRequest], states: Sequence[CachedRequ
     for item, state in zip(scheduled, states):
         end = item.start_position + item.num_new_tokens
         rows.append(StepRow(item.start_position, item.num_new_tokens, state.token_ids[item.start_position:end],
-                            state.block_ids, item.spec_token_ids, state.row))
+                            state.block_ids, item.spec_token_ids, state.row, state.more_block_ids))
     return rows
 
 
@@ -180,9 +199,11 @@ def _bucket_decodes(lengths: list[int]) -> list[tuple[int, int]]:
 
 
 def build_model_inputs(scheduled: Sequence[StepRow], block_size: int, device: torch.device,
-                       decode_buckets: bool = True, block_table: Optional[np.ndarray] = None) -> ModelInputs:
+                       decode_buckets: bool = True, block_table: Optional[np.ndarray] = None,
+                       more_block_tables: Sequence[np.ndarray] = ()) -> ModelInputs:
     """Flat token tensors + attention metadata; decodes as padded buckets or as block tables (gathered
-    from the batch's persistent `block_table` when given and every row has its place there)."""
+    from the batch's persistent `block_table` when given and every row has its place there). Rows with
+    `more_block_ids` (several KV cache groups) get one metadata per group, each through its own table."""
     indexed = list(enumerate(scheduled))
     # With block tables (paged-kernel backends), a speculative verify is attended as one decode row
     # per position: the same blocks, each row's context one token longer. Its rows stay together, in
@@ -195,14 +216,34 @@ def build_model_inputs(scheduled: Sequence[StepRow], block_size: int, device: to
 
     input_ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
     last_index = [0] * len(indexed)
     for original, item in decodes + prefills:
-        start, count, blocks = item.start_position, item.num_new_tokens, item.block_ids
+        start, count = item.start_position, item.num_new_tokens
         input_ids.extend(item.token_ids)
         positions.extend(range(start, start + count))
-        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + count))
         last_index[original] = len(input_ids) - 1
+
+    num_groups = 1 + (len(scheduled[0].more_block_ids) if scheduled else 0)
+    tables = [block_table, *(more_block_tables or [None] * (num_groups - 1))]
+    metas = [_attention_metadata(decodes, prefills, group, block_size, device, decode_buckets, tables[group])
+             for group in range(num_groups)]
+    return ModelInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
+        positions=torch.tensor(positions, dtype=torch.long, device=device),
+        meta=metas[0],
+        last_token_index=last_index,
+        more_metas=metas[1:],
+    )
+
+
+def _attention_metadata(decodes: list[tuple[int, StepRow]], prefills: list[tuple[int, StepRow]], group: int,
+                        block_size: int, device: torch.device, decode_buckets: bool,
+                        block_table: Optional[np.ndarray]) -> AttentionMetadata:
+    """The step's slots, decode tables or buckets and prefill blocks through one KV cache group's tables."""
+    slots: list[int] = []
+    for _, item in decodes + prefills:
+        start, count, blocks = item.start_position, item.num_new_tokens, item.group_block_ids(group)
+        slots.extend(blocks[p // block_size] * block_size + p % block_size for p in range(start, start + count))
 
     # One decode row per position: (its request, its context length incl. itself).
     rows = [(pair, pair[1].start_position + 1 + i) for pair in decodes for i in range(pair[1].num_new_tokens)]
@@ -211,30 +252,24 @@ def build_model_inputs(scheduled: Sequence[StepRow], block_size: int, device: to
     lengths = [length for _, length in rows]
     if decode_buckets:
         for lo, hi in _bucket_decodes(lengths):
-            meta.decode_buckets.append(_decode_bucket(decodes[lo:hi], lengths[lo:hi], lo, block_size, device))
+            meta.decode_buckets.append(_decode_bucket(decodes[lo:hi], lengths[lo:hi], lo, block_size, device, group))
     elif decodes:
         meta.decode_block_tables, meta.decode_context_lens = _block_tables([pair for pair, _ in rows], lengths,
-                                                                           block_size, device, block_table)
+                                                                           block_size, device, block_table, group)
 
     offset = len(rows)  # prefill chunks start after every decode row
     for _, item in prefills:
         ctx_len = item.start_position + item.num_new_tokens
         meta.prefill_query_ranges.append((offset, offset + item.num_new_tokens))
         meta.prefill_context_lens.append(ctx_len)
-        meta.prefill_block_ids.append(torch.tensor(item.block_ids[:_num_blocks(ctx_len, block_size)],
+        meta.prefill_block_ids.append(torch.tensor(item.group_block_ids(group)[:_num_blocks(ctx_len, block_size)],
                                                    dtype=torch.long, device=device))
         offset += item.num_new_tokens
-
-    return ModelInputs(
-        input_ids=torch.tensor(input_ids, dtype=torch.long, device=device),
-        positions=torch.tensor(positions, dtype=torch.long, device=device),
-        meta=meta,
-        last_token_index=last_index,
-    )
+    return meta
 
 
-def _block_tables(members: list[tuple[int, StepRow]], lengths: list[int], block_size: int,
-                  device: torch.device, block_table: Optional[np.ndarray] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_tables(members: list[tuple[int, StepRow]], lengths: list[int], block_size: int, device: torch.device,
+                  block_table: Optional[np.ndarray] = None, group: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """[len(members), max_blocks] int32 block ids and [len(members)] int32 lengths. Entries past a
     row's own blocks are never read (its length bounds the kernel): 0 in a built table, whatever an
     earlier request left in a gathered one."""
@@ -245,17 +280,17 @@ def _block_tables(members: list[tuple[int, StepRow]], lengths: list[int], block_
         return torch.from_numpy(gathered).to(device), context_lens
     rows = []
     for (_, item), length in zip(members, lengths):
-        row = item.block_ids[:_num_blocks(length, block_size)]
+        row = item.group_block_ids(group)[:_num_blocks(length, block_size)]
         rows.append(row + [0] * (max_blocks - len(row)))
     return torch.tensor(rows, dtype=torch.int32, device=device), context_lens
 
 
 def _decode_bucket(members: list[tuple[int, StepRow]], lengths: list[int], start: int, block_size: int,
-                   device: torch.device) -> DecodeBucket:
+                   device: torch.device, group: int = 0) -> DecodeBucket:
     max_blocks = _num_blocks(max(lengths), block_size)
     table: list[int] = []
     for _, item in members:
-        row = item.block_ids[:_num_blocks(item.start_position + 1, block_size)]
+        row = item.group_block_ids(group)[:_num_blocks(item.start_position + 1, block_size)]
         table.extend(row)
         table.extend([0] * (max_blocks - len(row)))  # padding: block 0, hidden by the mask
     key_pos = torch.arange(max_blocks * block_size)

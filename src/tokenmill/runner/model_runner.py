@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
 from tokenmill.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import get_attention_backend
@@ -75,14 +76,24 @@ class ModelRunner:
         cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
         if cache_dtype != self.dtype:
             logger.info("KV cache dtype: %s", str(cache_dtype).removeprefix("torch."))
-        self.kv_spec = KVCacheSpec(hf_config.num_hidden_layers, block_size, attn.num_kv_heads, attn.head_dim,
+        # Layers with the same sliding window share a block table (core.kv_cache_groups); a block holds the
+        # K/V of one group's layers, kept in layers_per_group tensors that every group shares.
+        self.kv_layout = plan_kv_cache_groups(self.model.spec.layer_windows)
+        self._layer_group = self.kv_layout.layer_group()
+        self._layer_tensor = self.kv_layout.layer_tensor()
+        if len(self.kv_layout.groups) > 1:
+            logger.info("KV cache groups: %d of %d layers (windows %s)", len(self.kv_layout.groups),
+                        self.kv_layout.layers_per_group, ", ".join(str(w) for w in self.kv_layout.windows))
+        self.kv_spec = KVCacheSpec(self.kv_layout.layers_per_group, block_size, attn.num_kv_heads, attn.head_dim,
                                    cache_dtype)
-        self.kv_caches: list[torch.Tensor] = []
+        self.kv_caches: list[torch.Tensor] = []  # one per layer of a group (shared by the groups)
+        self.layer_kv_caches: list[torch.Tensor] = []  # one per model layer: its group's tensor
         self.host_caches: list[torch.Tensor] = []
         self.sampler = Sampler(config.seed)
         # A persistent block table where the attention backend reads block tables (the paged kernels).
         uses_tables = not self.attention_backend.uses_decode_buckets
-        self.input_batch = InputBatch(-(-max_model_len // block_size) if uses_tables else None)
+        self.input_batch = InputBatch(-(-max_model_len // block_size) if uses_tables else None,
+                                      len(self.kv_layout.groups))
         self.packed_linear_rows = min(config.max_num_seqs, 256) if config.packed_linear else None
         self.packed_linear = False
         self.linear_layers = ""  # how the projections run, once loaded (logged; reported by benchmarks)
@@ -169,6 +180,7 @@ class ModelRunner:
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
+        self.layer_kv_caches = [self.kv_caches[j] for j in self._layer_tensor]
 
     def profile_free_memory(self, max_num_batched_tokens: int, utilization: float) -> int:
         """CUDA: bytes left for the KV cache after weights and a peak-size forward pass.
@@ -192,13 +204,15 @@ class ModelRunner:
         # One dummy request of max_num_batched_tokens tokens, pointing every slot at block 0.
         num_tokens = min(max_num_batched_tokens, self.max_model_len)
         blocks = [0] * (-(-num_tokens // self.block_size))
+        more = [blocks] * (len(self.kv_layout.groups) - 1)
         self.execute(SchedulerOutput(
             new_requests=[NewRequestData("profile", [0] * num_tokens, SamplingParams(max_tokens=1))],
-            scheduled=[ScheduledRequest("profile", 0, num_tokens, [0] * num_tokens, blocks, samples=True)]))
+            scheduled=[ScheduledRequest("profile", 0, num_tokens, [0] * num_tokens, blocks, samples=True,
+                                        more_group_block_ids=more)]))
         self.execute(SchedulerOutput(finished_ids=["profile"]))
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        self.kv_caches = []
+        self.kv_caches = self.layer_kv_caches = []
         torch.cuda.empty_cache()
         return max(0, int(total * utilization) - peak - held_elsewhere)
 
@@ -211,9 +225,14 @@ class ModelRunner:
         if not output.scheduled:
             return result
         rows = step_rows(output.scheduled, states)
+        batch = self.input_batch
         inputs = build_model_inputs(rows, self.block_size, self.device, self.attention_backend.uses_decode_buckets,
-                                    self.input_batch.block_table)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+                                    batch.block_table, batch.more_block_tables)
+        meta = inputs.meta
+        if inputs.more_metas:  # several KV cache groups: each layer attends through its group's tables
+            metas = [inputs.meta, *inputs.more_metas]
+            meta = [metas[group] for group in self._layer_group]
+        hidden = self.model(inputs.input_ids, inputs.positions, self.layer_kv_caches, meta)
 
         # Rows the sampler picks a token for, their items and states (in the same order), and the
         # speculative verifies, which take the argmax at each draft position instead.
