@@ -24,6 +24,14 @@ from tokenmill.core.kv_cache_manager import hash_block_tokens
 Key = TypeVar("Key", bound=Hashable)
 
 
+def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The chained hashes of the prompt's full blocks, as the prefix cache computes them."""
+    hashes: list[bytes] = []
+    for start in range(0, len(prompt_token_ids) - block_size + 1, block_size):
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, prompt_token_ids[start:start + block_size]))
+    return hashes
+
+
 class PrefixAffinity(Generic[Key]):
     """Which replica probably holds a prompt's prefix in its KV cache, from the prompts sent to each.
 
@@ -40,12 +48,7 @@ class PrefixAffinity(Generic[Key]):
         self.blocks: dict[Key, "OrderedDict[bytes, None]"] = {}
 
     def block_hashes(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
-        """The chained hashes of the prompt's full blocks, as the prefix cache computes them."""
-        hashes: list[bytes] = []
-        bs = self.block_size
-        for start in range(0, len(prompt_token_ids) - bs + 1, bs):
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, prompt_token_ids[start:start + bs]))
-        return hashes
+        return prompt_block_hashes(prompt_token_ids, self.block_size)
 
     def matched_blocks(self, key: Key, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of the prompt the replica is believed to hold."""
