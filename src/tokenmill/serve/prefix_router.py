@@ -68,8 +68,8 @@ class PrefixAwareRequestRouter(RequestRouter):
         return [[chosen], [r for r in by_load if r is not chosen]]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: ReplicaResult) -> None:
-        # Ray Serve calls this once the replica has accepted the request (its default, strict
-        # max_ongoing_requests; through a Ray Client connection it does not, and routing is by load only).
+        # Ray Serve calls this once the replica has accepted the request (with strict
+        # max_ongoing_requests, its default for a handle inside the cluster, as the front's is).
         routed = _routed(pending_request)
         if routed is not None and routed.block_hashes:
             self.affinity.remember(replica_id, routed.block_hashes)
