@@ -29,7 +29,8 @@ def test_autoscaling_only_when_asked_for_and_within_its_bounds():
     assert autoscaling_config({}, 2, 64) is None
     assert autoscaling_config({"min_replicas": 1, "max_replicas": 4}, 2, 64) == {
         "min_replicas": 1, "max_replicas": 4, "initial_replicas": 2, "target_ongoing_requests": 32.0}
-    assert autoscaling_config({"max_replicas": 4, "target_ongoing_requests": 5.0}, 1, 64)["target_ongoing_requests"] == 5.0
+    asked = autoscaling_config({"max_replicas": 4, "target_ongoing_requests": 5.0}, 1, 64)
+    assert asked["target_ongoing_requests"] == 5.0 and asked["min_replicas"] == 1
     assert autoscaling_config({"min_replicas": 3}, 2, 64)["initial_replicas"] == 3
     with pytest.raises(ValueError):
         autoscaling_config({"min_replicas": 3, "max_replicas": 2}, 2, 64)
