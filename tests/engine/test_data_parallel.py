@@ -94,3 +94,21 @@ def test_prefix_routing_at_least_doubles_the_hit_rate_of_round_robin(tiny_llama_
 
         rates[policy] = asyncio.run(run())
     assert rates["prefix"] > 0.5 and rates["prefix"] >= 2 * rates["round_robin"], rates
+
+
+def test_prefix_affinity_keys_replicas_by_name_and_forgets_departed_ones():
+    from tokenmill.engine.dp_router import PrefixAffinity
+
+    affinity: PrefixAffinity[str] = PrefixAffinity(block_size=4, capacity_blocks=3, max_imbalance=2)
+    hashes = affinity.block_hashes(list(range(18)))
+    assert len(hashes) == 4  # full blocks only
+    assert affinity.choose(hashes, {"a": 0, "b": 0}) == ("a", False)  # nothing cached: least loaded, first
+    affinity.remember("b", hashes)
+    assert affinity.matched_blocks("b", hashes) == 0  # capacity 3 kept the last three: the chain's head is gone
+    affinity.remember("b", hashes[:2])
+    assert affinity.matched_blocks("b", hashes) == 2
+    assert affinity.choose(hashes, {"a": 0, "b": 2}) == ("b", True)
+    assert affinity.choose(hashes, {"a": 0, "b": 3}) == ("a", False)  # busier by more than the margin
+    assert affinity.choose(hashes, {"c": 1, "b": 1}) == ("b", True)  # a replica unseen so far
+    affinity.forget("b")
+    assert affinity.choose(hashes, {"c": 1, "b": 0}) == ("b", False)

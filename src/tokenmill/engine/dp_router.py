@@ -7,18 +7,88 @@ exactly as the prefix cache hashes them) and sends a request to the core holding
 its leading blocks — unless that core carries more requests than the least-loaded one by more than
 `max_imbalance`, in which case (and when no core holds any of its blocks) the least-loaded core
 takes it. Each core's memory of hashes is an LRU bounded by that core's KV block count, so the
-router forgets prefixes the core itself would have evicted first.
+router forgets prefixes the core itself would have evicted first. That policy is `PrefixAffinity`,
+keyed by any replica name, which the Ray Serve router (tokenmill.serve) shares.
 
 `round_robin` ignores prefixes (the baseline a benchmark compares against).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass, field
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Generic, Hashable, Mapping, Sequence, TypeVar
 
 from tokenmill.config import DATA_PARALLEL_ROUTING as ROUTING_POLICIES
 from tokenmill.core.kv_cache_manager import hash_block_tokens
+
+Key = TypeVar("Key", bound=Hashable)
+
+
+def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """The chained hashes of the prompt's full blocks, as the prefix cache computes them."""
+    hashes: list[bytes] = []
+    for start in range(0, len(prompt_token_ids) - block_size + 1, block_size):
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, prompt_token_ids[start:start + block_size]))
+    return hashes
+
+
+class PrefixAffinity(Generic[Key]):
+    """Which replica probably holds a prompt's prefix in its KV cache, from the prompts sent to each.
+
+    The policy behind `--data-parallel-size` and behind the Ray Serve router (tokenmill.serve), keyed by
+    whatever names a replica there (a core index, a Ray replica id). Replicas may come and go: a key
+    unseen so far starts with an empty memory, `forget` drops a departed one's.
+    """
+
+    def __init__(self, block_size: int, capacity_blocks: int, max_imbalance: int = 4) -> None:
+        self.block_size = block_size
+        self.capacity_blocks = capacity_blocks
+        self.max_imbalance = max_imbalance
+        # Per replica, the block hashes it is believed to hold, least recently routed first.
+        self.blocks: dict[Key, "OrderedDict[bytes, None]"] = {}
+
+    def block_hashes(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
+        return prompt_block_hashes(prompt_token_ids, self.block_size)
+
+    def matched_blocks(self, key: Key, hashes: Sequence[bytes]) -> int:
+        """How many leading blocks of the prompt the replica is believed to hold."""
+        blocks = self.blocks.get(key)
+        matched = 0
+        if blocks:
+            for digest in hashes:
+                if digest not in blocks:
+                    break
+                matched += 1
+        return matched
+
+    def choose(self, hashes: Sequence[bytes], loads: Mapping[Key, int]) -> tuple[Key, bool]:
+        """The replica for a prompt among `loads` (replica -> requests in flight), and whether it was
+        picked for its cached prefix (True) or as the least loaded (False)."""
+        if not loads:
+            raise ValueError("no replica to choose from")
+        order = {key: i for i, key in enumerate(loads)}
+        # Least loaded: fewest in flight, then the fewest remembered blocks (the most room for a new
+        # prefix), so prompts arriving one at a time still spread over the replicas.
+        least = min(loads, key=lambda k: (loads[k], len(self.blocks.get(k, ())), order[k]))
+        best, best_len = least, 0
+        for key in loads:
+            matched = self.matched_blocks(key, hashes)
+            if matched > best_len or (matched == best_len and matched and loads[key] < loads[best]):
+                best, best_len = key, matched
+        by_prefix = best_len > 0 and loads[best] - loads[least] <= self.max_imbalance
+        return (best if by_prefix else least), by_prefix
+
+    def remember(self, key: Key, hashes: Sequence[bytes]) -> None:
+        """The prompt went to `key`: its blocks are now the most recently used there."""
+        blocks = self.blocks.setdefault(key, OrderedDict())
+        for digest in hashes:
+            blocks[digest] = None
+            blocks.move_to_end(digest)
+        while len(blocks) > self.capacity_blocks:
+            blocks.popitem(last=False)
+
+    def forget(self, key: Key) -> None:
+        self.blocks.pop(key, None)
 
 
 @dataclass
@@ -26,8 +96,6 @@ class EngineLoad:
     in_flight: int = 0
     routed: int = 0  # requests sent here
     routed_by_prefix: int = 0  # of those, sent for a cached prefix
-    # Block hashes this core is believed to hold, least recently routed first.
-    blocks: "OrderedDict[bytes, None]" = field(default_factory=OrderedDict)
 
 
 class DataParallelRouter:
@@ -36,18 +104,16 @@ class DataParallelRouter:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}")
         self.engines = [EngineLoad() for _ in range(num_engines)]
-        self.block_size = block_size
-        self.capacity_blocks = capacity_blocks
+        self.affinity: PrefixAffinity[int] = PrefixAffinity(block_size, capacity_blocks, max_imbalance)
         self.policy = policy
-        self.max_imbalance = max_imbalance
         self._next = 0
 
+    @property
+    def block_size(self) -> int:
+        return self.affinity.block_size
+
     def block_hashes(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
-        hashes: list[bytes] = []
-        bs = self.block_size
-        for start in range(0, len(prompt_token_ids) - bs + 1, bs):
-            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, prompt_token_ids[start:start + bs]))
-        return hashes
+        return self.affinity.block_hashes(prompt_token_ids)
 
     def choose(self, prompt_token_ids: Sequence[int]) -> int:
         """The engine index for a new request (counted as in flight there until `finished`)."""
@@ -56,24 +122,8 @@ class DataParallelRouter:
             self._next += 1
             self._assign(index, [], by_prefix=False)
             return index
-        hashes = self.block_hashes(prompt_token_ids)
-        # Least loaded: fewest in flight, then the fewest remembered blocks (the most room for a new
-        # prefix), so prompts arriving one at a time still spread over the cores.
-        least = min(range(len(self.engines)),
-                    key=lambda i: (self.engines[i].in_flight, len(self.engines[i].blocks), i))
-        best, best_len = least, 0
-        for i, engine in enumerate(self.engines):
-            matched = 0
-            for digest in hashes:
-                if digest not in engine.blocks:
-                    break
-                matched += 1
-            if matched > best_len or (matched == best_len and matched and
-                                      engine.in_flight < self.engines[best].in_flight):
-                best, best_len = i, matched
-        by_prefix = best_len > 0 and (self.engines[best].in_flight - self.engines[least].in_flight
-                                      <= self.max_imbalance)
-        index = best if by_prefix else least
+        hashes = self.affinity.block_hashes(prompt_token_ids)
+        index, by_prefix = self.affinity.choose(hashes, {i: e.in_flight for i, e in enumerate(self.engines)})
         self._assign(index, hashes, by_prefix)
         return index
 
@@ -82,12 +132,7 @@ class DataParallelRouter:
         engine.in_flight += 1
         engine.routed += 1
         engine.routed_by_prefix += by_prefix
-        blocks = engine.blocks
-        for digest in hashes:
-            blocks[digest] = None
-            blocks.move_to_end(digest)
-        while len(blocks) > self.capacity_blocks:
-            blocks.popitem(last=False)
+        self.affinity.remember(index, hashes)
 
     def finished(self, index: int) -> None:
         self.engines[index].in_flight -= 1

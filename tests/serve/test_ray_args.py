@@ -1,0 +1,36 @@
+"""The Ray Serve application's arguments (`serve run tokenmill.serve.ray_app:build_app key=value ...`)."""
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("ray")
+
+from tokenmill.serve.ray_app import autoscaling_config, parse_server_args, split_args  # noqa: E402
+
+
+def test_app_arguments_and_server_flags_are_told_apart():
+    app, argv = split_args({"replicas": "2", "model": "/m.gguf", "max-num-seqs": 8, "enable_prefix_caching": "false",
+                            "disable_log_stats": True, "api_key": ["k1", "k2"], "max_imbalance": "3"})
+    assert app == {"replicas": 2, "max_imbalance": 3}
+    assert argv == ["--model", "/m.gguf", "--max-num-seqs", "8", "--no-enable-prefix-caching",
+                    "--disable-log-stats", "--api-key", "k1", "--api-key", "k2"]
+    args = parse_server_args(argv)
+    assert args.max_num_seqs == 8 and args.enable_prefix_caching is False and args.api_key == ["k1", "k2"]
+
+
+@pytest.mark.parametrize("bad", [{"no_such_flag": "1"}, {"replicas": "two"}, {"max_num_seqs": "-1"},
+                                 {"enable_prefix_caching": "maybe"}])
+def test_bad_arguments_fail_before_any_replica_starts(bad):
+    with pytest.raises(ValueError):
+        parse_server_args(split_args(bad)[1])
+
+
+def test_autoscaling_only_when_asked_for_and_within_its_bounds():
+    assert autoscaling_config({}, 2, 64) is None
+    assert autoscaling_config({"min_replicas": 1, "max_replicas": 4}, 2, 64) == {
+        "min_replicas": 1, "max_replicas": 4, "initial_replicas": 2, "target_ongoing_requests": 32.0}
+    asked = autoscaling_config({"max_replicas": 4, "target_ongoing_requests": 5.0}, 1, 64)
+    assert asked["target_ongoing_requests"] == 5.0 and asked["min_replicas"] == 1
+    assert autoscaling_config({"min_replicas": 3}, 2, 64)["initial_replicas"] == 3
+    with pytest.raises(ValueError):
+        autoscaling_config({"min_replicas": 3, "max_replicas": 2}, 2, 64)
