@@ -32,6 +32,7 @@ from tokenmill.errors import EngineDeadError, EngineFailedError, InvalidRequestE
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
 from tokenmill.model.loader import load_model_source
 from tokenmill.outputs import RequestOutput
+from tokenmill.runner.host_memory import process_rss_bytes, release_freed_memory
 from tokenmill.sampling_params import SamplingParams
 
 logger = logging.getLogger("tokenmill")
@@ -48,6 +49,8 @@ class AsyncLLM:
         self.stall_timeout = stall_timeout
         # The core loads the model in its process; here only the tokenizer and the model's config.
         source = load_model_source(config.model, config.tokenizer)
+        source.drop_weights_reader()
+        release_freed_memory()
         self.tokenizer = source.tokenizer
         self.clients = _start_cores(config, log_level)
         self.ready = self.clients[0].ready
@@ -291,7 +294,22 @@ class AsyncLLM:
         }
         if self.router is not None:
             body["data_parallel"] = self.replica_stats()
+        body["memory"] = self.memory_stats()
         return body
+
+    def memory_stats(self) -> dict[str, Any]:
+        """What the engine cores reported once ready (weights, KV cache, a step's activations, their RSS
+        then; summed over data-parallel cores), and the resident memory of this process and the cores now."""
+        readies = [client.ready for client in self.clients]
+        cores_now = [process_rss_bytes(client.process.pid) for client in self.clients if hasattr(client, "process")]
+        return {
+            "weights_bytes": sum(ready.weights_bytes for ready in readies),
+            "kv_cache_bytes": sum(ready.kv_cache_bytes for ready in readies),
+            "activations_bytes": sum(ready.activations_bytes for ready in readies),
+            "engine_rss_at_start_bytes": _sum_known(ready.rss_bytes for ready in readies),
+            "engine_rss_bytes": _sum_known(cores_now),
+            "api_rss_bytes": process_rss_bytes(),
+        }
 
     def replica_stats(self) -> list[dict[str, Any]]:
         """Per engine core: its scheduler's gauges and counters, and what the router sent it."""
@@ -343,3 +361,9 @@ def _start_cores(config: EngineConfig, log_level: str) -> list[MPClient]:
             client.shutdown(timeout_s=0.0)
         raise
     return clients
+
+
+def _sum_known(values) -> Optional[int]:
+    """The sum, or None when any value is unknown (no /proc)."""
+    values = list(values)
+    return None if not values or any(v is None for v in values) else sum(values)

@@ -122,11 +122,15 @@ class EngineCore:
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), max concurrency %.2fx at max_model_len=%d",
             num_blocks, config.block_size, tokens, num_blocks * self.runner.kv_spec.bytes_per_block / 2**20,
             tokens / self.max_model_len, self.max_model_len)
+        self.memory = self.runner.warm_up(config.max_num_batched_tokens)
+        logger.info("memory: %s", self.memory.describe())
 
     def ready_message(self) -> EngineCoreReady:
         return EngineCoreReady(max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
                                block_size=self.config.block_size, device=str(self.device),
-                               linear_layers=self.runner.linear_layers)
+                               linear_layers=self.runner.linear_layers, weights_bytes=self.memory.weights,
+                               kv_cache_bytes=self.memory.kv_cache, activations_bytes=self.memory.activations,
+                               rss_bytes=self.memory.rss)
 
     def _num_kv_blocks(self, device: torch.device) -> int:
         spec = self.runner.kv_spec

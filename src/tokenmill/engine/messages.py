@@ -92,6 +92,11 @@ class EngineCoreReady(msgspec.Struct, tag=True, omit_defaults=True):
     device: str
     # How the weights run (for logs and benchmark reports).
     linear_layers: str = ""
+    # Memory the core holds once ready (runner.host_memory.MemoryReport), in bytes.
+    weights_bytes: int = 0
+    kv_cache_bytes: int = 0
+    activations_bytes: int = 0
+    rss_bytes: Optional[int] = None
 
 
 class EngineCoreFailure(msgspec.Struct, tag=True):

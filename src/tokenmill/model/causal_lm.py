@@ -10,7 +10,7 @@ layers the fused kernel does not implement (q/k norms, sandwich norms, GELU, sli
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterable, Optional
+from typing import Any, Container, Iterable, Optional
 
 import torch
 from torch import nn
@@ -150,7 +150,8 @@ class DecoderForCausalLM(nn.Module):
 
     def keep_embedding_blocks(self, blocks: Optional[Int8Blocks], kernels: Any) -> bool:
         """Look embeddings up from block-quantized storage instead of a float table: the tied LM head's
-        own blocks when it has them, else `blocks` (the file's token embedding). Returns whether it did."""
+        own blocks when it has them, else `blocks` (the file's token embedding). Returns whether it did.
+        Whenever the file's embedding is blocks this replaces the float table, which was never filled."""
         if self.tie_word_embeddings and isinstance(self.lm_head, BlockQuantLinear):
             table = self.lm_head
         elif blocks is not None:
@@ -159,6 +160,18 @@ class DecoderForCausalLM(nn.Module):
             return False
         self.embed_tokens = BlockQuantEmbedding(table)
         return True
+
+    def checkpoint_part_rows(self, module_name: str) -> list[int]:
+        """The output rows each of checkpoint_weight_names(module_name) contributes, in order."""
+        leaf = module_name.rpartition(".")[2]
+        if leaf == "qkv_proj":
+            attn = self.layers[0].self_attn
+            return [attn.q_size, attn.kv_size, attn.kv_size]
+        if leaf == "gate_up_proj":
+            return [self.spec.intermediate_size] * 2
+        if module_name == "lm_head":
+            return [self.spec.vocab_size]
+        return [self.get_submodule(module_name).out_features]
 
     def checkpoint_weight_names(self, module_name: str) -> list[str]:
         """The checkpoint tensors whose rows, stacked in order, are this linear module's weight."""
@@ -169,11 +182,14 @@ class DecoderForCausalLM(nn.Module):
         return [f"model.{prefix}.{part}.weight" for part in parts]
 
     # ---- weights -------------------------------------------------------------------------
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], skip: Container[str] = ()) -> None:
+        """Copies each (checkpoint name, tensor) into its parameter. Names in `skip` (checked as each
+        arrives: the loader fills it while streaming) count as loaded but are not copied: matrices the
+        runner keeps block-quantized, whose float parameter is dropped without its pages ever being written."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        for name, tensor in weights:
-            name = name.removeprefix("model.")
+        for checkpoint_name, tensor in weights:
+            name = checkpoint_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
@@ -182,6 +198,9 @@ class DecoderForCausalLM(nn.Module):
             if target not in params:
                 raise KeyError(f"unexpected weight {name}")
             param = params[target]
+            if checkpoint_name in skip:
+                loaded.add(f"{target}#{shard}")
+                continue
             with torch.no_grad():
                 if shard is None:
                     param.copy_(tensor)

@@ -13,8 +13,9 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import get_attention_backend
 from tokenmill.model.layers.basic import keep_rotary_tables_float, use_cpu_kernels
 from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, BlockQuantLinear, Int8Blocks, PackedLinear,
-                                          dense_linear, onednn_packing_supported)
+                                          dense_linear, onednn_packing_supported, skip_weight_init)
 from tokenmill.model.registry import get_model_class
+from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, release_freed_memory
 from tokenmill.runner.input_batch import InputBatch, OutputTokens, build_model_inputs, step_rows
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_caches
 from tokenmill.sample.sampler import Sampler, SamplingRequestState, compute_prompt_logprobs
@@ -47,6 +48,19 @@ def resolve_device(name: Optional[str]) -> torch.device:
 INT8_KERNELS_NEEDED = "needs the CPU device, dtype float32 and tokenmill's CPU kernels (attention backend 'cpu')"
 
 
+def model_tensor_bytes(model: torch.nn.Module) -> int:
+    """Bytes of every tensor the model holds (parameters, buffers, and the tensors block-quantized layers
+    keep as attributes), each storage counted once: a tied head and its embedding are one table."""
+    storages: dict[int, int] = {}
+    for module in model.modules():
+        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False),
+                   *(value for value in vars(module).values() if isinstance(value, torch.Tensor))]
+        for tensor in tensors:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 class ModelRunner:
     def __init__(self, config, hf_config, architecture: str, device: torch.device, max_model_len: int) -> None:
         """config: the engine's EngineConfig with its device defaults resolved (with_resolved_defaults)."""
@@ -63,7 +77,9 @@ class ModelRunner:
         model_class = get_model_class(architecture)
         self.attention_backend = get_attention_backend(device, config.attention_backend)
         logger.info("attention backend: %s", self.attention_backend.name)
-        with torch.device(device):
+        # Parameters are allocated but not initialized: the checkpoint overwrites them, and those a GGUF's
+        # kept blocks replace are dropped with their pages never written (never resident).
+        with torch.device(device), skip_weight_init():
             self.model = model_class(hf_config, self.attention_backend, max_model_len, device)
         self.model.to(dtype=self.dtype)
         keep_rotary_tables_float(self.model)
@@ -123,7 +139,7 @@ class ModelRunner:
     def load_weights(self, weights, int8_blocks: Optional[dict[str, Int8Blocks]] = None) -> None:
         """Copies `weights` into the model, then builds its linear layers; `int8_blocks` (filled while
         `weights` is consumed) holds the checkpoint matrices to keep in block-int8 form."""
-        self.model.load_weights(weights)
+        self.model.load_weights(weights, skip=int8_blocks if int8_blocks is not None else ())
         self.linear_layers = self._prepare_linear_layers(int8_blocks)
         logger.info("linear layers: %s", self.linear_layers)
 
@@ -147,13 +163,18 @@ class ModelRunner:
                     layer = BlockQuantLinear(Int8Blocks.cat(parts) if len(parts) > 1 else parts[0], bias, kernels)
                     widths[layer.bits] = widths.get(layer.bits, 0) + 1
                     return layer
-                # A matrix GGUF blocks do not cover (a Q6_K head, an F16 projection) stays dense.
+                # A matrix GGUF blocks do not cover (a Q6_K head, an F16 projection) stays dense; parts of it
+                # that are blocks were not copied at load: their rows are the blocks' values.
+                offset = 0
+                for part, rows in zip(parts, self.model.checkpoint_part_rows(name)):
+                    if part is not None:
+                        weight.data[offset:offset + rows].copy_(part.dequantize())
+                    offset += rows
                 return dense_linear(weight, bias, self.packed_linear_rows)
 
             self.model.convert_linear_layers(make)
-            embedding = ("; embeddings read from the blocks"
-                         if self.model.keep_embedding_blocks(int8_blocks.get("model.embed_tokens.weight"), kernels)
-                         else "")
+            embedded = self.model.keep_embedding_blocks(int8_blocks.get("model.embed_tokens.weight"), kernels)
+            embedding = "; embeddings read from the blocks" if embedded else ""
             int8_blocks.clear()  # the layers hold their packed copies now
             kept = ", ".join(f"{count} at {bits} bits" for bits, count in sorted(widths.items()))
             return (f"GGUF weights kept quantized in {self.num_gguf_layers_kept} layers ({kept}{embedding}; "
@@ -199,22 +220,40 @@ class ModelRunner:
                 f"--gpu-memory-utilization {utilization} asks for; lower it, or free the GPU")
         torch.cuda.reset_peak_memory_stats(self.device)
         self.initialize_kv_cache(1)
-        from tokenmill.sampling_params import SamplingParams
-
-        # One dummy request of max_num_batched_tokens tokens, pointing every slot at block 0.
-        num_tokens = min(max_num_batched_tokens, self.max_model_len)
-        blocks = [0] * (-(-num_tokens // self.block_size))
-        more = [blocks] * (len(self.kv_layout.groups) - 1)
-        self.execute(SchedulerOutput(
-            new_requests=[NewRequestData("profile", [0] * num_tokens, SamplingParams(max_tokens=1))],
-            scheduled=[ScheduledRequest("profile", 0, num_tokens, [0] * num_tokens, blocks, samples=True,
-                                        more_group_block_ids=more)]))
-        self.execute(SchedulerOutput(finished_ids=["profile"]))
+        self._dummy_step(max_num_batched_tokens)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
         self.kv_caches = self.layer_kv_caches = []
         torch.cuda.empty_cache()
         return max(0, int(total * utilization) - peak - held_elsewhere)
+
+    def _dummy_step(self, max_num_batched_tokens: int) -> None:
+        """One step of a dummy request of max_num_batched_tokens tokens (the largest the scheduler forms),
+        every slot in block 0 (rewritten before any request reads it)."""
+        from tokenmill.sampling_params import SamplingParams
+
+        num_tokens = min(max_num_batched_tokens, self.max_model_len)
+        blocks = [0] * (-(-num_tokens // self.block_size))
+        more = [blocks] * (len(self.kv_layout.groups) - 1)
+        self.execute(SchedulerOutput(
+            new_requests=[NewRequestData("warm-up", [0] * num_tokens, SamplingParams(max_tokens=1))],
+            scheduled=[ScheduledRequest("warm-up", 0, num_tokens, [0] * num_tokens, blocks, samples=True,
+                                        more_group_block_ids=more)]))
+        self.execute(SchedulerOutput(finished_ids=["warm-up"]))
+
+    def warm_up(self, max_num_batched_tokens: int) -> MemoryReport:
+        """After the KV cache is allocated: memory freed by loading goes back to the OS, then a warm-up step
+        of the largest batch measures what a step's activations add (on CPU, where the allocator hands
+        pages back and forth with the OS; on accelerators the profile run sized the cache already)."""
+        release_freed_memory()
+        before = process_rss_bytes()
+        if self.device.type == "cpu":
+            self._dummy_step(max_num_batched_tokens)
+        after = process_rss_bytes()
+        activations = max(0, after - before) if before is not None and after is not None else 0
+        kv_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
+        return MemoryReport(weights=model_tensor_bytes(self.model), kv_cache=kv_bytes, activations=activations,
+                            rss=after)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:

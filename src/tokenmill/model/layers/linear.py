@@ -9,13 +9,27 @@ Results differ from F.linear only by float summation order.
 from __future__ import annotations
 
 import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
 
 logger = logging.getLogger("tokenmill")
+
+
+@contextmanager
+def skip_weight_init() -> Iterator[None]:
+    """nn.Linear and nn.Embedding built inside allocate their weights without initializing them (a
+    checkpoint overwrites them anyway): untouched pages cost no resident memory, and a weight that is
+    replaced before it is written (a kept GGUF matrix) never does."""
+    saved = nn.Linear.reset_parameters, nn.Embedding.reset_parameters
+    nn.Linear.reset_parameters = nn.Embedding.reset_parameters = lambda self: None
+    try:
+        yield
+    finally:
+        nn.Linear.reset_parameters, nn.Embedding.reset_parameters = saved
 
 
 def onednn_packing_supported(dtype: torch.dtype) -> bool:
