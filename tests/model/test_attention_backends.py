@@ -191,7 +191,8 @@ def test_softcapped_attention_matches_reference(kernels, backend_name, window):
     flat = 0
     for index in [2, 0, 1, 3]:  # decodes first, shortest context first, then prefills in order
         item = items[index]
-        slots = [item.block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(item.start_position + item.num_new_tokens)]
+        ctx = item.start_position + item.num_new_tokens
+        slots = [item.block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx)]
         keys = cache[0].reshape(-1, num_kv_heads, head_dim)[slots]
         values = cache[1].reshape(-1, num_kv_heads, head_dim)[slots]
         for i in range(item.num_new_tokens):

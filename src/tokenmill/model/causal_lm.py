@@ -177,7 +177,7 @@ class DecoderForCausalLM(nn.Module):
                 raise KeyError(f"unexpected weight {name}")
             dest = params[target] if index is None else params[target][index]
             if dest.shape != tensor.shape:
-                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
+                raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             with torch.no_grad():
                 dest.copy_(tensor)
             filled[target] = filled.get(target, 0) + dest.numel()

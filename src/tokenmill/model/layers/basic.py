@@ -5,11 +5,14 @@ Each layer has a torch implementation and, when the runner hands it tokenmill's 
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
 from torch import nn
 import torch.nn.functional as F
+
+logger = logging.getLogger("tokenmill")
 
 _NO_RESIDUAL = torch.empty(0)
 
@@ -135,6 +138,10 @@ class RotaryEmbedding(nn.Module):
             long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, device, seq_len=original + 1, **extra)
             freqs = torch.where((positions < original).unsqueeze(1), torch.outer(positions, short.float()),
                                 torch.outer(positions, long.float()))
+            if max_positions > original:
+                logger.info("LongRoPE: positions below %d rotate with the short factors, later ones with the long "
+                            "factors (transformers rotates a whole forward pass longer than %d with the long ones)",
+                            original, original)
         else:
             # Scaled variants (llama3, linear, dynamic, yarn ...) come from transformers' own formulas.
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
