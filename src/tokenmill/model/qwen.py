@@ -2,9 +2,9 @@
 Qwen3-MoE (Qwen3's attention with a sparse mixture-of-experts MLP, layers/moe.py).
 
 All are the shared decoder otherwise: pre-norms, SiLU MLP, one rotary table. Sliding windows come
-from the config's `layer_types` (none unless `use_sliding_window`). In Qwen3-MoE a layer's MLP is
-sparse unless it is listed in `mlp_only_layers` or falls between every `decoder_sparse_step`-th layer,
-as transformers decides.
+from the config's `layer_types` (none unless `use_sliding_window`). In Qwen3-MoE layer i's MLP is
+sparse when i + 1 is a multiple of `decoder_sparse_step` and i is not in `mlp_only_layers` (as
+transformers decides), dense otherwise.
 """
 from __future__ import annotations
 
