@@ -186,6 +186,23 @@ TINY_FAMILIES = {
         rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, hidden_activation="gelu_pytorch_tanh")),
     # Every layer windowed (Mistral), with a window far shorter than the long prompts.
     "mistral": ("MistralConfig", "MistralForCausalLM", dict(tie_word_embeddings=False, sliding_window=12)),
+    # A partial rotary (half of each head) under LongRoPE, as Phi-4-mini has: the golden prompts stay
+    # below original_max_position_embeddings, so the short factors and the attention factor apply.
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(
+        tie_word_embeddings=False, max_position_embeddings=1024, original_max_position_embeddings=256,
+        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                             short_factor=[1.0, 1.3, 2.1, 3.7], long_factor=[1.5, 4.0, 9.0, 20.0]),
+        initializer_range=0.1)),
+    # Caps small enough to bend these random weights' scores and logits (Gemma 2's own are 50 and 30).
+    # query_pre_attn_scalar = head_dim: GGUF carries no scalar, and llama.cpp uses head_dim.
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        tie_word_embeddings=True, head_dim=16, query_pre_attn_scalar=16, sliding_window=12, num_hidden_layers=4,
+        attn_logit_softcapping=0.5, final_logit_softcapping=2.0, hidden_activation="gelu_pytorch_tanh",
+        initializer_range=0.1)),
+    # Sparse layers 0 and 2, a dense MLP in layer 1 (mlp_only_layers); 2 of 8 experts per token.
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        tie_word_embeddings=False, head_dim=16, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1], initializer_range=0.1)),
 }
 
 
@@ -210,6 +227,8 @@ def build_tiny_family(directory: Path, tokenizer, family: str, *, seed: int = 0)
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 param.add_(torch.randn_like(param) * 0.2)
+            elif name.endswith("mlp.gate.weight"):  # a router: distinct expert scores, no ties in the top-k
+                param.copy_(torch.randn_like(param))
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
     return directory
@@ -231,15 +250,80 @@ def family_tensor_type(hf_name: str):
     return T.Q8_0 if hf_name.endswith("proj.weight") else T.F32
 
 
+_PHI3_GGUF_NAMES = {**_FAMILY_GGUF_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+_MOE_GGUF_NAMES = {**_FAMILY_GGUF_NAMES, "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps",
+                   "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps"}
+_FAMILY_NAMES = {"gemma2": _GEMMA_GGUF_NAMES, "gemma3": _GEMMA_GGUF_NAMES, "phi3": _PHI3_GGUF_NAMES,
+                 "qwen3moe": _MOE_GGUF_NAMES}
+
+
+def _add_family_metadata(writer, arch: str, config: dict, head_dim: int) -> None:
+    """The keys llama.cpp's converter writes for these families beyond the shared shape."""
+    import math
+
+    import gguf
+
+    rope = config["rope_parameters"]
+    if arch in ("gemma2", "gemma3"):
+        writer.add_sliding_window(config["sliding_window"])
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(config["attn_logit_softcapping"])
+        writer.add_final_logit_softcapping(config["final_logit_softcapping"])
+    if arch == "phi3":
+        writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
+        if rope.get("rope_type") == "longrope":
+            original = rope["original_max_position_embeddings"]
+            factor = config["max_position_embeddings"] / original
+            writer.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(factor) / math.log(original)))
+            writer.add_rope_scaling_orig_ctx_len(original)
+            for kind in ("long", "short"):
+                values = torch.tensor(rope[f"{kind}_factor"], dtype=torch.float32).numpy()
+                writer.add_tensor(f"rope_factors_{kind}.weight", values, raw_dtype=gguf.GGMLQuantizationType.F32)
+    if arch == "qwen3moe":
+        writer.add_expert_count(config.get("num_experts") or config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+        writer.add_expert_weights_norm(config["norm_topk_prob"])
+
+
+def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert matrices (`...experts.3.gate_proj.weight`) stacked into one [E, out, in] tensor per
+    layer and kind (`...experts.gate_proj.weight`), as GGUF stores them."""
+    out: dict[str, torch.Tensor] = {}
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for name, tensor in tensors.items():
+        prefix, sep, rest = name.partition(".mlp.experts.")
+        if not sep:
+            out[name] = tensor
+            continue
+        expert, _, part = rest.partition(".")
+        stacks.setdefault(f"{prefix}.mlp.experts.{part}", {})[int(expert)] = tensor
+    for name, experts in stacks.items():
+        out[name] = torch.stack([experts[e] for e in sorted(experts)])
+    return out
+
+
+def _hf_expert_tensors(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Stacked gate/up/down as the transformers 5 module holds them (gate_up_proj = gate rows, up rows)."""
+    out = {name: value for name, value in stored.items() if ".experts." not in name}
+    for name in stored:
+        if name.endswith(".experts.gate_proj.weight"):
+            prefix = name.removesuffix(".gate_proj.weight")
+            out[f"{prefix}.gate_up_proj"] = torch.cat([stored[name], stored[f"{prefix}.up_proj.weight"]], dim=1)
+            out[f"{prefix}.down_proj"] = stored[f"{prefix}.down_proj.weight"]
+    return out
+
+
 def write_family_gguf(path: Path, hf_dir: Path, arch: str) -> dict[str, torch.Tensor]:
-    """Convert a tiny Qwen2/Qwen3/Gemma 3 checkpoint as llama.cpp does (no q/k permutation for these;
-    Gemma's norms stored as 1 + w). Returns the HF tensors holding the values the file stores, for an
-    HF model to run the same weights."""
+    """Convert a tiny Qwen2/Qwen3/Qwen3-MoE/Gemma 2/Gemma 3/Phi-3 checkpoint as llama.cpp does (no q/k
+    permutation for these; Gemma's norms stored as 1 + w; experts stacked). Returns the HF tensors
+    holding the values the file stores, for an HF model to run the same weights."""
     import gguf
 
     config = json.loads((hf_dir / "config.json").read_text())
-    tensors = load_file(str(hf_dir / "model.safetensors"))
-    names = _GEMMA_GGUF_NAMES if arch == "gemma3" else _FAMILY_GGUF_NAMES
+    tensors = _stack_experts(load_file(str(hf_dir / "model.safetensors")))
+    names = _FAMILY_NAMES.get(arch, _FAMILY_GGUF_NAMES)
+    gemma = arch in ("gemma2", "gemma3")
     writer = _gguf_writer(path, arch, config)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_key_length(head_dim)
@@ -249,17 +333,16 @@ def write_family_gguf(path: Path, hf_dir: Path, arch: str) -> dict[str, torch.Te
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_bos_token_id(config["bos_token_id"])
     writer.add_eos_token_id(config["eos_token_id"])
-    if arch == "gemma3":
-        writer.add_sliding_window(config["sliding_window"])
+    _add_family_metadata(writer, arch, config, head_dim)
     stored: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         weight = tensor.float()
-        if arch == "gemma3" and name.endswith("norm.weight"):
+        if gemma and name.endswith("norm.weight"):
             weight = weight + 1
         kind = family_tensor_type(name)
         array = gguf.quants.quantize(weight.numpy(), kind)
         values = torch.from_numpy(gguf.quants.dequantize(array, kind).reshape(weight.shape).copy())
-        stored[name] = values - 1 if arch == "gemma3" and name.endswith("norm.weight") else values
+        stored[name] = values - 1 if gemma and name.endswith("norm.weight") else values
         stem, _, suffix = name.rpartition(".")
         stem = stem.removeprefix("model.")
         if stem.startswith("layers."):
@@ -269,4 +352,4 @@ def write_family_gguf(path: Path, hf_dir: Path, arch: str) -> dict[str, torch.Te
             gguf_name = f"{names['model.' + stem] if 'model.' + stem in names else names[stem]}.{suffix}"
         writer.add_tensor(gguf_name, array, raw_dtype=kind)
     finish_gguf(writer)
-    return stored
+    return _hf_expert_tensors(stored)

@@ -13,12 +13,15 @@ from tokenmill.runner.input_batch import StepRow, build_model_inputs
 BLOCK = 4
 
 
-def reference(q, keys, values, scale, causal_offset=None):
-    """q [n, Hq, D], keys/values [ctx, Hkv, D]; query i sees keys < causal_offset + i + 1."""
+def reference(q, keys, values, scale, causal_offset=None, softcap=None):
+    """q [n, Hq, D], keys/values [ctx, Hkv, D]; query i sees keys < causal_offset + i + 1; scores capped
+    as softcap * tanh(score / softcap) when softcap is given."""
     group = q.shape[1] // keys.shape[1]
     k = keys.repeat_interleave(group, dim=1).float()
     v = values.repeat_interleave(group, dim=1).float()
     scores = torch.einsum("nhd,thd->nht", q.float(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if causal_offset is not None:
         t = torch.arange(keys.shape[0])
         allowed = t[None, :] <= (causal_offset + torch.arange(q.shape[0]))[:, None]
@@ -166,3 +169,35 @@ def test_backends_agree_on_a_mixed_batch(kernels, backend_name, cache_dtype, chu
         assert torch.equal(keys[item.start_position:], k[flat:flat + n].to(cache_dtype))
         flat += n
         assert inputs.last_token_index[index] == flat - 1
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("backend_name", ["torch", "cpu"])
+def test_softcapped_attention_matches_reference(kernels, backend_name, window):
+    """Gemma 2's score capping in every path of both backends: decodes (the C++ kernel, the torch
+    buckets, windowed decodes), a whole prompt and a chunk after cached context, full and windowed."""
+    gen = torch.Generator().manual_seed(5)
+    num_heads, num_kv_heads, head_dim, scale, cap = 6, 2, 8, 0.5, 0.7
+    cache = torch.randn(2, 32, BLOCK, num_kv_heads, head_dim, generator=gen) * 2
+    items = [_scheduled("d0", 10, 9, 1, [5, 9, 2]), _scheduled("p0", 7, 0, 7, [11, 12]),
+             _scheduled("d1", 3, 2, 1, [20]), _scheduled("p1", 12, 8, 4, [3, 4, 6])]
+    backend = get_attention_backend(torch.device("cpu"), backend_name)
+    inputs = build_model_inputs(items, BLOCK, torch.device("cpu"), backend.uses_decode_buckets)
+    num_tokens = inputs.input_ids.numel()
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen) * 2
+    k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
+    out = backend.forward(q, k, v, cache, inputs.meta, scale, window=window, softcap=cap)
+    flat = 0
+    for index in [2, 0, 1, 3]:  # decodes first, shortest context first, then prefills in order
+        item = items[index]
+        ctx = item.start_position + item.num_new_tokens
+        slots = [item.block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx)]
+        keys = cache[0].reshape(-1, num_kv_heads, head_dim)[slots]
+        values = cache[1].reshape(-1, num_kv_heads, head_dim)[slots]
+        for i in range(item.num_new_tokens):
+            p = item.start_position + i  # the query's position: it sees keys (p - window, p]
+            first = 0 if window is None else max(0, p - window + 1)
+            expected = reference(q[flat:flat + 1], keys[first:p + 1], values[first:p + 1], scale, softcap=cap)
+            torch.testing.assert_close(out[flat:flat + 1], expected, atol=1e-5, rtol=1e-5)
+            flat += 1

@@ -1,6 +1,8 @@
-"""Qwen2, Qwen3 and Gemma 3 from tiny random checkpoints: greedy tokens equal HF transformers' (fp32)
-under batching, chunked prefill, preemption and prefix-cache hits, from safetensors and from a GGUF;
-sliding windows attend only their window; and which configs cap the context."""
+"""Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3 and Phi-3 from tiny random checkpoints: greedy tokens
+equal HF transformers' (fp32) under batching, chunked prefill, preemption and prefix-cache hits, from
+safetensors and from a GGUF; sliding windows attend only their window; the MoE block routes and sums
+as transformers' does; LongRoPE switches to its long factors past the original context; and which
+configs cap the context."""
 from __future__ import annotations
 
 import json
@@ -12,7 +14,8 @@ import torch
 from model_factory import GOLDEN_PROMPTS, build_tiny_family, hf_greedy, write_family_gguf
 from tokenmill import LLM, SamplingParams
 
-FAMILIES = ["qwen2", "qwen3", "gemma3"]
+FAMILIES = ["qwen2", "qwen3", "gemma3", "phi3", "gemma2", "qwen3moe"]
+GGUF_FAMILIES = FAMILIES
 MAX_TOKENS = [12, 20, 5, 16, 24, 9, 30, 14, 22]
 
 
@@ -73,11 +76,11 @@ def test_family_matches_hf(request, family_dirs, smollm2_tokenizer, family, back
     check_parity(llm, hf_model(directory), smollm2_tokenizer)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", GGUF_FAMILIES)
 def test_family_gguf_matches_hf(request, tmp_path, family_dirs, smollm2_tokenizer, family, caplog):
-    """Q8_0 projections (kept as int8 blocks where the kernels build) and float norms: HF runs the very
-    values the file stores. Qwen2's layers fit the fused int8 decode stack; Qwen3's and Gemma's do not,
-    which the runner logs."""
+    """Q8_0 projections (kept as int8 blocks where the kernels build; Qwen3-MoE's stacked experts stay
+    dense) and float norms: HF runs the very values the file stores. Qwen2's layers fit the fused int8
+    decode stack; the others' do not (q/k norms, Gemma's norms, a partial rotary), which the runner logs."""
     from tokenmill.model.layers import cpu_kernels
 
     directory = family_dirs[family]
@@ -109,6 +112,54 @@ def test_gemma3_gguf_config_matches_hf(tmp_path, family_dirs):
     assert config.sliding_window == original["sliding_window"] and config.head_dim == original["head_dim"]
     assert config.rope_parameters["full_attention"]["rope_theta"] == 1_000_000.0
     assert config.rope_parameters["sliding_attention"]["rope_theta"] == 10_000.0
+
+
+def test_new_family_gguf_configs_match_hf(tmp_path, family_dirs):
+    """Phi-3's partial rotary and LongRoPE factors, Gemma 2's caps and window, Qwen3-MoE's experts and
+    dense layers come back from the GGUF's metadata and tensor list."""
+    from tokenmill.model.loader import load_model_source
+
+    fields = {"phi3": ["rope_parameters", "original_max_position_embeddings", "sliding_window"],
+              "gemma2": ["attn_logit_softcapping", "final_logit_softcapping", "sliding_window", "layer_types",
+                         "query_pre_attn_scalar", "head_dim"],
+              "qwen3moe": ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                           "mlp_only_layers", "decoder_sparse_step"]}
+    from transformers import AutoConfig
+
+    for family, names in fields.items():
+        directory = family_dirs[family]
+        path = tmp_path / f"{family}.gguf"
+        write_family_gguf(path, directory, family)
+        config = load_model_source(str(path), tokenizer=str(directory)).hf_config
+        original = AutoConfig.from_pretrained(directory)
+        for name in names:
+            assert _same(getattr(config, name), getattr(original, name)), (family, name)
+
+
+def _same(a, b) -> bool:
+    """Equal, floats up to float32 rounding (GGUF stores factors and caps as float32)."""
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[key], b[key]) for key in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return a == pytest.approx(b, rel=1e-6)
+    return a == b
+
+
+def test_unsupported_rope_is_a_load_error(tmp_path, family_dirs, smollm2_tokenizer):
+    from tokenmill.errors import ModelLoadError
+
+    directory = tmp_path / "phi3-odd-rope"
+    directory.mkdir()
+    for file in family_dirs["phi3"].iterdir():
+        (directory / file.name).write_bytes(file.read_bytes())
+    config = json.loads((directory / "config.json").read_text())
+    # 5 of 16 dimensions: transformers accepts the config, but an odd width has no rotate-half pairing.
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.3125}
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="partial_rotary_factor"):
+        engine(str(directory), "torch")
 
 
 def test_windowed_paged_decode_attends_only_the_window():
@@ -230,3 +281,51 @@ def test_sliding_window_kv_stays_bounded_and_matches_hf(request, window_dirs, sm
     assert again.num_cached_tokens >= 3 * window
     assert again.outputs[0].token_ids == hf_greedy(hf, follow_up, 8)
     assert kv.usage == 0.0
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_moe_block_matches_hf(norm_topk_prob):
+    """The grouped experts (each run once over its sorted tokens) give transformers' sparse block's
+    output: the same top-k, weights and per-token sums."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from tokenmill.model.layers.moe import SparseMoeBlock, expert_destination
+
+    config = Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16, num_experts=6, num_experts_per_tok=3,
+                            norm_topk_prob=norm_topk_prob)
+    torch.manual_seed(1)
+    hf = Qwen3MoeSparseMoeBlock(config).eval()
+    ours = SparseMoeBlock(32, 16, 6, 3, norm_topk_prob, "silu")
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.copy_(torch.randn_like(param))
+        ours.gate.weight.copy_(hf.gate.weight)
+        for e in range(6):  # per-expert checkpoint names, as HF checkpoints store them
+            gate_up = hf.experts.gate_up_proj[e]
+            for part, rows in (("gate_proj", gate_up[:16]), ("up_proj", gate_up[16:]),
+                               ("down_proj", hf.experts.down_proj[e])):
+                target, index = expert_destination(f"layers.0.mlp.experts.{e}.{part}.weight", 16)
+                ours.get_parameter(target.removeprefix("layers.0.mlp."))[index].copy_(rows)
+    x = torch.randn(11, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), hf(x.unsqueeze(0)).squeeze(0), atol=1e-5, rtol=1e-5)
+
+
+def test_longrope_uses_long_factors_past_the_original_context():
+    from transformers import Phi3Config
+
+    from tokenmill.model.layers.basic import RotaryEmbedding
+
+    rope = dict(rope_type="longrope", rope_theta=10000.0, partial_rotary_factor=0.5,
+                short_factor=[1.0, 2.0, 3.0, 4.0], long_factor=[5.0, 6.0, 7.0, 8.0])
+    config = Phi3Config(hidden_size=64, num_attention_heads=4, max_position_embeddings=64,
+                        original_max_position_embeddings=16, rope_parameters=rope)
+    table = RotaryEmbedding(config, 16, 64, torch.device("cpu"))
+    assert table.rotary_dim == 8 and table.cos.shape == (64, 8)
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8))
+    attention_factor = (1 + torch.log(torch.tensor(4.0)) / torch.log(torch.tensor(16.0))).sqrt()
+    for position, factors in ((15, rope["short_factor"]), (16, rope["long_factor"]), (63, rope["long_factor"])):
+        angles = position * inv_freq / torch.tensor(factors)
+        expected = torch.cat([angles, angles]).cos() * attention_factor
+        torch.testing.assert_close(table.cos[position], expected)

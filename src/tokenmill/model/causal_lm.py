@@ -16,11 +16,13 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.basic import RMSNorm, RotaryEmbedding
 from tokenmill.model.layers.decoder import DecoderLayer, DecoderSpec
 from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, BlockQuantEmbedding, BlockQuantLinear, Int8Blocks,
                                           LinearFactory, replace_linear_layers)
+from tokenmill.model.layers.moe import expert_destination
 
 logger = logging.getLogger("tokenmill")
 
@@ -37,19 +39,22 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, config, backend: AttentionBackend, max_positions: int, device: torch.device) -> None:
         super().__init__()
         self.config = config
-        self.spec = spec = self.build_spec(config)
+        try:
+            self.spec = spec = self.build_spec(config)
+            rotaries = {_rope_key(key): RotaryEmbedding(config, spec.head_dim, max_positions, device, layer_type=key)
+                        for key in dict.fromkeys(spec.layer_rope)}
+        except ValueError as exc:  # a config feature the family's layers do not implement: refuse to load
+            raise ModelLoadError(f"{type(self).__name__}: {exc}") from None
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
         # HF keeps the scale as a float32 tensor cast to the weights' dtype; the same here, so bf16 rounds alike.
         self.embed_scale: Optional[torch.Tensor]
         self.register_buffer("embed_scale", None if spec.embed_scale is None else torch.tensor(spec.embed_scale),
                              persistent=False)
         # One rotary table per distinct rope (Gemma 3: global and local layers differ in base).
-        self.rotaries = nn.ModuleDict({
-            _rope_key(key): RotaryEmbedding(config, spec.head_dim, max_positions, device, layer_type=key)
-            for key in dict.fromkeys(spec.layer_rope)})
+        self.rotaries = nn.ModuleDict(rotaries)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, backend, self.rotaries[_rope_key(rope)], window)
-            for rope, window in zip(spec.layer_rope, spec.layer_windows))
+            DecoderLayer(spec, backend, self.rotaries[_rope_key(rope)], window, sparse)
+            for rope, window, sparse in zip(spec.layer_rope, spec.layer_windows, spec.layer_sparse))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.tie_word_embeddings = spec.tie_word_embeddings
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
@@ -98,6 +103,12 @@ class DecoderForCausalLM(nn.Module):
             return "sliding-window layers"
         if len(self.rotaries) > 1:
             return "per-layer rotary tables"
+        if spec.head_dim != next(iter(self.rotaries.values())).rotary_dim:
+            return "a partial rotary"
+        if spec.attn_softcap is not None:
+            return "attention logit soft-capping"
+        if any(spec.layer_sparse):
+            return "mixture-of-experts layers"
         return None
 
     def enable_int8_decode(self, kernels: Any) -> bool:
@@ -187,28 +198,26 @@ class DecoderForCausalLM(nn.Module):
         arrives: the loader fills it while streaming) count as loaded but are not copied: matrices the
         runner keeps block-quantized, whose float parameter is dropped without its pages ever being written."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        filled: dict[str, int] = {}  # elements written per parameter: a fused one fills from several tensors
         for checkpoint_name, tensor in weights:
             name = checkpoint_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
             if name == "lm_head.weight" and self.lm_head is None:
                 continue  # tied: the embedding is the head
-            target, shard = self._map_name(name)
+            target, index = self._destination(name)
             if target not in params:
                 raise KeyError(f"unexpected weight {name}")
-            param = params[target]
+            dest = params[target] if index is None else params[target][index]
+            if dest.shape != tensor.shape:
+                raise ModelLoadError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(dest.shape)}")
             if checkpoint_name in skip:
-                loaded.add(f"{target}#{shard}")
+                filled[target] = filled.get(target, 0) + dest.numel()
                 continue
             with torch.no_grad():
-                if shard is None:
-                    param.copy_(tensor)
-                else:
-                    offset, size = self._shard_range(target, shard)
-                    param[offset:offset + size].copy_(tensor)
-            loaded.add(f"{target}#{shard}")
-        missing = [n for n in params if not any(key.startswith(n + "#") for key in loaded)]
+                dest.copy_(tensor)
+            filled[target] = filled.get(target, 0) + dest.numel()
+        missing = [n for n, param in params.items() if filled.get(n, 0) < param.numel()]
         if missing:
             raise KeyError(f"weights missing from the checkpoint: {missing[:5]}")
         if self.spec.norm_weight_offset:
@@ -219,10 +228,16 @@ class DecoderForCausalLM(nn.Module):
                     if isinstance(module, RMSNorm):
                         module.weight.add_(self.spec.norm_weight_offset)
 
-    def _map_name(self, name: str) -> tuple[str, int | None]:
+    def _destination(self, name: str) -> tuple[str, Optional[tuple]]:
+        """Our parameter for a checkpoint tensor, and the index of the part it fills (None: all of it)."""
+        expert = expert_destination(name, self.spec.moe_intermediate_size)
+        if expert is not None:
+            return expert
         for ours, theirs, shard in self._FUSED:
             if f".{theirs}." in name:
-                return name.replace(f".{theirs}.", f".{ours}."), shard
+                target = name.replace(f".{theirs}.", f".{ours}.")
+                offset, size = self._shard_range(target, shard)
+                return target, (slice(offset, offset + size),)
         return name, None
 
     def _shard_range(self, target: str, shard: int) -> tuple[int, int]:

@@ -14,9 +14,6 @@ from tokenmill.model.layers.decoder import DecoderSpec
 class Gemma3ForCausalLM(DecoderForCausalLM):
     @classmethod
     def build_spec(cls, config) -> DecoderSpec:
-        if getattr(config, "attn_logit_softcapping", None) is not None:
-            # Gemma 2's score capping would need a capped softmax in every attention path.
-            raise ValueError("attention logit soft-capping is not supported")
         if getattr(config, "use_bidirectional_attention", False):
             raise ValueError("bidirectional (embedding) Gemma 3 models are not supported")
         return DecoderSpec.from_config(
@@ -28,5 +25,6 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
             embed_scale=config.hidden_size ** 0.5,
             attn_scale=config.query_pre_attn_scalar ** -0.5,
             layer_rope=tuple(config.layer_types),
+            attn_softcap=getattr(config, "attn_logit_softcapping", None),
             final_logit_softcap=getattr(config, "final_logit_softcapping", None),
         )

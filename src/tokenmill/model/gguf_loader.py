@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +19,7 @@ import numpy as np
 import torch
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.model.gguf_families import GGUF_FAMILIES, GgufFamily, block_tensor_names, family_settings
 from tokenmill.model.layers.linear import Int8Blocks
 
 logger = logging.getLogger("tokenmill")
@@ -28,49 +28,6 @@ if TYPE_CHECKING:
     import gguf
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-
-@dataclass(frozen=True, slots=True)
-class GgufFamily:
-    """How one `general.architecture` value maps onto a transformers model."""
-
-    hf_architecture: str
-    config_class_name: str  # attribute of `transformers`, resolved lazily (importing it is slow)
-    unpermute_qk: bool  # llama.cpp reorders q/k rows only for some families (llama yes, qwen2 no)
-    block_names: dict[str, str] = field(default_factory=lambda: _BLOCK_TENSOR_NAMES)
-    # llama.cpp's converter stores Gemma's norm weights as 1 + w; transformers subtracts the 1 again
-    # on load (and adds it per call), so the loader does the same to get the same float32 values.
-    norm_offset: float = 0.0
-    # A token that ends a chat turn and, like llama.cpp's end-of-generation set, stops generation
-    # besides the file's EOS (HF lists it in eos_token_id, e.g. Gemma 3's [1, 106]).
-    end_of_turn_token: str | None = None
-
-
-_BLOCK_TENSOR_NAMES = {
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-    "attn_norm": "input_layernorm",
-    "ffn_norm": "post_attention_layernorm",
-}
-_QK_NORM_NAMES = {"attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm"}
-# Gemma's four norms per block: llama.cpp's ffn_norm is the one *before* the MLP there.
-_GEMMA_NORM_NAMES = {"attn_norm": "input_layernorm", "post_attention_norm": "post_attention_layernorm",
-                     "ffn_norm": "pre_feedforward_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}
-
-# Add a family here together with its tensor names and a model implementation (registry.py).
-GGUF_FAMILIES: dict[str, GgufFamily] = {
-    "llama": GgufFamily("LlamaForCausalLM", "LlamaConfig", unpermute_qk=True),
-    "qwen2": GgufFamily("Qwen2ForCausalLM", "Qwen2Config", unpermute_qk=False),
-    "qwen3": GgufFamily("Qwen3ForCausalLM", "Qwen3Config", unpermute_qk=False,
-                        block_names={**_BLOCK_TENSOR_NAMES, **_QK_NORM_NAMES}),
-    "gemma3": GgufFamily("Gemma3ForCausalLM", "Gemma3TextConfig", unpermute_qk=False,
-                         block_names={**_BLOCK_TENSOR_NAMES, **_QK_NORM_NAMES, **_GEMMA_NORM_NAMES},
-                         norm_offset=1.0, end_of_turn_token="<end_of_turn>"),
-}
 
 # Quantization types gguf-py dequantizes in numpy. The common set is F32/F16/BF16/Q8_0/
 # Q4_0/Q4_1/Q4_K/Q6_K; the other legacy and k-quants are included because "Q5_K_M"/"Q3_K_M"
@@ -84,8 +41,8 @@ _GLOBAL_TENSOR_NAMES = {
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-# Tensors that carry no HF parameter: llama3 rope factors are folded into the config instead.
-_NON_PARAMETER_TENSORS = frozenset({"rope_freqs.weight"})
+# Tensors that carry no HF parameter: llama3 and LongRoPE rope factors are folded into the config instead.
+_NON_PARAMETER_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"})
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
@@ -112,7 +69,7 @@ def gguf_architecture(reader: gguf.GGUFReader, path: Path) -> tuple[str, GgufFam
 def gguf_hf_name(gguf_name: str, block_names: dict[str, str] | None = None) -> str | None:
     """HF parameter name for a GGUF tensor name (block tensors per `block_names`, Llama's by default);
     None when the name is unknown."""
-    block_names = _BLOCK_TENSOR_NAMES if block_names is None else block_names
+    block_names = block_tensor_names() if block_names is None else block_names
     stem, _, suffix = gguf_name.rpartition(".")
     if suffix not in ("weight", "bias"):
         return None
@@ -160,12 +117,7 @@ def read_gguf_config(reader: gguf.GGUFReader, path: Path) -> tuple[PretrainedCon
         eos_token_id=_field(reader, "tokenizer.ggml.eos_token_id"),
         pad_token_id=_field(reader, "tokenizer.ggml.padding_token_id"),
     )
-    if arch == "gemma3":
-        # Only the global layers' base is in the file; the local base, query_pre_attn_scalar and the
-        # layer pattern take Gemma3TextConfig's defaults, as transformers' own GGUF loading does.
-        del settings["rope_parameters"]
-        settings["rope_theta"] = rope_theta
-        settings["sliding_window"] = _field(reader, f"{arch}.attention.sliding_window")
+    family_settings(arch, settings, lambda key: _field(reader, f"{arch}.{key}"), reader.tensors, path)
     end_of_turn = _token_id(reader, family.end_of_turn_token)
     if end_of_turn is not None and settings["eos_token_id"] not in (None, end_of_turn):
         settings["eos_token_id"] = [settings["eos_token_id"], end_of_turn]

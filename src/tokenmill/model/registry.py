@@ -10,7 +10,10 @@ MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "MistralForCausalLM": _LLAMA,  # the same layers, every one with the config's sliding window
     "Qwen2ForCausalLM": ("tokenmill.model.qwen", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("tokenmill.model.qwen", "Qwen3ForCausalLM"),
+    "Qwen3MoeForCausalLM": ("tokenmill.model.qwen", "Qwen3MoeForCausalLM"),
+    "Gemma2ForCausalLM": ("tokenmill.model.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("tokenmill.model.gemma3", "Gemma3ForCausalLM"),
+    "Phi3ForCausalLM": ("tokenmill.model.phi3", "Phi3ForCausalLM"),
 }
 
 # Every registered family attends through its sliding windows (layers.decoder.layer_windows), so a

@@ -23,6 +23,11 @@ Sliding-window layers (Mistral, Gemma 3's local layers) pass `window`: a query a
 sees only keys at positions p - window < k <= p (transformers' convention). The torch paths add it
 to their masks; the C++ decode kernel has no window, so windowed decodes run `windowed_paged_decode`,
 which gathers only the blocks a window can touch.
+
+Layers with attention logit soft-capping (Gemma 2) pass `softcap`: every score becomes
+cap * tanh(score / cap) before the softmax. SDPA cannot do that, so the torch paths then run
+`softcapped_attention` (the same attention in plain torch ops), and the C++ decode kernel caps the
+scores itself.
 """
 from __future__ import annotations
 
@@ -66,7 +71,8 @@ class AttentionBackend(Protocol):
     uses_decode_buckets: bool
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor: ...
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor: ...
 
 
 class TorchAttentionBackend:
@@ -76,7 +82,8 @@ class TorchAttentionBackend:
     uses_decode_buckets = True
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
-                meta: AttentionMetadata, scale: float, window: int | None = None) -> torch.Tensor:
+                meta: AttentionMetadata, scale: float, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
         slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
@@ -84,21 +91,21 @@ class TorchAttentionBackend:
         slots[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
 
         out = torch.empty_like(q)
-        self.decode_into(out, q, kv_cache, meta, scale, window)
-        self.prefill_into(out, q, kv_cache, meta, scale, window)
+        self.decode_into(out, q, kv_cache, meta, scale, window, softcap)
+        self.prefill_into(out, q, kv_cache, meta, scale, window, softcap)
         return out
 
     def decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, window: int | None = None) -> None:
+                    scale: float, window: int | None = None, softcap: float | None = None) -> None:
         for bucket in meta.decode_buckets:
             out[bucket.start:bucket.end] = self._decode(q[bucket.start:bucket.end], kv_cache, bucket, meta, scale,
-                                                        window)
+                                                        window, softcap)
 
     def prefill_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                     scale: float, window: int | None = None) -> None:
+                     scale: float, window: int | None = None, softcap: float | None = None) -> None:
         for (start, end), ctx_len, block_ids in zip(meta.prefill_query_ranges, meta.prefill_context_lens,
                                                     meta.prefill_block_ids):
-            out[start:end] = self._prefill(q[start:end], kv_cache, block_ids, ctx_len, scale, window)
+            out[start:end] = self._prefill(q[start:end], kv_cache, block_ids, ctx_len, scale, window, softcap)
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -116,7 +123,7 @@ class TorchAttentionBackend:
         return out.view(2, -1, num_kv_heads, head_dim)
 
     def _decode(self, q: torch.Tensor, kv_cache: torch.Tensor, bucket: DecodeBucket, meta: AttentionMetadata,
-                scale: float, window: int | None = None) -> torch.Tensor:
+                scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         batch, num_heads, head_dim = q.shape
         num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads
@@ -132,17 +139,27 @@ class TorchAttentionBackend:
             lengths = mask.sum(dim=-1, keepdim=True)
             key_pos = torch.arange(mask.shape[-1], device=mask.device)
             mask = mask & (key_pos >= lengths - window)
+        if softcap is not None:
+            out = softcapped_attention(query, keys.to(q.dtype), values.to(q.dtype), scale, softcap, mask=mask)
+            return out.reshape(batch, num_heads, head_dim)
         out = F.scaled_dot_product_attention(query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
                                              scale=scale)
         return out.reshape(batch, num_heads, head_dim)
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, ctx_len: int,
-                 scale: float, window: int | None = None) -> torch.Tensor:
+                 scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         kv = self._gather_prefill(kv_cache, block_ids)
         keys = kv[0][:ctx_len].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, ctx, D]
         values = kv[1][:ctx_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
         num_q = q.shape[0]
         query = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+        if softcap is not None:
+            # Query i sits at position ctx_len - num_q + i and sees keys up to it (and within the window).
+            q_pos = torch.arange(ctx_len - num_q, ctx_len, device=q.device).unsqueeze(1)
+            k_pos = torch.arange(ctx_len, device=q.device).unsqueeze(0)
+            mask = (k_pos <= q_pos) if window is None else (k_pos <= q_pos) & (k_pos > q_pos - window)
+            out = softcapped_attention(query, keys, values, scale, softcap, mask=mask)
+            return out.squeeze(0).transpose(0, 1)
         # Only a context longer than the window hides any key from any of these queries.
         windowed = window is not None and ctx_len > window
         if windowed:
@@ -167,6 +184,30 @@ class TorchAttentionBackend:
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
         blocks = kv_cache.view(2, num_blocks, block_size * num_kv_heads * head_dim)
         return blocks.index_select(1, block_ids).view(2, -1, num_kv_heads, head_dim)
+
+
+def softcapped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                         softcap: float, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention whose scores are capped as cap * tanh(score / cap) before the softmax (Gemma 2).
+
+    query [..., Hq, n, D]; keys, values [..., Hkv, ctx, D] with Hkv dividing Hq; mask broadcastable
+    to [..., Hq, n, ctx], True = attend. The reference's order of operations: scaled scores, the
+    cap, masked to -inf, a float32 softmax, the weighted sum of values.
+    """
+    heads, kv_heads = query.shape[-3], keys.shape[-3]
+    shape = query.shape
+    if heads != kv_heads:
+        # The `group` query heads of a KV head as one extra axis, so K/V broadcast instead of repeating.
+        query = query.unflatten(-3, (kv_heads, heads // kv_heads))
+        keys, values = keys.unsqueeze(-3), values.unsqueeze(-3)
+        if mask is not None and mask.dim() >= 3:
+            mask = mask.unsqueeze(-3)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(probs, values).reshape(shape)
 
 
 # torch's CPU flash-attention kernel, which also returns each query's log-sum-exp of scores (the public
@@ -228,21 +269,22 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         self.kernels = kernels
 
     def decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
-                    scale: float, window: int | None = None) -> None:
+                    scale: float, window: int | None = None, softcap: float | None = None) -> None:
         if meta.num_decodes and window is not None:
             # The C++ kernel attends a whole context; windowed layers take the torch path.
             out[:meta.num_decodes] = windowed_paged_decode(q[:meta.num_decodes], kv_cache, meta.decode_block_tables,
-                                                           meta.decode_context_lens, scale, window)
+                                                           meta.decode_context_lens, scale, window, softcap)
         elif meta.num_decodes:
             # The kernel reads a 16-bit cache under a float32 query directly; other mixes meet in the cache's dtype.
             mixed = q.dtype == torch.float32 and kv_cache.dtype in (torch.float16, torch.bfloat16)
             query = q[:meta.num_decodes].to(q.dtype if mixed else kv_cache.dtype).contiguous()
             out[:meta.num_decodes] = self.kernels.paged_decode_attention(
-                query, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale)
+                query, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale, softcap or 0.0)
 
 
 def windowed_paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables: torch.Tensor,
-                          context_lens: torch.Tensor, scale: float, window: int) -> torch.Tensor:
+                          context_lens: torch.Tensor, scale: float, window: int,
+                          softcap: float | None = None) -> torch.Tensor:
     """Decode attention over the last `window` keys of each row, read through its block table.
 
     q: [rows, Hq, D]; block_tables: [rows, max_blocks]; context_lens: [rows] (incl. the query). Each row
@@ -267,7 +309,10 @@ def windowed_paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     keys = kv[0].transpose(1, 2).to(q.dtype)  # [rows, Hkv, span * block_size, D]
     values = kv[1].transpose(1, 2).to(q.dtype)
     query = q.reshape(rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask.view(rows, 1, 1, -1), scale=scale)
+    if softcap is not None:
+        out = softcapped_attention(query, keys, values, scale, softcap, mask=mask.view(rows, 1, 1, -1))
+    else:
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask.view(rows, 1, 1, -1), scale=scale)
     return out.reshape(rows, num_heads, head_dim)
 
 

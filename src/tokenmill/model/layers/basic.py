@@ -5,11 +5,14 @@ Each layer has a torch implementation and, when the runner hands it tokenmill's 
 """
 from __future__ import annotations
 
+import logging
 from typing import Any, Optional
 
 import torch
 from torch import nn
 import torch.nn.functional as F
+
+logger = logging.getLogger("tokenmill")
 
 _NO_RESIDUAL = torch.empty(0)
 
@@ -78,17 +81,40 @@ def make_gated_activation(name: str) -> nn.Module:
 
 
 def rope_parameters(config, layer_type: Optional[str] = None) -> tuple[str, float]:
-    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
-    if layer_type is not None:
-        # Families with several attention kinds (Gemma 3) keep one rope dict per layer type.
-        params = params[layer_type]
+    params = _rope_dict(config, layer_type)
     rope_type = params.get("rope_type", params.get("type", "default"))
     theta = params.get("rope_theta", getattr(config, "rope_theta", None) or 10000.0)
     return rope_type, float(theta)
 
 
+def _rope_dict(config, layer_type: Optional[str] = None) -> dict:
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    # Families with several attention kinds (Gemma 3) keep one rope dict per layer type.
+    return params[layer_type] if layer_type is not None else params
+
+
+def rotary_dim(config, head_dim: int, layer_type: Optional[str] = None) -> int:
+    """How many leading dimensions of each head the rotary turns (`partial_rotary_factor`, Phi-4-mini's
+    0.75); the rest pass through unrotated, as transformers' apply_rotary_pos_emb leaves them."""
+    factor = _rope_dict(config, layer_type).get("partial_rotary_factor",
+                                                 getattr(config, "partial_rotary_factor", None) or 1.0)
+    dim = int(head_dim * factor)
+    if dim <= 0 or dim % 2 or dim > head_dim:
+        raise ValueError(f"unsupported partial_rotary_factor {factor} for head_dim {head_dim}")
+    return dim
+
+
 class RotaryEmbedding(nn.Module):
-    """Rotate-half rotary embedding with a precomputed cos/sin table indexed by position."""
+    """Rotate-half rotary embedding with a precomputed cos/sin table indexed by position.
+
+    The table covers the rotated width (`rotary_dim`, head_dim unless the rotary is partial).
+    LongRoPE (Phi-3's `longrope`/`su`) has two sets of frequencies: positions below
+    original_max_position_embeddings use the short factors, positions from there on the long ones,
+    each scaled by the attention factor. transformers switches the whole sequence to the long set
+    once a forward pass reaches past that length; per position, every token's rotation depends on
+    its position only, so prefix-cached keys stay valid. Both agree whenever a sequence stays within
+    the original length.
+    """
 
     kernels: Optional[Any] = None
 
@@ -96,24 +122,43 @@ class RotaryEmbedding(nn.Module):
                  layer_type: Optional[str] = None) -> None:
         super().__init__()
         rope_type, theta = rope_parameters(config, layer_type)
+        self.rotary_dim = dim = rotary_dim(config, head_dim, layer_type)
         scaling = 1.0
+        positions = torch.arange(max_positions, dtype=torch.float32, device=device)
+        extra = {} if layer_type is None else {"layer_type": layer_type}
         if rope_type == "default":
-            inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+            inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim))
+            freqs = torch.outer(positions, inv_freq.float())
+        elif rope_type in ("longrope", "su"):
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            original = _rope_dict(config, layer_type).get("original_max_position_embeddings") or getattr(
+                config, "original_max_position_embeddings")
+            short, scaling = ROPE_INIT_FUNCTIONS["longrope"](config, device, **extra)
+            long, _ = ROPE_INIT_FUNCTIONS["longrope"](config, device, seq_len=original + 1, **extra)
+            freqs = torch.where((positions < original).unsqueeze(1), torch.outer(positions, short.float()),
+                                torch.outer(positions, long.float()))
+            if max_positions > original:
+                logger.info("LongRoPE: positions below %d rotate with the short factors, later ones with the long "
+                            "factors (transformers rotates a whole forward pass longer than %d with the long ones)",
+                            original, original)
         else:
             # Scaled variants (llama3, linear, dynamic, yarn ...) come from transformers' own formulas.
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            extra = {} if layer_type is None else {"layer_type": layer_type}
+            if rope_type not in ROPE_INIT_FUNCTIONS:
+                raise ValueError(f"unsupported rope type {rope_type!r}")
             inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device, **extra)
-        positions = torch.arange(max_positions, dtype=torch.float32, device=device)
-        freqs = torch.outer(positions, inv_freq.float())
+            freqs = torch.outer(positions, inv_freq.float())
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos() * scaling, persistent=False)
         self.register_buffer("sin", emb.sin() * scaling, persistent=False)
 
     def apply_inplace(self, positions: torch.Tensor, qkv: torch.Tensor, num_heads: int, head_dim: int) -> bool:
-        """Rotate the first num_heads heads (q then k) of each [tokens, ...] row in place, if fused."""
-        if self.kernels is None or qkv.dim() != 2 or qkv.stride(1) != 1:
+        """Rotate the first num_heads heads (q then k) of each [tokens, ...] row in place, if fused.
+
+        The kernel turns whole heads; a partial rotary takes the torch path."""
+        if self.kernels is None or qkv.dim() != 2 or qkv.stride(1) != 1 or self.rotary_dim != head_dim:
             return False
         self.kernels.rotary_inplace(qkv, positions, self.cos, self.sin, num_heads, head_dim)
         return True
@@ -122,7 +167,12 @@ class RotaryEmbedding(nn.Module):
         # q: [T, Hq, D], k: [T, Hkv, D]
         cos = self.cos[positions].unsqueeze(1).to(q.dtype)
         sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        dim = self.rotary_dim
+        if dim == q.shape[-1]:
+            return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q_rot, k_rot = q[..., :dim], k[..., :dim]
+        return (torch.cat([q_rot * cos + _rotate_half(q_rot) * sin, q[..., dim:]], dim=-1),
+                torch.cat([k_rot * cos + _rotate_half(k_rot) * sin, k[..., dim:]], dim=-1))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

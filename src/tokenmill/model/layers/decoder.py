@@ -3,7 +3,9 @@
 Families differ in a handful of switches, gathered in `DecoderSpec`: biases on the q/k/v projection
 (Qwen2), a per-head RMSNorm on q and k before the rotary (Qwen3, Gemma 3), norms after attention and
 after the MLP as well as before them (Gemma), the activation (SiLU, GELU-tanh), the attention scale,
-and per-layer sliding windows and rotary tables (Mistral, Gemma 3's local layers). A family reads its
+per-layer sliding windows and rotary tables (Mistral, Gemma 3's local layers), attention logit
+soft-capping (Gemma 2), and a sparse mixture-of-experts MLP in some or all layers (Qwen3-MoE,
+layers/moe.py). A partial rotary (Phi-4-mini) is the config's, read by RotaryEmbedding. A family reads its
 HF config into a spec; the modules here keep HF's parameter names (`self_attn.q_norm`,
 `pre_feedforward_layernorm` ...) so checkpoints map onto them with only the q/k/v and gate/up fusion.
 
@@ -20,6 +22,7 @@ from torch import nn
 
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.basic import RMSNorm, RotaryEmbedding, make_gated_activation
+from tokenmill.model.layers.moe import SparseMoeBlock
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +48,13 @@ class DecoderSpec:
     layer_rope: tuple[Optional[str], ...] = ()  # per layer: key of its rotary table (None: the config's one)
     tie_word_embeddings: bool = False
     final_logit_softcap: Optional[float] = None
+    attn_softcap: Optional[float] = None  # Gemma 2: attention scores capped as cap * tanh(score / cap)
+    # Mixture of experts: per layer, whether its MLP is the sparse block (else the dense one).
+    layer_sparse: tuple[bool, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
 
     @property
     def scale(self) -> float:
@@ -69,6 +79,8 @@ class DecoderSpec:
         settings.update(family)
         if not settings.get("layer_rope"):
             settings["layer_rope"] = (None,) * settings["num_layers"]
+        if not settings.get("layer_sparse"):
+            settings["layer_sparse"] = (False,) * settings["num_layers"]
         return cls(**settings)
 
 
@@ -105,6 +117,7 @@ class DecoderAttention(nn.Module):
         self.k_norm = RMSNorm(self.head_dim, spec.rms_norm_eps) if spec.qk_norm else None
         self.scale = spec.scale
         self.window = window
+        self.softcap = spec.attn_softcap
         self.backend = backend
         self.rotary = rotary
 
@@ -125,7 +138,9 @@ class DecoderAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         if not rotated:
             q, k = self.rotary(positions, q, k)
-        if self.window is None:
+        if self.softcap is not None:
+            out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window, softcap=self.softcap)
+        elif self.window is None:
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         else:
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window)
@@ -146,10 +161,15 @@ class DecoderMLP(nn.Module):
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, backend: AttentionBackend, rotary: RotaryEmbedding,
-                 window: Optional[int]) -> None:
+                 window: Optional[int], sparse: bool = False) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(spec, backend, rotary, window)
-        self.mlp = DecoderMLP(spec)
+        self.mlp: nn.Module
+        if sparse:
+            self.mlp = SparseMoeBlock(spec.hidden_size, spec.moe_intermediate_size, spec.num_experts,
+                                      spec.num_experts_per_tok, spec.norm_topk_prob, spec.activation)
+        else:
+            self.mlp = DecoderMLP(spec)
         eps = spec.rms_norm_eps
         self.input_layernorm = RMSNorm(spec.hidden_size, eps)
         # Llama: the norm before the MLP. Gemma (sandwich): the norm of the attention output, with

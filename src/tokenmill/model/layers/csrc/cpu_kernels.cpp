@@ -14,6 +14,7 @@
 // Work item = a request (or, with few requests, a (request, kv head) pair), taken longest first by
 // whichever thread is free: the `group` query heads that share a KV head are scored together, so
 // each K/V row is loaded once per group. Softmax is exact (two passes over the scores in fp32).
+// softcap > 0 caps every score as softcap * tanh(score / softcap) before the softmax (Gemma 2).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -301,7 +302,7 @@ void decode_one(const q_t* __restrict__ q,               // [(h1 - h0) * group, 
                 const scalar_t* __restrict__ v_cache,    // V plane base
                 const int32_t* __restrict__ blocks, int64_t ctx_len, int64_t block_size,
                 int64_t token_stride, int64_t h0, int64_t h1, int64_t group, int64_t head_dim, float scale,
-                q_t* __restrict__ out, std::vector<float>& scores, std::vector<float>& acc,
+                float softcap, q_t* __restrict__ out, std::vector<float>& scores, std::vector<float>& acc,
                 std::vector<float>& qf) {
   const int64_t num_q = (h1 - h0) * group;
   scores.resize(static_cast<size_t>(num_q * ctx_len));
@@ -328,6 +329,8 @@ void decode_one(const q_t* __restrict__ q,               // [(h1 - h0) * group, 
                           scores.data() + j * ctx_len + t, ctx_len);
     }
   }
+  if (softcap > 0.0f)
+    for (int64_t i = 0; i < num_q * ctx_len; ++i) scores[i] = std::tanh(scores[i] / softcap) * softcap;
   // Pass 2: softmax per query head (while the first block of V is on its way).
   prefetch_block_rows(v_cache + blocks[0] * block_size * token_stride + h0 * head_dim,
                       std::min(block_size, ctx_len), token_stride, (h1 - h0) * head_dim);
@@ -361,7 +364,7 @@ void decode_one(const q_t* __restrict__ q,               // [(h1 - h0) * group, 
 namespace {
 template <typename q_t, typename cache_t>
 void run_paged_decode(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
-                      const torch::Tensor& context_lens, double scale, torch::Tensor& out) {
+                      const torch::Tensor& context_lens, double scale, double softcap, torch::Tensor& out) {
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
   const int64_t group = num_heads / num_kv_heads;
@@ -398,7 +401,7 @@ void run_paged_decode(const torch::Tensor& query, const torch::Tensor& kv_cache,
       const int64_t q_offset = (b * num_heads + h0 * group) * head_dim;
       decode_one<q_t, cache_t>(q_base + q_offset, k_base, v_base, tables + b * max_blocks, lens[b], block_size,
                                token_stride, h0, h1, group, head_dim, static_cast<float>(scale),
-                               out_base + q_offset, scores, acc, qf);
+                               static_cast<float>(softcap), out_base + q_offset, scores, acc, qf);
     }
   });
 }
@@ -407,7 +410,7 @@ void run_paged_decode(const torch::Tensor& query, const torch::Tensor& kv_cache,
 // query and kv_cache of one dtype (float32, bfloat16, float16), or a float32 query over a bfloat16 or
 // float16 cache. The output has the query's dtype.
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
-                                     torch::Tensor context_lens, double scale) {
+                                     torch::Tensor context_lens, double scale, double softcap) {
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [batch, heads, dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-D");
   const auto cache_type = kv_cache.scalar_type();
@@ -420,12 +423,12 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0, "head shapes do not match");
   auto out = torch::empty_like(query);
   if (cache_type == torch::kHalf && mixed) {
-    run_paged_decode<float, at::Half>(query, kv_cache, block_tables, context_lens, scale, out);
+    run_paged_decode<float, at::Half>(query, kv_cache, block_tables, context_lens, scale, softcap, out);
   } else if (mixed) {
-    run_paged_decode<float, at::BFloat16>(query, kv_cache, block_tables, context_lens, scale, out);
+    run_paged_decode<float, at::BFloat16>(query, kv_cache, block_tables, context_lens, scale, softcap, out);
   } else {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-      run_paged_decode<scalar_t, scalar_t>(query, kv_cache, block_tables, context_lens, scale, out);
+      run_paged_decode<scalar_t, scalar_t>(query, kv_cache, block_tables, context_lens, scale, softcap, out);
     });
   }
   return out;
@@ -1166,7 +1169,7 @@ torch::Tensor llama_decode_int8(torch::Tensor hidden, torch::Tensor positions, t
     rotary_inplace(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim);
     write_kv(qkv, q_size, kv_size, cache, slots);
     torch::Tensor query = qkv.narrow(1, 0, q_size).contiguous().view({rows, num_heads, head_dim});
-    torch::Tensor attn = paged_decode_attention(query, cache, block_tables, context_lens, scale);
+    torch::Tensor attn = paged_decode_attention(query, cache, block_tables, context_lens, scale, 0.0);
     h = stack_linear(attn.view({rows, q_size}), w + 5, hidden_size);
     h = rms_norm(h, residual, w[9], eps);
     const int64_t intermediate_size = w[14].size(1) * kQ8Block;  // down's inputs ([panels, K / 32, 32, 16 or 8])
@@ -1192,7 +1195,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("out_features"),
         nogil);
   m.def("paged_decode_attention", &paged_decode_attention,
-        "decode attention over a paged KV cache (one query token per request)", nogil);
+        "decode attention over a paged KV cache (one query token per request); softcap > 0 caps the scores",
+        py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
+        py::arg("softcap") = 0.0, nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:]", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (residual updated in place)", nogil);
   m.def("llama_decode_int8", &llama_decode_int8, "a Llama decoder stack (block-quantized weights) for a decode-only step",
