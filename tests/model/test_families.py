@@ -57,7 +57,7 @@ def check_parity(llm: LLM, hf, tokenizer) -> None:
 
 # Gemma 3's local and global layers keep separate block tables (core.kv_cache_groups): six groups of one
 # layer, so a block holds one layer's K/V and the same squeeze takes more of them.
-KV_BLOCKS = {"gemma3": 60}
+KV_BLOCKS = {"gemma3": 60, "gemma2": 24}  # blocks shared by 6 and 2 layer groups (core.kv_cache_groups)
 
 
 def engine(model: str, backend: str, family: str, **kwargs) -> LLM:
@@ -159,7 +159,7 @@ def test_unsupported_rope_is_a_load_error(tmp_path, family_dirs, smollm2_tokeniz
     config["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.3125}
     (directory / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="partial_rotary_factor"):
-        engine(str(directory), "torch")
+        engine(str(directory), "torch", "phi3")
 
 
 def test_windowed_paged_decode_attends_only_the_window():

@@ -56,6 +56,9 @@ def model_tensor_bytes(model: torch.nn.Module) -> int:
         tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False),
                    *(value for value in vars(module).values() if isinstance(value, torch.Tensor))]
         for tensor in tensors:
+            if tensor.is_mkldnn:  # oneDNN's own layout (PackedLinear): no storage to share
+                storages[id(tensor)] = tensor.numel() * tensor.element_size()
+                continue
             storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
