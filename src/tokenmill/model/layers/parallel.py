@@ -44,7 +44,7 @@ _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
 
 def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
     """ValueError naming the first dimension that `size` ranks cannot split evenly."""
-    for name, value in (("num_attention_heads", num_heads), ("num_key_value_heads", num_kv_heads),
+    for name, value in (("num_key_value_heads", num_kv_heads), ("num_attention_heads", num_heads),
                         ("intermediate_size", intermediate_size)):
         if value % size:
             raise ValueError(f"{name} ({value}) is not divisible by --tensor-parallel-size {size}")
