@@ -129,3 +129,34 @@ def test_worker_messages_hold_plain_data():
 
     step = WorkerStep(SchedulerOutput(scheduled=[ScheduledRequest("r", 0, 2, [1, 2], [0], samples=True)]))
     assert msgspec.msgpack.decode(encode(step), type=WorkerInput) == step
+
+
+@pytest.mark.slow
+def test_data_parallel_cores_each_run_their_own_tensor_parallel_workers(tiny_llama_dir):
+    import asyncio
+
+    from proc_util import child_pids
+
+    from tokenmill.engine.async_llm import AsyncLLM
+    from tokenmill.sampling_params import RequestOutputKind
+
+    expected = _greedy(str(tiny_llama_dir), 1)
+    engine = AsyncLLM.from_config(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256,
+                                               data_parallel_size=2, tensor_parallel_size=2))
+    params = GREEDY.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+    workers = [pid for client in engine.clients for pid in child_pids(client.process.pid)]
+    assert len(workers) == 4  # two per core
+
+    async def run() -> list[list[int]]:
+        async def one(i: int, prompt: str) -> list[int]:
+            async for out in engine.generate(engine.input_processor.process_prompt(prompt), params, f"r{i}"):
+                final = out
+            return final.outputs[0].token_ids
+
+        try:
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(run()) == expected
+    assert not any(is_alive(pid) for pid in workers)

@@ -253,8 +253,9 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests():
             outputs.extend(self._step())
         stats = self.scheduler.get_stats()
-        if self.device.type == "cuda":
-            # The API process holds no CUDA context: device memory is reported from here.
+        if self.device.type == "cuda" and self.runner is not None:
+            # The API process holds no CUDA context: device memory is reported from here (tensor-parallel
+            # workers hold theirs in their own processes; the core then reports none).
             stats.device_memory_bytes = torch.cuda.memory_allocated(self.device)
         return EngineCoreOutputs(outputs=outputs, stats=stats, timestamp=time.time())
 

@@ -39,6 +39,7 @@ logger = logging.getLogger("tokenmill")
 
 POLL_MS = 100  # how often a wait for workers looks at their processes
 SHUTDOWN_WAIT_S = 5.0
+DEAD_PEER_GRACE_S = 0.5  # after a worker reports a failure, how long to look for a peer that died first
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(WorkerMessage)
@@ -168,17 +169,34 @@ class MultiprocExecutor:
             if self._output.poll(POLL_MS):
                 message = _decoder.decode(self._output.recv())
                 if isinstance(message, WorkerFailure):
-                    self.failed = f"tensor-parallel worker {message.rank} failed: {message.message}"
-                    if loading and message.error_type == "ModelLoadError":
-                        raise ModelLoadError(message.message)
-                    raise (ModelLoadError if loading else EngineFailedError)(self.failed)
+                    self._fail(message, loading)
                 if isinstance(message, expected):
                     return message
                 continue
-            for worker in self.workers:
-                if not worker.is_alive():
-                    self.failed = f"tensor-parallel worker {worker.rank} exited with status {worker.exitcode}"
-                    raise EngineDeadError(self.failed)
+            dead = self._dead_worker()
+            if dead is not None:
+                self.failed = f"tensor-parallel worker {dead.rank} exited with status {dead.exitcode}"
+                raise EngineDeadError(self.failed)
+
+    def _dead_worker(self, exclude: Optional[int] = None) -> Optional[WorkerProcess]:
+        return next((worker for worker in self.workers if worker.rank != exclude and not worker.is_alive()), None)
+
+    def _fail(self, failure: WorkerFailure, loading: bool) -> None:
+        """Raise for a worker's failure, naming the root cause: when a peer died, the survivors' collectives
+        fail too, and their reports may arrive before the dead process is seen to exit."""
+        if failure.error_type == "ModelLoadError":
+            self.failed = failure.message
+            raise ModelLoadError(failure.message)
+        deadline = time.monotonic() + DEAD_PEER_GRACE_S
+        dead = self._dead_worker(exclude=failure.rank)  # the reporter exits after its report
+        while dead is None and time.monotonic() < deadline:
+            time.sleep(POLL_MS / 1000 / 4)
+            dead = self._dead_worker(exclude=failure.rank)
+        if dead is not None:
+            self.failed = f"tensor-parallel worker {dead.rank} exited with status {dead.exitcode}"
+            raise EngineDeadError(self.failed)
+        self.failed = f"tensor-parallel worker {failure.rank} failed: {failure.message}"
+        raise (ModelLoadError if loading else EngineFailedError)(self.failed)
 
     def initialize_cache(self, num_blocks: int, num_host_blocks: int, max_model_len: int) -> None:
         self._broadcast(WorkerInitCache(num_blocks, num_host_blocks, max_model_len))

@@ -16,10 +16,10 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from tokenmill.distributed.parallel_state import TensorParallelGroup
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.basic import RMSNorm, RotaryEmbedding
 from tokenmill.model.layers.decoder import DecoderLayer, DecoderSpec
-from tokenmill.distributed.parallel_state import TensorParallelGroup
 from tokenmill.model.layers.linear import INT8_KERNEL_MAX_ROWS, Int8BlockLinear, LinearFactory, replace_linear_layers
 from tokenmill.model.layers.parallel import VocabParallelEmbedding, gather_logits, shard_spec
 

@@ -82,6 +82,8 @@ def test_sigterm_and_a_killed_core_leave_no_worker(start_server, tiny_llama_dir)
 
     # The core killed outright: its workers die with it (parent-death signal), the server exits 1.
     server = start_server(["--model", str(tiny_llama_dir), *TP_ARGS])
+    # The server watches its core from its first request on.
+    assert httpx.post(server.url + "/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 2}).is_success
     core_pid, workers = _workers(server)
     os.kill(core_pid, signal.SIGKILL)
     assert server.proc.wait(timeout=30) == 1

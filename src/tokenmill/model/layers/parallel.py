@@ -12,9 +12,9 @@ block-int8, is constructed as usual from already-sliced weights:
                                      all-reduced), lm_head (each rank's logits, gathered)
     replicated                       norms, q/k head norms, rotary tables
 
-              hidden ──► [qkv: rank's heads] ──► attention over the rank's KV heads ──► [o_proj cols] ─┐
-    rank r                                                                                              ├─ all-reduce
-              hidden ──► ...                                                                            ┘
+    one decoder layer on rank r of N:
+        x ─► qkv (heads r·H/N ..) ─► attention (KV heads r·K/N ..) ─► o_proj (those inputs) ─► all-reduce ─►
+          ─► gate/up (features r·I/N ..) ─► act ─► down_proj (those inputs) ─► all-reduce ─►
 
 The vocabulary is padded to a multiple of the rank count with zero rows; the gathered logits are
 cut back to the model's vocabulary.
