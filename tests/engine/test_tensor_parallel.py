@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -107,7 +108,14 @@ def test_shutdown_leaves_no_worker_and_a_dead_worker_fails_the_step(tiny_llama_d
     llm.shutdown()
     assert not any(is_alive(pid) for pid in pids)
 
-    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, max_model_len=256, num_kv_blocks=64)
+    # Started from a thread that then ends: the workers live on (they follow the process, not the thread).
+    holder: dict = {}
+    starter = threading.Thread(target=lambda: holder.update(llm=LLM(str(tiny_llama_dir), tensor_parallel_size=2,
+                                                                    max_model_len=256, num_kv_blocks=64)))
+    starter.start()
+    starter.join()
+    llm = holder["llm"]
+    assert llm.generate(["Hi"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
     pids = [worker.pid for worker in llm.llm_engine.core.core.executor.workers]
     os.kill(pids[1], signal.SIGKILL)
     started = time.monotonic()

@@ -10,8 +10,9 @@ Every frame is a msgspec message of `core/sched_output.py`; the workers hold the
 updated by the same deltas, so their batches agree without ever sending live objects. Waiting for a
 worker never blocks without looking: every POLL_MS the executor checks that each worker is alive,
 and a dead or failed worker makes `execute` raise (the engine core's fault path then ends every
-request). Workers die with the process that started them (PR_SET_PDEATHSIG, and a parent check
-while idle), and `shutdown` asks, then terminates, then kills them.
+request). Workers die with the process that started them (each watches its stdin pipe from this
+process, which the kernel closes when this process ends), and `shutdown` asks, then terminates,
+then kills them.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import logging
 import os
 import pickle
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -80,13 +82,15 @@ def worker_config(config: EngineConfig) -> EngineConfig:
 
 class WorkerProcess:
     """`python -m tokenmill.runner.worker` (a fresh interpreter: the core may run threads), its
-    settings pickled on stdin as core_proc's are."""
+    settings pickled on stdin, length-prefixed. stdin then stays open as the worker's lifeline: it
+    reads EOF, and exits, once this process is gone, however it ends (the kernel closes the pipe)."""
 
     def __init__(self, rank: int, args: tuple) -> None:
         self.rank = rank
         self._popen = subprocess.Popen([sys.executable, "-m", "tokenmill.runner.worker"], stdin=subprocess.PIPE)
-        self._popen.stdin.write(pickle.dumps(args))
-        self._popen.stdin.close()
+        payload = pickle.dumps(args)
+        self._popen.stdin.write(struct.pack("<Q", len(payload)) + payload)
+        self._popen.stdin.flush()
 
     @property
     def pid(self) -> int:
@@ -100,8 +104,8 @@ class WorkerProcess:
         return self._popen.poll() is None
 
     def stop(self, timeout_s: float) -> None:
-        """Wait up to timeout_s for it to exit, then terminate, then kill."""
-        for action in (None, self._popen.terminate, self._popen.kill):
+        """Wait up to timeout_s for it to exit, then cut its lifeline, then terminate, then kill."""
+        for action in (None, self._close_lifeline, self._popen.terminate, self._popen.kill):
             if action is not None and self.is_alive():
                 action()
             try:
@@ -109,6 +113,13 @@ class WorkerProcess:
                 return
             except subprocess.TimeoutExpired:
                 continue
+        self._close_lifeline()
+
+    def _close_lifeline(self) -> None:
+        try:
+            self._popen.stdin.close()
+        except OSError:
+            pass
 
 
 def _kill_workers(workers: list[WorkerProcess]) -> None:

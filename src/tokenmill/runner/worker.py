@@ -4,16 +4,18 @@ Started by `engine/executor.MultiprocExecutor` as `python -m tokenmill.runner.wo
 pickled on stdin). It joins the rank group, loads its shard, reports `WorkerReady`, then loops:
 `WorkerInitCache` (allocate the KV cache), `WorkerStep` (execute; rank 0 answers with the
 ModelRunnerOutput), `WorkerShutdown`. Any failure is reported as `WorkerFailure` before the process
-exits non-zero. It dies with the engine core: the kernel kills it when its parent exits
-(PR_SET_PDEATHSIG), and while idle it also checks its parent pid every second.
+exits non-zero. It dies with the engine core: a thread watches the stdin pipe the core holds open
+and exits the process at EOF, and while idle the loop also checks its parent pid every second.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
+import pickle
 import signal
+import struct
 import sys
+import threading
 import traceback
 
 import msgspec
@@ -25,25 +27,25 @@ from tokenmill.core.sched_output import (WorkerFailure, WorkerInitCache, WorkerI
 logger = logging.getLogger("tokenmill")
 
 IDLE_POLL_MS = 1000
-PR_SET_PDEATHSIG = 1
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(WorkerInput)
 
 
-def _die_with_parent(parent: int) -> None:
-    """Linux: SIGKILL this process when its parent exits, however that happens."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: the idle parent check below still applies
-    if os.getppid() != parent:  # the parent died before the request took effect
+def _exit_with_parent(lifeline) -> None:
+    """Exit when the engine core's end of our stdin closes: it has exited (however it ended: the kernel
+    closes its pipes) or given up on us. A thread, so it works while the main thread sits in a step or
+    a collective; per process, unlike PR_SET_PDEATHSIG, which fires when the parent *thread* exits."""
+    def watch() -> None:
+        while lifeline.read(1):
+            pass
         os._exit(1)
+
+    threading.Thread(target=watch, name="tokenmill-lifeline", daemon=True).start()
 
 
 def run_worker(config, rank: int, size: int, store_port: int, input_address: str, output_address: str,
                parent: int, max_model_len: int, log_level: str = "INFO") -> None:
-    _die_with_parent(parent)
     # Ctrl-C reaches the whole process group; the engine core decides when workers stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not logging.getLogger().handlers:
@@ -117,7 +119,13 @@ def _loop(runner, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> None:
                 outputs.send(_encoder.encode(WorkerStepDone(result)))
 
 
-if __name__ == "__main__":
-    import pickle
+def main() -> None:
+    stdin = sys.stdin.buffer
+    (length,) = struct.unpack("<Q", stdin.read(8))
+    args = pickle.loads(stdin.read(length))
+    _exit_with_parent(stdin)
+    run_worker(*args)
 
-    run_worker(*pickle.loads(sys.stdin.buffer.read()))
+
+if __name__ == "__main__":
+    main()

@@ -80,7 +80,7 @@ def test_sigterm_and_a_killed_core_leave_no_worker(start_server, tiny_llama_dir)
     assert server.stop() == 0
     assert not _wait_gone([core_pid, *workers])
 
-    # The core killed outright: its workers die with it (parent-death signal), the server exits 1.
+    # The core killed outright: its workers die with it (their stdin lifeline closes), the server exits 1.
     server = start_server(["--model", str(tiny_llama_dir), *TP_ARGS])
     # The server watches its core from its first request on.
     assert httpx.post(server.url + "/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 2}).is_success
