@@ -42,15 +42,18 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[1, 3])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--num-threads", type=int, default=None,
+                        help="torch threads of the engine (under tensor parallelism: split between the workers)")
     args = parser.parse_args()
     for size in args.sizes:
-        llm = LLM(args.model, tensor_parallel_size=size, max_model_len=512, num_kv_blocks=64)
+        llm = LLM(args.model, tensor_parallel_size=size, max_model_len=512, num_kv_blocks=64,
+                  num_threads=args.num_threads)
         try:
             llm.generate(["warm-up"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
             times = decode_step_times(llm, args.batch, args.tokens)
         finally:
             llm.shutdown()
-        print(json.dumps({"tensor_parallel_size": size, "batch": args.batch, "steps": len(times),
+        print(json.dumps({"tensor_parallel_size": size, "num_threads": args.num_threads, "batch": args.batch, "steps": len(times),
                           "decode_step_ms_median": round(statistics.median(times) * 1000, 2),
                           "decode_step_ms_p90": round(sorted(times)[int(0.9 * (len(times) - 1))] * 1000, 2),
                           "linear_layers": llm.llm_engine.core.ready.linear_layers}), flush=True)
