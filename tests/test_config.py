@@ -81,7 +81,7 @@ def test_no_flags_give_the_defaults():
         "swap_space": 0.0, "preemption_mode": None, "seed": 0, "max_logprobs": 20, "num_threads": None,
         "attention_backend": "auto", "packed_linear": True, "quantization": None, "kv_cache_dtype": "auto",
         "structured_outputs_fast_forward": True, "data_parallel_size": 1, "data_parallel_routing": "prefix",
-        "speculative_config": None}
+        "tensor_parallel_size": 1, "speculative_config": None}
 
 
 def test_every_old_flag_parses_to_the_same_value():
@@ -197,7 +197,7 @@ def test_validation_keeps_every_value_as_given():
                   preemption_mode=None, seed=3, max_logprobs=0, num_threads=1, attention_backend="cpu",
                   packed_linear=False, quantization="q8_0", kv_cache_dtype="bfloat16",
                   structured_outputs_fast_forward=False, data_parallel_size=2, data_parallel_routing="round_robin",
-                  speculative_config=None)
+                  tensor_parallel_size=2, speculative_config=None)
     assert set(values) == {f.name for f in engine_options()}
     config = EngineConfig(**values)
     assert dataclasses.asdict(config) == values  # dtype stays "auto" under q8_0

@@ -194,6 +194,11 @@ class EngineConfig:
     data_parallel_routing: str = option(
         "prefix", "with --data-parallel-size > 1: prefix (the core holding the longest cached prefix, unless it "
         "is much busier than the least-loaded one) or round_robin", choices=DATA_PARALLEL_ROUTING)
+    tensor_parallel_size: int = option(
+        1, "worker processes that each hold 1/N of the model (its attention heads, KV heads, MLP features and "
+        "vocabulary) and of every KV block, joined by all-reduces (gloo on CPU, nccl on CUDA: one GPU per "
+        "worker); the model's attention heads, KV heads and intermediate size must divide by N. "
+        "--kv-cache-memory-bytes is each worker's", bound="positive")
     speculative_config: Optional[Any] = option(
         None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": '
         '4}\' (greedy requests; drafts from n-grams already in the sequence)',

@@ -133,3 +133,22 @@ def test_gemma3_270m_preset_matches_its_gguf(gemma3_270m_gguf):
 
     from_file = resolve_model(str(gemma3_270m_gguf))
     assert replace(from_file, name="gemma3-270m") == PRESETS["gemma3-270m"]
+
+
+def test_printed_serve_flags_are_flags_the_server_accepts():
+    import argparse
+    import shlex
+
+    from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
+    plan = make_plan(PlanInputs(PRESETS["llama-3-70b"], find_gpu("A100-80GB"), max_model_len=8192, concurrency=64,
+                                dtype="fp16"))
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    config = engine_config_from_args(parser.parse_args(shlex.split(plan["serve_flags"])))
+    assert config.tensor_parallel_size == plan["tensor_parallel_size"] == 4
+    assert config.data_parallel_size == plan["replicas_needed"]
+    # Only sizes that split the heads evenly, as the engine requires.
+    with pytest.raises(InvalidRequestError, match="does not divide smollm2-135m's 9 attention and 3 KV heads"):
+        make_plan(PlanInputs(PRESETS["smollm2-135m"], find_gpu("A100-80GB"), max_model_len=1024,
+                             tensor_parallel_size=2))

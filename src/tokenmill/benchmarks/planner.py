@@ -4,12 +4,13 @@
     weights         = parameters × weight dtype bytes
     usable/device   = device memory × (1 − headroom)        headroom: activations, graphs, fragmentation, bursts
     KV/device       = usable/device − weights / TP
-    TP              = the smallest power of two whose shard of the weights leaves room for one full sequence
+    TP              = the smallest power of two dividing the attention and KV heads whose shard of the weights
+                      leaves room for one full sequence
     max concurrency = KV tokens per replica ÷ tokens per sequence (rounded up to whole KV blocks)
     replicas        = ⌈target concurrency ÷ per-replica concurrency⌉,  devices = replicas × TP
 
-Under tensor parallelism each rank holds KV heads ÷ TP heads (replicated once TP exceeds the KV heads), so a
-replica's KV capacity grows with TP only up to the number of KV heads. With a measured profile (a `bench sweep`
+Under tensor parallelism each rank holds KV heads ÷ TP heads: tokenmill's `--tensor-parallel-size` splits
+the attention and KV heads evenly (it refuses a size that does not divide them), so a plan only uses such sizes. With a measured profile (a `bench sweep`
 JSON of the same model and device), the per-replica concurrency is also capped where P95 TTFT crosses the target.
 """
 from __future__ import annotations
@@ -186,16 +187,20 @@ def replica_capacity(model: ModelSpec, device: DeviceSpec, tp: int, headroom: fl
     """(usable bytes per device, KV bytes per device, KV tokens per replica) at tensor-parallel size tp."""
     usable = device.memory_bytes * (1.0 - headroom)
     kv_per_device = usable - weight_bytes / tp
-    shards = min(tp, model.num_kv_heads)
-    tokens = int(kv_per_device // (kv_token_bytes / shards)) if kv_per_device > 0 else 0
+    tokens = int(kv_per_device // (kv_token_bytes / tp)) if kv_per_device > 0 else 0
     return usable, kv_per_device, tokens
+
+
+def splits_heads(model: ModelSpec, tp: int) -> bool:
+    """Whether `--tensor-parallel-size tp` can serve the model: both head counts divide evenly."""
+    return model.num_attention_heads % tp == 0 and model.num_kv_heads % tp == 0
 
 
 def choose_tensor_parallel(model: ModelSpec, device: DeviceSpec, headroom: float, weight_bytes: float,
                            kv_token_bytes: int, seq_tokens: int) -> int:
     tp = 1
     while tp <= MAX_TENSOR_PARALLEL:
-        if model.num_attention_heads % tp == 0:
+        if splits_heads(model, tp):
             if replica_capacity(model, device, tp, headroom, weight_bytes, kv_token_bytes)[2] >= seq_tokens:
                 return tp
         tp *= 2
@@ -216,6 +221,9 @@ def make_plan(inputs: PlanInputs) -> dict[str, Any]:
     seq_tokens = math.ceil(length / inputs.block_size) * inputs.block_size
     tp = inputs.tensor_parallel_size or choose_tensor_parallel(model, device, inputs.headroom, weight_bytes,
                                                                kv_token, seq_tokens)
+    if not splits_heads(model, tp):
+        raise InvalidRequestError(f"--tensor-parallel-size {tp} does not divide {model.name}'s "
+                                  f"{model.num_attention_heads} attention and {model.num_kv_heads} KV heads")
     usable, kv_per_device, kv_tokens = replica_capacity(model, device, tp, inputs.headroom, weight_bytes, kv_token)
     max_concurrency = kv_tokens // seq_tokens
     if max_concurrency < 1:

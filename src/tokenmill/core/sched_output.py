@@ -15,7 +15,7 @@ All of them are msgspec Structs, so the same values travel in-process or encoded
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Union
 
 import msgspec
 
@@ -81,3 +81,49 @@ class ModelRunnerOutput(msgspec.Struct, omit_defaults=True):
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = {}
     # Speculative decoding: the drafts each verifying request keeps (they precede its sampled token).
     accepted: dict[str, list[int]] = {}
+
+
+# ---- engine core <-> tensor-parallel workers (engine/executor.py, runner/worker.py) ----------------
+# Every frame is one of these tagged structs, so one decoder reads any of them.
+class WorkerReady(msgspec.Struct, tag=True):
+    """A worker has loaded its shard: the KV blocks its budget holds and what a block costs it."""
+
+    rank: int
+    num_kv_blocks: int
+    bytes_per_block: int
+    linear_layers: str
+    # The sliding window of each KV cache group (None: full attention), as core.kv_cache_groups plans them.
+    kv_windows: list[Optional[int]] = []
+
+
+class WorkerInitCache(msgspec.Struct, tag=True):
+    """The block counts every worker can hold (the smallest of theirs) and the engine's max_model_len."""
+
+    num_blocks: int
+    num_host_blocks: int
+    max_model_len: int
+
+
+class WorkerStep(msgspec.Struct, tag=True):
+    scheduler_output: SchedulerOutput
+
+
+class WorkerStepDone(msgspec.Struct, tag=True):
+    """The driver rank's answer to a WorkerStep (or to a WorkerInitCache: an empty output)."""
+
+    output: ModelRunnerOutput
+
+
+class WorkerShutdown(msgspec.Struct, tag=True):
+    pass
+
+
+class WorkerFailure(msgspec.Struct, tag=True):
+    rank: int
+    message: str
+    # The TokenmillError subclass name when the failure is a user-facing one (a model that cannot load).
+    error_type: Optional[str] = None
+
+
+WorkerInput = Union[WorkerInitCache, WorkerStep, WorkerShutdown]
+WorkerMessage = Union[WorkerReady, WorkerStepDone, WorkerFailure]

@@ -331,16 +331,18 @@ class AsyncLLM:
 
 
 def _core_environment(config: EngineConfig, index: int) -> Optional[dict[str, str]]:
-    """On a machine with several GPUs, data-parallel core i sees only the i-th visible GPU."""
+    """On a machine with several GPUs, data-parallel core i sees only its own visible GPUs: the i-th one,
+    or the i-th run of --tensor-parallel-size of them (its workers take one each)."""
     if config.data_parallel_size == 1 or config.device == "cpu":
         return None
     import torch
 
-    if not torch.cuda.is_available() or torch.cuda.device_count() < config.data_parallel_size:
-        return None  # one device shared by every core
+    per_core = config.tensor_parallel_size
+    if not torch.cuda.is_available() or torch.cuda.device_count() < config.data_parallel_size * per_core:
+        return None  # the devices are shared by every core
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     devices = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
-    return {**os.environ, "CUDA_VISIBLE_DEVICES": devices[index]}
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices[index * per_core:(index + 1) * per_core])}
 
 
 def _start_cores(config: EngineConfig, log_level: str) -> list[MPClient]:

@@ -56,7 +56,7 @@ class InprocClient:
         return self._send(self.core.step())
 
     def shutdown(self) -> None:
-        pass
+        self.core.shutdown()
 
 
 class CoreProcess:

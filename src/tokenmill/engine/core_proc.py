@@ -42,6 +42,7 @@ def run_engine_core(config, input_address: str, output_address: str, log_level: 
     outputs.setsockopt(zmq.LINGER, 5000)
     outputs.connect(output_address)
     code = 0
+    core = None
     try:
         from tokenmill.engine.engine_core import EngineCore
 
@@ -62,6 +63,11 @@ def run_engine_core(config, input_address: str, output_address: str, log_level: 
             pass
         code = 1
     finally:
+        if core is not None:
+            try:
+                core.shutdown()  # tensor-parallel workers stop with the core
+            except Exception:
+                logger.exception("stopping the model's workers failed")
         inputs.close(0)
         outputs.close()
         context.term()

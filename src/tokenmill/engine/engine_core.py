@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES, EngineConfig
+from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -22,7 +22,8 @@ from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFork, EngineCo
 from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.model.loader import load_model_source
 from tokenmill.model.registry import SLIDING_WINDOW_ARCHITECTURES
-from tokenmill.runner.model_runner import ModelRunner, resolve_device
+from tokenmill.engine.executor import make_executor
+from tokenmill.runner.model_runner import resolve_device
 from tokenmill.spec_decode.ngram import NgramProposer, can_speculate
 from tokenmill.structured.backend import allocate_token_bitmask
 from tokenmill.structured.llguidance_backend import LLGuidanceBackend
@@ -60,6 +61,25 @@ def max_request_tokens(group_windows, num_blocks: int, block_size: int, max_chun
     return usable // num_full * block_size
 
 
+def check_tensor_parallel(config: EngineConfig, hf_config) -> None:
+    """A clear error, before any worker starts, when the model's heads do not split over the ranks."""
+    size = config.tensor_parallel_size
+    if size == 1:
+        return
+    from tokenmill.model.layers.parallel import check_divisible
+
+    if getattr(hf_config, "num_experts", None):
+        # Experts would need their own split (expert or intermediate parallel) and router all-reduces.
+        raise ModelLoadError(f"--tensor-parallel-size {size}: mixture-of-experts models are not supported "
+                             "with tensor parallelism; use --data-parallel-size")
+    heads = hf_config.num_attention_heads
+    try:
+        check_divisible(heads, getattr(hf_config, "num_key_value_heads", None) or heads,
+                        hf_config.intermediate_size, size)
+    except ValueError as exc:
+        raise ModelLoadError(str(exc)) from None
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, source=None, message_roundtrip: bool = False) -> None:
         """source: the loaded model source (loaded here when None). message_roundtrip: encode and decode
@@ -74,21 +94,23 @@ class EngineCore:
         budget_was_defaulted = config.max_num_batched_tokens is None
         config = config.with_resolved_defaults(device.type)
         max_model_len = derive_max_model_len(config, hf_config)
-        self.runner = ModelRunner(config, hf_config, source.architecture, device, max_model_len)
-        int8_blocks = {} if self.runner.keeps_int8_blocks(source.is_gguf) else None
-        self.runner.load_weights(source.iter_weights(self.runner.dtype, int8_blocks), int8_blocks)
+        check_tensor_parallel(config, hf_config)
+        self.executor = make_executor(config, source, device, max_model_len)
+        # The in-process runner (tests and tools look at it); None when tensor-parallel workers hold the model.
+        self.runner = getattr(self.executor, "runner", None)
+        self.linear_layers = self.executor.linear_layers
         self.config = config
-        num_blocks = self._num_kv_blocks(device)
+        num_blocks = self.executor.num_kv_blocks
         self.num_kv_blocks = num_blocks
-        self.runner.initialize_kv_cache(num_blocks)
+        self.bytes_per_block = self.executor.bytes_per_block
         # A request must fit in the cache on its own, or preemption could never make room for it.
         self.max_model_len = min(max_model_len, max_request_tokens(
-            self.runner.kv_layout.windows, num_blocks, config.block_size,
+            self.executor.kv_windows, num_blocks, config.block_size,
             config.max_num_batched_tokens if config.enable_chunked_prefill else max_model_len))
-        self.runner.max_model_len = self.max_model_len
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a prompt must fit one step, or a long one would wait forever.
             if not budget_was_defaulted:
+                self.executor.shutdown()
                 raise ModelLoadError(
                     f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
                     f"({self.max_model_len}) with chunked prefill disabled: raise --max-num-batched-tokens, lower "
@@ -97,13 +119,14 @@ class EngineCore:
         self.config = config
         num_host_blocks = 0
         if config.preemption_mode == "swap":
-            num_host_blocks = int(config.swap_space * 2**30) // self.runner.kv_spec.bytes_per_block
+            num_host_blocks = int(config.swap_space * 2**30) // self.bytes_per_block
             if num_host_blocks < 1:
+                self.executor.shutdown()
                 raise ModelLoadError("--swap-space must hold at least one KV block for swap preemption")
-            self.runner.initialize_host_cache(num_host_blocks)
-        windows = self.runner.kv_layout.windows
+        windows = self.executor.kv_windows
         if num_host_blocks and (len(windows) > 1 or windows[0] is not None):
             logger.info("sliding-window KV cache groups: preempted requests are recomputed, not swapped")
+        self.executor.initialize_cache(num_blocks, num_host_blocks, self.max_model_len)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks,
                                        group_windows=windows)
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv_cache)
@@ -120,34 +143,21 @@ class EngineCore:
         tokens = num_blocks * config.block_size
         logger.info(
             "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), max concurrency %.2fx at max_model_len=%d",
-            num_blocks, config.block_size, tokens, num_blocks * self.runner.kv_spec.bytes_per_block / 2**20,
+            num_blocks, config.block_size, tokens, num_blocks * self.bytes_per_block / 2**20,
             tokens / self.max_model_len, self.max_model_len)
-        self.memory = self.runner.warm_up(config.max_num_batched_tokens)
+        self.memory = self.executor.warm_up(config.max_num_batched_tokens)
         logger.info("memory: %s", self.memory.describe())
+
+    def shutdown(self) -> None:
+        """Stops the model's worker processes (tensor parallelism); nothing to do for an in-process runner."""
+        self.executor.shutdown()
 
     def ready_message(self) -> EngineCoreReady:
         return EngineCoreReady(max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
                                block_size=self.config.block_size, device=str(self.device),
-                               linear_layers=self.runner.linear_layers, weights_bytes=self.memory.weights,
+                               linear_layers=self.linear_layers, weights_bytes=self.memory.weights,
                                kv_cache_bytes=self.memory.kv_cache, activations_bytes=self.memory.activations,
                                rss_bytes=self.memory.rss)
-
-    def _num_kv_blocks(self, device: torch.device) -> int:
-        spec = self.runner.kv_spec
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
-        if self.config.kv_cache_memory_bytes is not None:
-            budget = self.config.kv_cache_memory_bytes
-        elif device.type == "cuda":
-            budget = self.runner.profile_free_memory(self.config.max_num_batched_tokens,
-                                                     self.config.gpu_memory_utilization)
-        else:
-            budget = DEFAULT_CPU_KV_CACHE_BYTES
-        num_blocks = spec.num_blocks_for(budget)
-        if num_blocks < 1:
-            raise ModelLoadError(f"the KV cache budget of {budget} bytes holds no block "
-                                 f"({spec.bytes_per_block} bytes each)")
-        return num_blocks
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, message: EngineCoreRequest) -> None:
@@ -271,8 +281,9 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests():
             outputs.extend(self._step())
         stats = self.scheduler.get_stats()
-        if self.device.type == "cuda":
-            # The API process holds no CUDA context: device memory is reported from here.
+        if self.device.type == "cuda" and self.runner is not None:
+            # The API process holds no CUDA context: device memory is reported from here (tensor-parallel
+            # workers hold theirs in their own processes; the core then reports none).
             stats.device_memory_bytes = torch.cuda.memory_allocated(self.device)
         return EngineCoreOutputs(outputs=outputs, stats=stats, timestamp=time.time())
 
@@ -281,7 +292,7 @@ class EngineCore:
         self._fill_grammar_bitmask(sched)
         if self.message_roundtrip:
             sched = roundtrip(sched, SchedulerOutput)
-        result = self.runner.execute(sched)  # an empty schedule costs nothing in the runner
+        result = self.executor.execute(sched)  # an empty schedule costs nothing in the runner
         if self.message_roundtrip:
             result = roundtrip(result, ModelRunnerOutput)
         forced = self._advance_grammars(sched, result)

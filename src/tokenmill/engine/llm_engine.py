@@ -42,6 +42,10 @@ class LLMEngine:
         # Stat loggers (Prometheus, log line, dashboard window) see every step.
         self.stat_loggers: list[StatLogger] = []
 
+    def shutdown(self) -> None:
+        """Stops the engine's worker processes (tensor parallelism); they also stop when this process exits."""
+        self.core.shutdown()
+
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, *,
                     priority: int = 0, user: Optional[str] = None, arrival_time: Optional[float] = None) -> None:

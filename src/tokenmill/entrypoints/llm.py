@@ -33,6 +33,10 @@ class LLM:
         llm._counter = itertools.count()
         return llm
 
+    def shutdown(self) -> None:
+        """Stops the engine's tensor-parallel worker processes (nothing to stop otherwise)."""
+        self.llm_engine.shutdown()
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from tokenmill.distributed.parallel_state import TensorParallelGroup
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.basic import RMSNorm, RotaryEmbedding
@@ -23,6 +24,7 @@ from tokenmill.model.layers.decoder import DecoderLayer, DecoderSpec
 from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, BlockQuantEmbedding, BlockQuantLinear, Int8Blocks,
                                           LinearFactory, replace_linear_layers)
 from tokenmill.model.layers.moe import expert_destination
+from tokenmill.model.layers.parallel import VocabParallelEmbedding, gather_logits, shard_spec
 
 logger = logging.getLogger("tokenmill")
 
@@ -36,16 +38,26 @@ class DecoderForCausalLM(nn.Module):
     def build_spec(cls, config) -> DecoderSpec:
         raise NotImplementedError
 
-    def __init__(self, config, backend: AttentionBackend, max_positions: int, device: torch.device) -> None:
+    def __init__(self, config, backend: AttentionBackend, max_positions: int, device: torch.device,
+                 tp: Optional[TensorParallelGroup] = None) -> None:
+        """tp: this rank's tensor-parallel group; the model then holds the rank's shard
+        (`model.layers.parallel`): its heads, MLP features and vocabulary rows."""
         super().__init__()
         self.config = config
         try:
-            self.spec = spec = self.build_spec(config)
+            spec = self.build_spec(config)
             rotaries = {_rope_key(key): RotaryEmbedding(config, spec.head_dim, max_positions, device, layer_type=key)
                         for key in dict.fromkeys(spec.layer_rope)}
         except ValueError as exc:  # a config feature the family's layers do not implement: refuse to load
             raise ModelLoadError(f"{type(self).__name__}: {exc}") from None
-        self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size)
+        self.vocab_size = spec.vocab_size  # the whole vocabulary, what compute_logits returns
+        self.tp = tp if tp is not None and tp.size > 1 else None
+        if self.tp is not None:
+            spec = shard_spec(spec, self.tp.size)
+        self.spec = spec
+        reduce = None if self.tp is None else self.tp.all_reduce
+        self.embed_tokens = (nn.Embedding(spec.vocab_size, spec.hidden_size) if self.tp is None
+                             else VocabParallelEmbedding(spec.vocab_size, spec.hidden_size, self.tp))
         # HF keeps the scale as a float32 tensor cast to the weights' dtype; the same here, so bf16 rounds alike.
         self.embed_scale: Optional[torch.Tensor]
         self.register_buffer("embed_scale", None if spec.embed_scale is None else torch.tensor(spec.embed_scale),
@@ -53,7 +65,7 @@ class DecoderForCausalLM(nn.Module):
         # One rotary table per distinct rope (Gemma 3: global and local layers differ in base).
         self.rotaries = nn.ModuleDict(rotaries)
         self.layers = nn.ModuleList(
-            DecoderLayer(spec, backend, self.rotaries[_rope_key(rope)], window, sparse)
+            DecoderLayer(spec, backend, self.rotaries[_rope_key(rope)], window, sparse, reduce)
             for rope, window, sparse in zip(spec.layer_rope, spec.layer_windows, spec.layer_sparse))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.tie_word_embeddings = spec.tie_word_embeddings
@@ -83,6 +95,7 @@ class DecoderForCausalLM(nn.Module):
             logits = F.linear(hidden, self.embed_tokens.weight).float()
         else:
             logits = self.lm_head(hidden).float()
+        logits = gather_logits(logits, self.tp, self.vocab_size)
         cap = self.spec.final_logit_softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -120,6 +133,8 @@ class DecoderForCausalLM(nn.Module):
         block-quantized form and the rotary/norm kernels (use_cpu_kernels); returns whether it was enabled.
         """
         blocker = self.int8_decode_blocker()
+        if self.tp is not None:
+            blocker = "the all-reduces of tensor parallelism between its layers"
         if blocker is not None:
             logger.info("%s: decode steps run layer by layer (the fused int8 decode stack lacks %s)",
                         type(self).__name__, blocker)
@@ -162,7 +177,10 @@ class DecoderForCausalLM(nn.Module):
     def keep_embedding_blocks(self, blocks: Optional[Int8Blocks], kernels: Any) -> bool:
         """Look embeddings up from block-quantized storage instead of a float table: the tied LM head's
         own blocks when it has them, else `blocks` (the file's token embedding). Returns whether it did.
-        Whenever the file's embedding is blocks this replaces the float table, which was never filled."""
+        Whenever the file's embedding is blocks this replaces the float table, which was never filled.
+        Under tensor parallelism the vocabulary-parallel table stays (it was filled at load)."""
+        if self.tp is not None:
+            return False
         if self.tie_word_embeddings and isinstance(self.lm_head, BlockQuantLinear):
             table = self.lm_head
         elif blocks is not None:

@@ -7,13 +7,16 @@ from typing import Optional
 
 import torch
 
+from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES
 from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
 from tokenmill.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import get_attention_backend
 from tokenmill.model.layers.basic import keep_rotary_tables_float, use_cpu_kernels
-from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, BlockQuantLinear, Int8Blocks, PackedLinear,
-                                          dense_linear, onednn_packing_supported, skip_weight_init)
+from tokenmill.distributed.parallel_state import TensorParallelGroup
+from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, QUANT_BLOCK, BlockQuantLinear, Int8Blocks,
+                                          PackedLinear, dense_linear, onednn_packing_supported, skip_weight_init)
+from tokenmill.model.layers.parallel import shard_int8_blocks, shard_weights
 from tokenmill.model.registry import get_model_class
 from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, release_freed_memory
 from tokenmill.runner.input_batch import InputBatch, OutputTokens, build_model_inputs, step_rows
@@ -65,8 +68,12 @@ def model_tensor_bytes(model: torch.nn.Module) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config, hf_config, architecture: str, device: torch.device, max_model_len: int) -> None:
-        """config: the engine's EngineConfig with its device defaults resolved (with_resolved_defaults)."""
+    def __init__(self, config, hf_config, architecture: str, device: torch.device, max_model_len: int,
+                 tp: Optional[TensorParallelGroup] = None) -> None:
+        """config: the engine's EngineConfig with its device defaults resolved (with_resolved_defaults).
+        tp: this runner's tensor-parallel rank (runner/worker.py); it then holds the rank's shard of the
+        model and KV cache, and only the driver rank samples."""
+        self.tp = tp if tp is not None and tp.size > 1 else None
         num_threads = config.num_threads
         if device.type == "cpu":
             torch.set_num_threads(num_threads or os.cpu_count() or 1)
@@ -83,7 +90,8 @@ class ModelRunner:
         # Parameters are allocated but not initialized: the checkpoint overwrites them, and those a GGUF's
         # kept blocks replace are dropped with their pages never written (never resident).
         with torch.device(device), skip_weight_init():
-            self.model = model_class(hf_config, self.attention_backend, max_model_len, device)
+            self.model = model_class(hf_config, self.attention_backend, max_model_len, device,
+                                     **({} if self.tp is None else {"tp": self.tp}))
         self.model.to(dtype=self.dtype)
         keep_rotary_tables_float(self.model)
         self.model.eval().requires_grad_(False)
@@ -142,7 +150,12 @@ class ModelRunner:
     def load_weights(self, weights, int8_blocks: Optional[dict[str, Int8Blocks]] = None) -> None:
         """Copies `weights` into the model, then builds its linear layers; `int8_blocks` (filled while
         `weights` is consumed) holds the checkpoint matrices to keep in block-int8 form."""
-        self.model.load_weights(weights, skip=int8_blocks if int8_blocks is not None else ())
+        if self.tp is None:
+            self.model.load_weights(weights, skip=int8_blocks if int8_blocks is not None else ())
+        else:  # every rank's shard is filled: its kept blocks are sliced after loading
+            self.model.load_weights(shard_weights(weights, self.tp))
+            if int8_blocks:
+                shard_int8_blocks(int8_blocks, self.tp)
         self.linear_layers = self._prepare_linear_layers(int8_blocks)
         logger.info("linear layers: %s", self.linear_layers)
 
@@ -153,8 +166,15 @@ class ModelRunner:
         if self.quantization == "q8_0":
             if kernels is None:
                 raise ModelLoadError(f"--quantization q8_0 {INT8_KERNELS_NEEDED}")
-            self.model.convert_linear_layers(
-                lambda name, weight, bias: BlockQuantLinear.from_weight(weight, bias, kernels))
+            def make_q8_0(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Module:
+                if self.tp is not None and weight.shape[1] % QUANT_BLOCK:
+                    # A row-parallel shard whose inputs do not fill whole 32-value blocks.
+                    logger.info("%s: %d input features per rank are not whole Q8_0 blocks; the layer stays dense",
+                                name, weight.shape[1])
+                    return dense_linear(weight, bias, self.packed_linear_rows)
+                return BlockQuantLinear.from_weight(weight, bias, kernels)
+
+            self.model.convert_linear_layers(make_q8_0)
             return "Q8_0 weights rounded at load (" + self._block_kernel_paths() + self._enable_int8_decode(kernels)
         if int8_blocks:
             widths: dict[int, int] = {}
@@ -201,6 +221,23 @@ class ModelRunner:
         fused = getattr(self.model, "enable_int8_decode", lambda _: False)(kernels)
         limit = BLOCK_KERNEL_MAX_ROWS
         return f"; decode steps of up to {limit} rows run the decoder stack in one C++ call)" if fused else ")"
+
+    def kv_cache_capacity(self, config) -> int:
+        """The KV blocks this runner holds: --num-kv-blocks, or what its memory budget fits (under tensor
+        parallelism a block holds this rank's KV heads only, and the budget is each worker's)."""
+        if config.num_kv_blocks is not None:
+            return config.num_kv_blocks
+        if config.kv_cache_memory_bytes is not None:
+            budget = config.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self.profile_free_memory(config.max_num_batched_tokens, config.gpu_memory_utilization)
+        else:
+            budget = DEFAULT_CPU_KV_CACHE_BYTES
+        num_blocks = self.kv_spec.num_blocks_for(budget)
+        if num_blocks < 1:
+            raise ModelLoadError(f"the KV cache budget of {budget} bytes holds no block "
+                                 f"({self.kv_spec.bytes_per_block} bytes each)")
+        return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
@@ -302,6 +339,10 @@ class ModelRunner:
         if not sampler_states:
             return result
         logits = self.model.compute_logits(hidden[sampling_rows])
+        if self.tp is not None and not self.tp.is_driver:
+            # Only the driver's samples reach the core; every rank's next tokens come from the core's
+            # next SchedulerOutput, so the ranks' input batches agree without sampling here.
+            return result
         sampler_out = self.sampler(logits, sampler_states, self._grammar_bitmask(output))
         for item, token, logprobs in zip(sampled_items, sampler_out.sampled_token_ids, sampler_out.logprobs):
             result.sampled[item.request_id] = token

@@ -15,7 +15,7 @@ attention reads/writes the paged KV cache through AttentionMetadata.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -101,10 +101,15 @@ def layer_windows(config) -> tuple[Optional[int], ...]:
     return (window or None,) * count
 
 
+# Tensor parallelism: the sum over ranks of a row-parallel projection's partial outputs.
+Reduce = Callable[[torch.Tensor], torch.Tensor]
+
+
 class DecoderAttention(nn.Module):
     def __init__(self, spec: DecoderSpec, backend: AttentionBackend, rotary: RotaryEmbedding,
-                 window: Optional[int]) -> None:
+                 window: Optional[int], reduce: Optional[Reduce] = None) -> None:
         super().__init__()
+        self.reduce = reduce
         self.num_heads = spec.num_heads
         self.num_kv_heads = spec.num_kv_heads
         self.head_dim = spec.head_dim
@@ -144,32 +149,37 @@ class DecoderAttention(nn.Module):
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale)
         else:
             out = self.backend.forward(q, k, v, kv_cache, meta, self.scale, window=self.window)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        out = self.o_proj(out.reshape(-1, self.q_size))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderMLP(nn.Module):
-    def __init__(self, spec: DecoderSpec) -> None:
+    def __init__(self, spec: DecoderSpec, reduce: Optional[Reduce] = None) -> None:
         super().__init__()
+        self.reduce = reduce
         self.intermediate_size = spec.intermediate_size
         self.gate_up_proj = nn.Linear(spec.hidden_size, 2 * spec.intermediate_size, bias=spec.mlp_bias)
         self.down_proj = nn.Linear(spec.intermediate_size, spec.hidden_size, bias=spec.mlp_bias)
         self.act = make_gated_activation(spec.activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        out = self.down_proj(self.act(self.gate_up_proj(x)))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, backend: AttentionBackend, rotary: RotaryEmbedding,
-                 window: Optional[int], sparse: bool = False) -> None:
+                 window: Optional[int], sparse: bool = False, reduce: Optional[Reduce] = None) -> None:
+        """sparse: a mixture-of-experts MLP (not under tensor parallelism). reduce: under tensor
+        parallelism, the all-reduce after o_proj and down_proj (row-parallel)."""
         super().__init__()
-        self.self_attn = DecoderAttention(spec, backend, rotary, window)
+        self.self_attn = DecoderAttention(spec, backend, rotary, window, reduce)
         self.mlp: nn.Module
         if sparse:
             self.mlp = SparseMoeBlock(spec.hidden_size, spec.moe_intermediate_size, spec.num_experts,
                                       spec.num_experts_per_tok, spec.norm_topk_prob, spec.activation)
         else:
-            self.mlp = DecoderMLP(spec)
+            self.mlp = DecoderMLP(spec, reduce)
         eps = spec.rms_norm_eps
         self.input_layernorm = RMSNorm(spec.hidden_size, eps)
         # Llama: the norm before the MLP. Gemma (sandwich): the norm of the attention output, with

@@ -1,0 +1,132 @@
+"""A tensor-parallel worker: one ModelRunner on one rank's shard, stepped by the engine core's messages.
+
+Started by `engine/executor.MultiprocExecutor` as `python -m tokenmill.runner.worker` (its settings
+pickled on stdin). It joins the rank group, loads its shard, reports `WorkerReady`, then loops:
+`WorkerInitCache` (allocate the KV cache), `WorkerStep` (execute; rank 0 answers with the
+ModelRunnerOutput), `WorkerShutdown`. Any failure is reported as `WorkerFailure` before the process
+exits non-zero. It dies with the engine core: a thread watches the stdin pipe the core holds open
+and exits the process at EOF, and while idle the loop also checks its parent pid every second.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import signal
+import struct
+import sys
+import threading
+import traceback
+
+import msgspec
+import zmq
+
+from tokenmill.core.sched_output import (WorkerFailure, WorkerInitCache, WorkerInput,
+                                         WorkerReady, WorkerShutdown, WorkerStep, WorkerStepDone)
+
+logger = logging.getLogger("tokenmill")
+
+IDLE_POLL_MS = 1000
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(WorkerInput)
+
+
+def _exit_with_parent(lifeline) -> None:
+    """Exit when the engine core's end of our stdin closes: it has exited (however it ended: the kernel
+    closes its pipes) or given up on us. A thread, so it works while the main thread sits in a step or
+    a collective; per process, unlike PR_SET_PDEATHSIG, which fires when the parent *thread* exits."""
+    def watch() -> None:
+        while lifeline.read(1):
+            pass
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tokenmill-lifeline", daemon=True).start()
+
+
+def run_worker(config, rank: int, size: int, store_port: int, input_address: str, output_address: str,
+               parent: int, max_model_len: int, log_level: str = "INFO") -> None:
+    # Ctrl-C reaches the whole process group; the engine core decides when workers stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s[tp{rank}]: %(message)s")
+    context = zmq.Context()
+    inputs = context.socket(zmq.PULL)
+    inputs.connect(input_address)
+    outputs = context.socket(zmq.PUSH)
+    outputs.setsockopt(zmq.LINGER, 5000)
+    outputs.connect(output_address)
+    code = 0
+    try:
+        runner = _load(config, rank, size, store_port, max_model_len)
+        outputs.send(_encoder.encode(WorkerReady(rank, runner.kv_cache_capacity(config),
+                                                 runner.kv_spec.bytes_per_block, runner.linear_layers,
+                                                 list(runner.kv_layout.windows))))
+        _loop(runner, inputs, outputs, parent)
+    except BaseException as exc:
+        logger.exception("tensor-parallel worker %d failed", rank)
+        code = 1
+        message = getattr(exc, "message", None) or str(exc) or traceback.format_exc(limit=3)
+        try:
+            outputs.send(_encoder.encode(WorkerFailure(rank, message, type(exc).__name__)))
+        except Exception:
+            pass
+    finally:
+        inputs.close(0)
+        outputs.close()
+        context.term()
+        sys.stdout.flush()
+        os._exit(code)  # no torch.distributed teardown: a peer may be gone
+
+
+def _load(config, rank: int, size: int, store_port: int, max_model_len: int):
+    import torch
+
+    from tokenmill.distributed.parallel_state import init_tensor_parallel
+    from tokenmill.model.loader import load_model_source
+    from tokenmill.runner.model_runner import ModelRunner, resolve_device
+
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    tp = init_tensor_parallel(rank, size, store_port, device)
+    source = load_model_source(config.model, config.tokenizer)
+    runner = ModelRunner(config, source.hf_config, source.architecture, device, max_model_len, tp)
+    int8_blocks = {} if runner.keeps_int8_blocks(source.is_gguf) else None
+    runner.load_weights(source.iter_weights(runner.dtype, int8_blocks), int8_blocks)
+    return runner
+
+
+def _loop(runner, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> None:
+    driver = runner.tp is None or runner.tp.is_driver
+    while True:
+        if not inputs.poll(IDLE_POLL_MS):
+            if os.getppid() != parent:
+                logger.warning("the engine core is gone; the worker exits")
+                return
+            continue
+        message = _decoder.decode(inputs.recv())
+        if isinstance(message, WorkerShutdown):
+            return
+        if isinstance(message, WorkerInitCache):
+            runner.initialize_kv_cache(message.num_blocks)
+            if message.num_host_blocks:
+                runner.initialize_host_cache(message.num_host_blocks)
+            runner.max_model_len = message.max_model_len
+        elif isinstance(message, WorkerStep):
+            result = runner.execute(message.scheduler_output)
+            if driver:
+                outputs.send(_encoder.encode(WorkerStepDone(result)))
+
+
+def main() -> None:
+    stdin = sys.stdin.buffer
+    (length,) = struct.unpack("<Q", stdin.read(8))
+    args = pickle.loads(stdin.read(length))
+    _exit_with_parent(stdin)
+    run_worker(*args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,170 @@
+"""--tensor-parallel-size: the model split over worker processes gives the same greedy tokens, refuses
+models whose heads do not split, and leaves no worker behind."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+from model_factory import GOLDEN_PROMPTS, build_tiny_family
+from proc_util import is_alive
+
+from tokenmill.config import EngineConfig
+from tokenmill.distributed.parallel_state import TensorParallelGroup
+from tokenmill.entrypoints.llm import LLM
+from tokenmill.errors import EngineDeadError, EngineFailedError, ModelLoadError
+from tokenmill.model.layers.linear import Int8Blocks, quantize_q8_0
+from tokenmill.model.layers.parallel import int8_columns, int8_rows, shard_int8_blocks, shard_tensor
+from tokenmill.sampling_params import SamplingParams
+
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+PROMPTS = GOLDEN_PROMPTS[:4]
+
+
+def _greedy(model: str, tp: int, **kwargs) -> list[list[int]]:
+    llm = LLM(model, tensor_parallel_size=tp, max_model_len=256, num_kv_blocks=64, **kwargs)
+    try:
+        return [out.outputs[0].token_ids for out in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    finally:
+        llm.shutdown()
+
+
+# ---- slicing weights (no processes) --------------------------------------------------------------
+def test_int8_blocks_slice_like_their_dequantized_weights():
+    weight = torch.randn(6, 128)
+    blocks = Int8Blocks(*quantize_q8_0(weight), mins=torch.randn(6, 4))
+    dense = blocks.dequantize()
+    assert torch.equal(int8_rows(blocks, 2, 4).dequantize(), dense[2:4])
+    assert torch.equal(int8_columns(blocks, 64, 128).dequantize(), dense[:, 64:128])
+    padded = int8_rows(blocks, 4, 8).dequantize()  # past the last row: zeros (a padded vocabulary)
+    assert torch.equal(padded[:2], dense[4:6]) and not padded[2:].any()
+    with pytest.raises(ValueError, match="32-value blocks"):
+        int8_columns(blocks, 16, 80)
+
+
+def test_shards_of_each_kind_of_tensor():
+    rank1 = TensorParallelGroup(rank=1, size=2)
+    w = torch.arange(24.0).reshape(6, 4)
+    assert torch.equal(shard_tensor("model.layers.0.self_attn.k_proj.weight", w, rank1), w[3:])
+    assert torch.equal(shard_tensor("model.layers.0.mlp.down_proj.weight", w, rank1), w[:, 2:])
+    assert not shard_tensor("model.layers.0.self_attn.o_proj.bias", w[0], rank1).any()  # added once, by rank 0
+    assert torch.equal(shard_tensor("model.layers.0.input_layernorm.weight", w[0], rank1), w[0])
+    vocab = shard_tensor("model.embed_tokens.weight", w[:5], rank1)  # 5 rows: 3 per rank, one zero row
+    assert torch.equal(vocab[:2], w[3:5]) and not vocab[2].any()
+
+
+def test_a_row_parallel_int8_shard_off_the_block_grid_stays_dense():
+    blocks = Int8Blocks(*quantize_q8_0(torch.randn(8, 64)))
+    kept = {"model.layers.0.mlp.down_proj.weight": blocks, "model.layers.0.mlp.up_proj.weight": blocks}
+    shard_int8_blocks(kept, TensorParallelGroup(rank=0, size=4))  # 16 inputs per rank: not a whole block
+    assert list(kept) == ["model.layers.0.mlp.up_proj.weight"] and kept["model.layers.0.mlp.up_proj.weight"].q.shape == (2, 64)
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+def test_heads_that_do_not_split_are_refused_before_any_worker_starts(smollm2_path):
+    # SmolLM2-135M: 9 attention heads, 3 KV heads.
+    with pytest.raises(ModelLoadError, match=r"^num_key_value_heads \(3\) is not divisible by --tensor-parallel-size 2$"):
+        LLM(str(smollm2_path), tensor_parallel_size=2)
+
+
+def test_tensor_parallel_size_must_be_positive():
+    with pytest.raises(ValueError, match="tensor_parallel_size must be positive"):
+        EngineConfig(tensor_parallel_size=0)
+
+
+# ---- parity with one process ------------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_two_ranks_match_one_on_every_family(family, tmp_path, smollm2_tokenizer, tiny_llama_dir):
+    model = tiny_llama_dir if family == "llama" else build_tiny_family(tmp_path, smollm2_tokenizer, family)
+    assert _greedy(str(model), 2) == _greedy(str(model), 1)
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_with_kept_gguf_int8_blocks(tiny_gguf_path, tiny_llama_dir):
+    # Row-parallel o_proj/down_proj keep their int8 blocks (32 and 64 inputs per rank); the fused C++
+    # decode stack is off under tensor parallelism.
+    kwargs = dict(tokenizer=str(tiny_llama_dir))
+    assert _greedy(str(tiny_gguf_path), 2, **kwargs) == _greedy(str(tiny_gguf_path), 1, **kwargs)
+
+
+@pytest.mark.slow
+def test_three_ranks_match_one_on_the_embedded_smollm2(smollm2_path):
+    # SmolLM2-135M's 9 heads and 3 KV heads split three ways (not two); its Q8_0 blocks stay int8.
+    assert _greedy(str(smollm2_path), 3) == _greedy(str(smollm2_path), 1)
+
+
+# ---- worker lifetime --------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_shutdown_leaves_no_worker_and_a_dead_worker_fails_the_step(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, max_model_len=256, num_kv_blocks=64)
+    executor = llm.llm_engine.core.core.executor
+    pids = [worker.pid for worker in executor.workers]
+    assert len(pids) == 2 and all(is_alive(pid) for pid in pids)
+    llm.generate(["Hi"], GREEDY, use_tqdm=False)
+    llm.shutdown()
+    assert not any(is_alive(pid) for pid in pids)
+
+    # Started from a thread that then ends: the workers live on (they follow the process, not the thread).
+    holder: dict = {}
+    starter = threading.Thread(target=lambda: holder.update(llm=LLM(str(tiny_llama_dir), tensor_parallel_size=2,
+                                                                    max_model_len=256, num_kv_blocks=64)))
+    starter.start()
+    starter.join()
+    llm = holder["llm"]
+    assert llm.generate(["Hi"], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    pids = [worker.pid for worker in llm.llm_engine.core.core.executor.workers]
+    os.kill(pids[1], signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises((EngineDeadError, EngineFailedError), match="tensor-parallel worker"):
+        llm.generate(["Hi"], GREEDY, use_tqdm=False)
+    assert time.monotonic() - started < 30
+    llm.shutdown()
+    deadline = time.monotonic() + 10
+    while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(is_alive(pid) for pid in pids)
+
+
+def test_worker_messages_hold_plain_data():
+    import msgspec
+
+    from tokenmill.core.sched_output import ScheduledRequest, SchedulerOutput, WorkerInput, WorkerStep
+    from tokenmill.engine.messages import encode
+
+    step = WorkerStep(SchedulerOutput(scheduled=[ScheduledRequest("r", 0, 2, [1, 2], [0], samples=True)]))
+    assert msgspec.msgpack.decode(encode(step), type=WorkerInput) == step
+
+
+@pytest.mark.slow
+def test_data_parallel_cores_each_run_their_own_tensor_parallel_workers(tiny_llama_dir):
+    import asyncio
+
+    from proc_util import child_pids
+
+    from tokenmill.engine.async_llm import AsyncLLM
+    from tokenmill.sampling_params import RequestOutputKind
+
+    expected = _greedy(str(tiny_llama_dir), 1)
+    engine = AsyncLLM.from_config(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256,
+                                               data_parallel_size=2, tensor_parallel_size=2))
+    params = GREEDY.clone(output_kind=RequestOutputKind.FINAL_ONLY)
+    workers = [pid for client in engine.clients for pid in child_pids(client.process.pid)]
+    assert len(workers) == 4  # two per core
+
+    async def run() -> list[list[int]]:
+        async def one(i: int, prompt: str) -> list[int]:
+            async for out in engine.generate(engine.input_processor.process_prompt(prompt), params, f"r{i}"):
+                final = out
+            return final.outputs[0].token_ids
+
+        try:
+            return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS))))
+        finally:
+            await engine.shutdown()
+
+    assert asyncio.run(run()) == expected
+    assert not any(is_alive(pid) for pid in workers)

@@ -1,0 +1,90 @@
+"""A server with --tensor-parallel-size 2: a worker killed under load fails the requests in flight (never a
+hang), /health turns 503, the server exits non-zero, and no worker is left; SIGTERM leaves none either."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from proc_util import child_pids, is_alive
+
+TP_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "128", "--tensor-parallel-size", "2"]
+
+
+def _workers(server) -> tuple[int, list[int]]:
+    (core_pid,) = child_pids(server.proc.pid)
+    workers = child_pids(core_pid)
+    assert len(workers) == 2
+    return core_pid, workers
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 15.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(is_alive(pid) for pid in pids):
+        time.sleep(0.1)
+    return [pid for pid in pids if is_alive(pid)]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find the worker processes")
+def test_killed_worker_fails_requests_in_flight_and_the_server_exits(start_server, tiny_llama_dir):
+    server = start_server(["--model", str(tiny_llama_dir), *TP_ARGS])
+    url = server.url
+    core_pid, workers = _workers(server)
+    results: dict = {}
+
+    def non_streaming() -> None:
+        response = httpx.post(url + "/v1/completions", timeout=60,
+                              json={"prompt": "Hello", "max_tokens": 900, "ignore_eos": True})
+        results["full"] = (response.status_code, response.json())
+
+    thread = threading.Thread(target=non_streaming)
+    thread.start()
+    body = {"prompt": "Hi", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", url + "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            events = []
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[len("data: "):])
+                if len(events) == 5:
+                    os.kill(workers[1], signal.SIGKILL)
+                    killed_at = time.monotonic()
+    thread.join(60)
+    health = httpx.get(url + "/health", timeout=5)
+    assert health.status_code == 503 and time.monotonic() - killed_at < 5.0
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert error["code"] == "engine_dead" and error["message"]
+    status, payload = results["full"]
+    assert status == 500 and payload["error"]["code"] == "engine_dead"
+    assert server.proc.wait(timeout=30) == 1
+    assert "tensor-parallel worker 1" in server.log_text()  # the log says which worker failed
+    assert not _wait_gone([core_pid, workers[0]])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads /proc to find the worker processes")
+def test_sigterm_and_a_killed_core_leave_no_worker(start_server, tiny_llama_dir):
+    server = start_server(["--model", str(tiny_llama_dir), *TP_ARGS, "--shutdown-timeout", "2"])
+    reply = httpx.post(server.url + "/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 4})
+    assert reply.status_code == 200
+    core_pid, workers = _workers(server)
+    assert server.stop() == 0
+    assert not _wait_gone([core_pid, *workers])
+
+    # The core killed outright: its workers die with it (their stdin lifeline closes), the server exits 1.
+    server = start_server(["--model", str(tiny_llama_dir), *TP_ARGS])
+    # The server watches its core from its first request on.
+    assert httpx.post(server.url + "/v1/completions", timeout=60, json={"prompt": "Hi", "max_tokens": 2}).is_success
+    core_pid, workers = _workers(server)
+    os.kill(core_pid, signal.SIGKILL)
+    assert server.proc.wait(timeout=30) == 1
+    assert not _wait_gone(workers)
