@@ -579,8 +579,8 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
 // fp32's bytes (plus 4 or 8 bytes of scales per 32 weights). With more rows the widened weights are
 // reused across rows and the row kernel reaches ~105-150 GFLOP/s (60-80% of the FMA peak) at 8-64 rows.
 // Above kRowKernelMaxRows (prefill chunks, large decode batches) the weights are dequantized a tile
-// of output features at a time into a cache-resident float32 tile, which BLAS's sgemm multiplies: no
-// dense copy of the layer exists, and dequantizing costs ~1/rows of the GEMM's work.
+// of output features at a time (up to 4 MiB of float32, reused), which BLAS's sgemm multiplies: no
+// dense copy of the layer is kept, and dequantizing costs ~1/rows of the GEMM's work.
 //
 // Layout (tokenmill.model.layers.linear.pack_blocks): output features in panels of 16; panel p holds
 // features 16p..16p+15. For each block of 32 inputs and each input k of it, the 16 features' integers
@@ -607,9 +607,11 @@ constexpr int64_t kQ8PrefetchBytes = 1024;
 constexpr int64_t kQ8RowChunk = 64;
 // Up to this many rows the row kernel runs; above it, dequantized tiles through sgemm.
 constexpr int64_t kRowKernelMaxRows = 64;
-// Float32 elements of one dequantized tile (2 MiB: in L2 with sgemm's packing buffers on 4 MiB-L2 cores;
-// tiles of ~450-900 features ran 10-15% faster than one GEMM over the whole layer there).
-constexpr int64_t kTileElements = 512 * 1024;
+// Float32 elements of one dequantized tile (4 MiB, reused by every call of the calling thread): most
+// projections of a small model are one tile, so BLAS multiplies them at its dense speed; the tile is
+// written once per call, ~1/rows of the GEMM's work. (Per-thread L2-sized tiles with single-threaded
+// sgemm measured the same within noise, 2-core Xeon with AVX-512, 512-1024 rows.)
+constexpr int64_t kTileElements = 1024 * 1024;
 
 // The integers of one input's 16 features (one panel row) at a storage width.
 template <int Bits>
@@ -928,13 +930,12 @@ void block_linear_rows(const float* x, int64_t rows, int64_t in_features, const 
   });
 }
 
-// Panels [p0, p1) dequantized into wt, transposed: wt[k][16 * (p - p0) + j] = q * scale (+ min), the
+// Panels [p0, p1) dequantized into wt, transposed: wt[k * width + 16 * (p - p0) + j] = q * scale (+ min), the
 // arithmetic of Int8Blocks.dequantize (two roundings, no fused multiply-add), for every input k.
 template <int Bits>
 void dequantize_panels_transposed(const uint8_t* q, int zero, const float* scales, const float* mins,
-                                  int64_t blocks, int64_t p0, int64_t p1, float* wt) {
+                                  int64_t blocks, int64_t p0, int64_t p1, float* wt, int64_t width) {
   constexpr int64_t row_bytes = PanelRow<Bits>::kBytes;
-  const int64_t width = (p1 - p0) * kQ8Panel;
   for (int64_t p = p0; p < p1; ++p)
     for (int64_t b = 0; b < blocks; ++b) {
       const uint8_t* qb = q + (p * blocks + b) * kQ8Block * row_bytes;
@@ -995,7 +996,7 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
                        const float* beta, float* c, const int* ldc) __attribute__((weak));
 namespace {
 
-// y[:, n0:n0 + width] = x @ wt (wt [in_features][width] row-major), sequential: runs inside a parallel region.
+// y[:, n0:n0 + width] = x @ wt (wt [in_features][width] row-major), on BLAS's own threads.
 void tile_gemm(const float* x, int64_t rows, int64_t in_features, const float* wt, int64_t width, float* y,
                int64_t y_stride) {
   // Column-major: y^T (width x rows, ld y_stride) = wt^T (width x K, ld width) * x^T (K x rows, ld K).
@@ -1017,34 +1018,33 @@ void block_linear_tiled(const float* x, int64_t rows, int64_t in_features, const
                         const float* scales, const float* mins, int64_t out_features, const float* bias, float* y) {
   const int64_t blocks = in_features / kQ8Block;
   const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel;
-  // Tiles of whole panels near kTileElements, their count a multiple of the threads so none idles.
-  const int64_t threads = at::get_num_threads();
-  const int64_t panels_per_tile_target = std::max<int64_t>(1, kTileElements / (in_features * kQ8Panel));
-  int64_t tiles = (panels + panels_per_tile_target - 1) / panels_per_tile_target;
-  tiles = std::min(panels, (tiles + threads - 1) / threads * threads);
-  const int64_t panels_per_tile = (panels + tiles - 1) / tiles;
-  tiles = (panels + panels_per_tile - 1) / panels_per_tile;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    thread_local std::vector<float> buffer;  // kept between calls: no page faults per tile
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t p0 = t * panels_per_tile, p1 = std::min(panels, p0 + panels_per_tile);
-      const int64_t n0 = p0 * kQ8Panel, padded = (p1 - p0) * kQ8Panel;
-      const int64_t width = std::min(out_features, p1 * kQ8Panel) - n0;
-      if (static_cast<int64_t>(buffer.size()) < in_features * padded) buffer.resize(in_features * padded);
-      dequantize_panels_transposed<Bits>(q, zero, scales, mins, blocks, p0, p1, buffer.data());
-      if (width == padded) {
-        tile_gemm(x, rows, in_features, buffer.data(), padded, y + n0, out_features);
-      } else {  // the zero-padded last panel: multiply its padded width, keep the valid columns
-        std::vector<float> part(rows * padded);
-        tile_gemm(x, rows, in_features, buffer.data(), padded, part.data(), padded);
-        for (int64_t r = 0; r < rows; ++r)
-          std::copy(part.data() + r * padded, part.data() + r * padded + width, y + r * out_features + n0);
-      }
-      if (bias != nullptr)
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t j = 0; j < width; ++j) y[r * out_features + n0 + j] += bias[n0 + j];
+  const int64_t panels_per_tile = std::max<int64_t>(1, std::min(panels, kTileElements / (in_features * kQ8Panel)));
+  thread_local std::vector<float> buffer;  // the calling thread's, kept between calls
+  const int64_t tile_width = panels_per_tile * kQ8Panel;
+  if (static_cast<int64_t>(buffer.size()) < in_features * tile_width) buffer.resize(in_features * tile_width);
+  for (int64_t p0 = 0; p0 < panels; p0 += panels_per_tile) {
+    const int64_t p1 = std::min(panels, p0 + panels_per_tile);
+    const int64_t n0 = p0 * kQ8Panel, padded = (p1 - p0) * kQ8Panel;
+    const int64_t width = std::min(out_features, p1 * kQ8Panel) - n0;
+    float* wt = buffer.data();
+    // Every thread dequantizes its panels (64-byte rows of the tile: no line is shared), then one
+    // multithreaded GEMM over all rows.
+    at::parallel_for(p0, p1, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p)
+        dequantize_panels_transposed<Bits>(q, zero, scales, mins, blocks, p, p + 1, wt + (p - p0) * kQ8Panel, padded);
+    });
+    if (width == padded) {
+      tile_gemm(x, rows, in_features, wt, padded, y + n0, out_features);
+    } else {  // the zero-padded last panel: multiply its padded width, keep the valid columns
+      std::vector<float> part(rows * padded);
+      tile_gemm(x, rows, in_features, wt, padded, part.data(), padded);
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy(part.data() + r * padded, part.data() + r * padded + width, y + r * out_features + n0);
     }
-  });
+    if (bias != nullptr)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < width; ++j) y[r * out_features + n0 + j] += bias[n0 + j];
+  }
 }
 
 }  // namespace
