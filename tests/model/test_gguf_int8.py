@@ -197,3 +197,17 @@ def test_quantization_gguf_errors(tiny_gguf_path, tiny_llama_dir):
     # unset: without the CPU kernels the same file simply loads dense
     llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), num_kv_blocks=16, attention_backend="torch")
     assert not any(isinstance(m, BlockQuantLinear) for m in llm.llm_engine.core.core.runner.model.modules())
+
+
+def test_embedded_model_holds_its_file_size_in_weights(kernels, smollm2_path):
+    """The embedded Q4_1 GGUF's weights take at most 1.2x the file (nibbles, int8 Q8_0 embedding, float32
+    scales and offsets; no float copy), and the startup report's KV cache is the cache's own bytes; the
+    process holds at least both."""
+    llm = LLM(kv_cache_memory_bytes=32 * 2**20, max_num_batched_tokens=64)
+    core = llm.llm_engine.core.core
+    report = core.memory
+    assert report.weights <= 1.2 * smollm2_path.stat().st_size
+    assert report.kv_cache == sum(t.numel() * t.element_size() for t in core.runner.kv_caches)
+    assert report.rss is None or report.rss >= report.weights + report.kv_cache
+    layers = [m for m in core.runner.model.modules() if isinstance(m, BlockQuantLinear)]
+    assert sum(layer.bits == 4 for layer in layers) == 4 * len(core.runner.model.layers)  # every Q4_1 projection

@@ -298,12 +298,13 @@ class AsyncLLM:
         return body
 
     def memory_stats(self) -> dict[str, Any]:
-        """What the engine cores reported once ready (weights, KV cache, a step's activations, their RSS
+        """What the engine cores reported once ready (weights, rotary tables, KV cache, a step's activations, their RSS
         then; summed over data-parallel cores), and the resident memory of this process and the cores now."""
         readies = [client.ready for client in self.clients]
         cores_now = [process_rss_bytes(client.process.pid) for client in self.clients if hasattr(client, "process")]
         return {
             "weights_bytes": sum(ready.weights_bytes for ready in readies),
+            "rotary_tables_bytes": sum(ready.buffers_bytes for ready in readies),
             "kv_cache_bytes": sum(ready.kv_cache_bytes for ready in readies),
             "activations_bytes": sum(ready.activations_bytes for ready in readies),
             "engine_rss_at_start_bytes": _sum_known(ready.rss_bytes for ready in readies),

@@ -156,7 +156,7 @@ class EngineCore:
         return EngineCoreReady(max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
                                block_size=self.config.block_size, device=str(self.device),
                                linear_layers=self.linear_layers, weights_bytes=self.memory.weights,
-                               kv_cache_bytes=self.memory.kv_cache, activations_bytes=self.memory.activations,
+                               buffers_bytes=self.memory.buffers, kv_cache_bytes=self.memory.kv_cache, activations_bytes=self.memory.activations,
                                rss_bytes=self.memory.rss)
 
     # ---- requests ------------------------------------------------------------------------

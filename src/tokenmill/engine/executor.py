@@ -221,10 +221,10 @@ class MultiprocExecutor:
 
     def warm_up(self, max_num_batched_tokens: int) -> MemoryReport:
         """The KV cache every worker holds and the resident memory of this process and the workers; the
-        weights and activations live in the workers and are not measured here (reported as 0)."""
+        weights, rotary tables and activations live in the workers and are not measured here (reported as 0)."""
         sizes = [process_rss_bytes(worker.pid) for worker in self.workers] + [process_rss_bytes()]
         rss = None if any(size is None for size in sizes) else sum(sizes)
-        return MemoryReport(weights=0, kv_cache=self._num_blocks * self.bytes_per_block * self.size, activations=0,
+        return MemoryReport(weights=0, buffers=0, kv_cache=self._num_blocks * self.bytes_per_block * self.size, activations=0,
                             rss=rss)
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:

@@ -94,6 +94,7 @@ class EngineCoreReady(msgspec.Struct, tag=True, omit_defaults=True):
     linear_layers: str = ""
     # Memory the core holds once ready (runner.host_memory.MemoryReport), in bytes.
     weights_bytes: int = 0
+    buffers_bytes: int = 0  # rotary tables
     kv_cache_bytes: int = 0
     activations_bytes: int = 0
     rss_bytes: Optional[int] = None

@@ -46,7 +46,8 @@ def release_freed_memory() -> None:
 class MemoryReport:
     """What the engine process holds once it is ready to serve, in bytes."""
 
-    weights: int  # every tensor of the model, counted once per storage (tied and shared tensors once)
+    weights: int  # parameters and block-quantized storage, counted once per storage (a tied head once)
+    buffers: int  # the model's other tensors: rotary tables (max_model_len x rotary dims, per rope)
     kv_cache: int  # the KV cache tensors (device memory on accelerators, host memory on CPU)
     activations: int  # resident growth over a warm-up step of the largest batch the scheduler forms (CPU)
     rss: Optional[int]  # the process's resident set size after the warm-up
@@ -55,8 +56,9 @@ class MemoryReport:
         def mib(n: int) -> str:
             return f"{n / 2**20:.1f} MiB"
 
-        text = f"weights {mib(self.weights)}, KV cache {mib(self.kv_cache)}, activations {mib(self.activations)}"
+        text = (f"weights {mib(self.weights)}, rotary tables {mib(self.buffers)}, KV cache {mib(self.kv_cache)}, "
+                f"activations {mib(self.activations)}")
         if self.rss is not None:
-            rest = self.rss - self.weights - self.kv_cache - self.activations
+            rest = self.rss - self.weights - self.buffers - self.kv_cache - self.activations
             text += f"; process RSS {mib(self.rss)} (runtime, tokenizer and kernels: {mib(max(rest, 0))})"
         return text

@@ -51,20 +51,22 @@ def resolve_device(name: Optional[str]) -> torch.device:
 INT8_KERNELS_NEEDED = "needs the CPU device, dtype float32 and tokenmill's CPU kernels (attention backend 'cpu')"
 
 
-def model_tensor_bytes(model: torch.nn.Module) -> int:
-    """Bytes of every tensor the model holds (parameters, buffers, and the tensors block-quantized layers
-    keep as attributes), each storage counted once: a tied head and its embedding are one table."""
-    storages: dict[int, int] = {}
+def model_tensor_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """(weights, buffers) in bytes: parameters and the tensors block-quantized layers keep as attributes;
+    then buffers (rotary tables), each storage counted once (a tied head and its embedding are one table)."""
+    weights: dict[int, int] = {}
+    buffers: dict[int, int] = {}
     for module in model.modules():
-        tensors = [*module.parameters(recurse=False), *module.buffers(recurse=False),
-                   *(value for value in vars(module).values() if isinstance(value, torch.Tensor))]
-        for tensor in tensors:
-            if tensor.is_mkldnn:  # oneDNN's own layout (PackedLinear): no storage to share
-                storages[id(tensor)] = tensor.numel() * tensor.element_size()
-                continue
-            storage = tensor.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
-    return sum(storages.values())
+        held = [*module.parameters(recurse=False),
+                *(value for value in vars(module).values() if isinstance(value, torch.Tensor))]
+        for into, tensors in ((weights, held), (buffers, list(module.buffers(recurse=False)))):
+            for tensor in tensors:
+                if tensor.is_mkldnn:  # oneDNN's own layout (PackedLinear): no storage to share
+                    into[id(tensor)] = tensor.numel() * tensor.element_size()
+                    continue
+                storage = tensor.untyped_storage()
+                into[storage.data_ptr()] = storage.nbytes()
+    return sum(weights.values()), sum(size for ptr, size in buffers.items() if ptr not in weights)
 
 
 class ModelRunner:
@@ -292,8 +294,8 @@ class ModelRunner:
         after = process_rss_bytes()
         activations = max(0, after - before) if before is not None and after is not None else 0
         kv_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
-        return MemoryReport(weights=model_tensor_bytes(self.model), kv_cache=kv_bytes, activations=activations,
-                            rss=after)
+        weights, buffers = model_tensor_bytes(self.model)
+        return MemoryReport(weights=weights, buffers=buffers, kv_cache=kv_bytes, activations=activations, rss=after)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:

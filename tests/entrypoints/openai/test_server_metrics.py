@@ -141,6 +141,13 @@ def test_metrics_equal_usage_of_known_requests_and_count_rejections(start_server
     assert stats["model"] == MODEL and stats["history"]
     assert stats["prefix_cache_hit_rate"] == pytest.approx(stats["prefix_cache_hits"]
                                                            / stats["prefix_cache_queries"])
+    # What the core reported at startup, and the processes' resident memory now: the engine process
+    # holds at least its weights and its (written, hence resident) KV cache.
+    memory = stats["memory"]
+    assert memory["weights_bytes"] > 0 and memory["kv_cache_bytes"] > 0 and memory["rotary_tables_bytes"] > 0
+    assert memory["engine_rss_bytes"] >= memory["weights_bytes"] + memory["kv_cache_bytes"]
+    assert memory["engine_rss_at_start_bytes"] >= memory["weights_bytes"] + memory["kv_cache_bytes"]
+    assert memory["api_rss_bytes"] > 0
 
     # One sequence at a time and a queue of 2: a burst of 6 long requests must see some refused.
     long_body = {"prompt": "Count to a hundred:", "max_tokens": 100, "ignore_eos": True}
