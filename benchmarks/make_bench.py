@@ -326,8 +326,8 @@ def _notes(report: dict[str, Any]) -> list[str]:
     same_dtype = {k: v for k, v in ratios_.items() if "q8_0" not in k}
     quantized = {k: v for k, v in ratios_.items() if "q8_0" in k}
     if results.get("tokenmill", {}).get("gguf_layers_kept"):
-        notes.append("tokenmill keeps the GGUF's quantized matrices as stored (int8 values with a float32 scale "
-                     "and offset per 32, the very values transformers dequantizes them to) and computes in float32; "
+        notes.append("tokenmill keeps the GGUF's quantized matrices as stored (4-bit or int8 values with a float32 "
+                     "scale and offset per 32, the very values transformers dequantizes them to) and computes in float32; "
                      "the dense row and the baselines hold the same values as float32 tensors.")
     if same_dtype:
         notes.append("Ratios of output tok/s, same weight values and float32 compute: "
