@@ -25,3 +25,40 @@ def is_alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def kill_under_load(url: str, pid: int) -> tuple[float, list[str], tuple]:
+    """A non-streaming and a streaming 900-token completion in flight; `pid` is SIGKILLed after the stream's
+    5th event. Returns (when it was killed, the stream's data events, (status, body) of the non-streaming)."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import httpx
+
+    results: dict = {}
+
+    def non_streaming() -> None:
+        response = httpx.post(url + "/v1/completions", timeout=60,
+                              json={"prompt": "Hello", "max_tokens": 900, "ignore_eos": True})
+        results["full"] = (response.status_code, response.json())
+
+    thread = threading.Thread(target=non_streaming)
+    thread.start()
+    body = {"prompt": "Hi", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    killed_at = None
+    events: list[str] = []
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", url + "/v1/completions", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[len("data: "):])
+                if len(events) == 5:
+                    os.kill(pid, signal.SIGKILL)
+                    killed_at = time.monotonic()
+    thread.join(60)
+    assert killed_at is not None, "the stream ended before the kill"
+    return killed_at, events, results["full"]

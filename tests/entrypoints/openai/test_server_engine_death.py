@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from proc_util import child_pids
+from proc_util import child_pids, kill_under_load
 
 
 @pytest.mark.slow
@@ -20,28 +17,7 @@ def test_killed_engine_core_fails_requests_in_flight_and_exits_non_zero(start_se
     server = start_server(["--model", str(tiny_llama_dir), "--max-model-len", "1024", "--num-kv-blocks", "128"])
     url = server.url
     (core_pid,) = child_pids(server.proc.pid)
-    results: dict = {}
-
-    def non_streaming() -> None:
-        response = httpx.post(url + "/v1/completions", timeout=60,
-                              json={"prompt": "Hello", "max_tokens": 900, "ignore_eos": True})
-        results["full"] = (response.status_code, response.json())
-
-    worker = threading.Thread(target=non_streaming)
-    worker.start()
-    body = {"prompt": "Hi", "max_tokens": 900, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as client:
-        with client.stream("POST", url + "/v1/completions", json=body) as response:
-            assert response.status_code == 200
-            events = []
-            for line in response.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                events.append(line[len("data: "):])
-                if len(events) == 5:
-                    os.kill(core_pid, signal.SIGKILL)
-                    killed_at = time.monotonic()
-    worker.join(60)
+    killed_at, events, (status, payload) = kill_under_load(url, core_pid)
     health = httpx.get(url + "/health", timeout=5)
     assert health.status_code == 503 and time.monotonic() - killed_at < 2.0
     assert health.json()["error"]["code"] == "engine_dead"
@@ -49,6 +25,5 @@ def test_killed_engine_core_fails_requests_in_flight_and_exits_non_zero(start_se
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["code"] == "engine_dead" and error["message"]
-    status, payload = results["full"]
     assert status == 500 and payload["error"]["code"] == "engine_dead"
     assert server.proc.wait(timeout=30) == 1

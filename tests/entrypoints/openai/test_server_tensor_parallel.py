@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 from pathlib import Path
 
 import httpx
 import pytest
-from proc_util import child_pids, is_alive
+from proc_util import child_pids, kill_under_load, is_alive
 
 TP_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "128", "--tensor-parallel-size", "2"]
 
@@ -36,34 +35,12 @@ def test_killed_worker_fails_requests_in_flight_and_the_server_exits(start_serve
     server = start_server(["--model", str(tiny_llama_dir), *TP_ARGS])
     url = server.url
     core_pid, workers = _workers(server)
-    results: dict = {}
-
-    def non_streaming() -> None:
-        response = httpx.post(url + "/v1/completions", timeout=60,
-                              json={"prompt": "Hello", "max_tokens": 900, "ignore_eos": True})
-        results["full"] = (response.status_code, response.json())
-
-    thread = threading.Thread(target=non_streaming)
-    thread.start()
-    body = {"prompt": "Hi", "max_tokens": 900, "ignore_eos": True, "stream": True}
-    with httpx.Client(timeout=60) as client:
-        with client.stream("POST", url + "/v1/completions", json=body) as response:
-            assert response.status_code == 200
-            events = []
-            for line in response.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                events.append(line[len("data: "):])
-                if len(events) == 5:
-                    os.kill(workers[1], signal.SIGKILL)
-                    killed_at = time.monotonic()
-    thread.join(60)
+    killed_at, events, (status, payload) = kill_under_load(url, workers[1])
     health = httpx.get(url + "/health", timeout=5)
     assert health.status_code == 503 and time.monotonic() - killed_at < 5.0
     assert events[-1] == "[DONE]"
     error = json.loads(events[-2])["error"]
     assert error["code"] == "engine_dead" and error["message"]
-    status, payload = results["full"]
     assert status == 500 and payload["error"]["code"] == "engine_dead"
     assert server.proc.wait(timeout=30) == 1
     assert "tensor-parallel worker 1" in server.log_text()  # the log says which worker failed
