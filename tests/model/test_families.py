@@ -329,3 +329,12 @@ def test_longrope_uses_long_factors_past_the_original_context():
         angles = position * inv_freq / torch.tensor(factors)
         expected = torch.cat([angles, angles]).cos() * attention_factor
         torch.testing.assert_close(table.cos[position], expected)
+
+
+def test_too_few_blocks_for_the_windowed_groups_is_a_load_error(family_dirs):
+    """Gemma 3's five windowed groups need ~66 blocks each for 1,024-token chunks: 8 blocks cannot hold
+    one request, and the engine says so at load instead of serving a context of zero tokens."""
+    from tokenmill.errors import ModelLoadError
+
+    with pytest.raises(ModelLoadError, match="cannot hold one request"):
+        LLM(str(family_dirs["gemma3"]), device="cpu", num_kv_blocks=8, max_num_batched_tokens=1024)

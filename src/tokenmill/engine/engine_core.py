@@ -107,6 +107,12 @@ class EngineCore:
         self.max_model_len = min(max_model_len, max_request_tokens(
             self.executor.kv_windows, num_blocks, config.block_size,
             config.max_num_batched_tokens if config.enable_chunked_prefill else max_model_len))
+        if self.max_model_len < 1:
+            self.executor.shutdown()
+            raise ModelLoadError(
+                f"a KV cache of {num_blocks} blocks cannot hold one request: the sliding-window layer groups alone "
+                f"need more for chunks of {config.max_num_batched_tokens} tokens; raise --num-kv-blocks (or the KV "
+                "cache memory) or lower --max-num-batched-tokens")
         if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a prompt must fit one step, or a long one would wait forever.
             if not budget_was_defaulted:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import gc
 import os
 from dataclasses import dataclass
 from functools import lru_cache
@@ -35,8 +34,8 @@ def _malloc_trim():
 
 
 def release_freed_memory() -> None:
-    """Collect garbage, then return free heap pages to the OS (glibc's malloc_trim; a no-op elsewhere)."""
-    gc.collect()
+    """Return free heap pages to the OS (glibc's malloc_trim; a no-op elsewhere). No garbage collection
+    here: finalizers of unrelated objects (a zmq context's term()) must not run at this point."""
     trim = _malloc_trim()
     if trim is not None:
         trim(0)
