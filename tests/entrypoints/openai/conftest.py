@@ -162,7 +162,9 @@ def start_server(server_log_dir) -> Iterator[Callable[..., ServerProcess]]:
 @pytest.fixture(scope="session")
 def gemma3_270m_server(gemma3_270m_gguf, server_log_dir) -> Iterator[ServerProcess]:
     """`tokenmill serve --model <the real Gemma 3 270M GGUF>` (skipped when its package is not installed)."""
-    server = ServerProcess(["--model", str(gemma3_270m_gguf), "--max-model-len", "512", "--num-kv-blocks", "64",
+    # 500 blocks of 3 layers: each of the five windowed groups may hold its 512-token window and a 1,024-token
+    # chunk (97 blocks), and the global group the whole context.
+    server = ServerProcess(["--model", str(gemma3_270m_gguf), "--max-model-len", "512", "--num-kv-blocks", "500",
                             "--disable-access-log"], server_log_dir, entry=("-m", "tokenmill.entrypoints.cli", "serve"))
     try:
         yield server.wait_ready()
