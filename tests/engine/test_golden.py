@@ -72,3 +72,29 @@ def test_smollm2_gguf_matches_hf(request, smollm2_path, smollm2_tokenizer, backe
               attention_backend=backend)
     check_against_hf(llm, hf, smollm2_tokenizer, [10, 16, 12, 20, 8, 12, 10, 16, 14])
     assert llm.llm_engine.core.core.kv_cache.usage == 0.0
+
+
+GEMMA_CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "Explain recursion to a child.",
+               "List three primary colors.", "How do I reverse a list in Python?", "Who wrote Hamlet?",
+               "Give me a synonym for happy.", "Why is the sky blue?"]
+
+
+@pytest.mark.slow
+def test_gemma3_270m_gguf_matches_hf_on_chat_prompts(kernels, gemma3_270m_gguf):
+    """The real Gemma 3 270M GGUF (`make gemma`; skipped without it), its blocks kept as stored (Q8_0 head
+    and embedding, Q5_0/Q4_K projections; Q6_K ones dequantized): 8 chat prompts in Gemma's template,
+    32 greedy tokens each, token-exact with HF transformers on the same dequantized weights."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(gemma3_270m_gguf.parent), gguf_file=gemma3_270m_gguf.name,
+                                              dtype=torch.float32).eval()
+    llm = LLM(str(gemma3_270m_gguf), device="cpu", max_num_batched_tokens=64, num_kv_blocks=400,
+              max_model_len=512)
+    tokenizer = llm.get_tokenizer()
+    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": chat}], add_generation_prompt=True,
+                                             tokenize=True) for chat in GEMMA_CHATS]
+    prompts = [list(p["input_ids"]) if isinstance(p, dict) or hasattr(p, "keys") else list(p) for p in prompts]
+    outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
+                           SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True), use_tqdm=False)
+    for ids, out in zip(prompts, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, ids, 32), f"mismatch for {tokenizer.decode(ids)!r}"
