@@ -301,7 +301,7 @@ class AsyncLLM:
         """What the engine cores reported once ready (weights, rotary tables, KV cache, a step's activations, their RSS
         then; summed over data-parallel cores), and the resident memory of this process and the cores now."""
         readies = [client.ready for client in self.clients]
-        cores_now = [process_rss_bytes(client.process.pid) for client in self.clients if hasattr(client, "process")]
+        cores_now = [process_rss_bytes(client.process.pid) for client in self.clients]
         return {
             "weights_bytes": sum(ready.weights_bytes for ready in readies),
             "rotary_tables_bytes": sum(ready.buffers_bytes for ready in readies),

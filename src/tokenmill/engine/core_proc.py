@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
 import traceback
 
 import zmq
 
+from tokenmill.child_process import start_child_process
 from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFailure, EngineCoreFork, EngineCoreRequest,
                                        EngineCoreShutdown, decode_input, encode)
 
@@ -30,17 +30,9 @@ IDLE_POLL_MS = 1000
 
 def run_engine_core(config, input_address: str, output_address: str, log_level: str = "INFO") -> None:
     """Process entry point (started by core_client.MPClient as `python -m tokenmill.engine.core_proc`)."""
-    # Ctrl-C reaches the whole process group; the frontend decides when the core stops.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s[core]: %(message)s")
+    channels = start_child_process("core", log_level, input_address, output_address)
+    inputs, outputs = channels.inputs, channels.outputs
     parent = os.getppid()
-    context = zmq.Context()
-    inputs = context.socket(zmq.PULL)
-    inputs.connect(input_address)
-    outputs = context.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.LINGER, 5000)
-    outputs.connect(output_address)
     code = 0
     core = None
     try:
@@ -68,9 +60,7 @@ def run_engine_core(config, input_address: str, output_address: str, log_level: 
                 core.shutdown()  # tensor-parallel workers stop with the core
             except Exception:
                 logger.exception("stopping the model's workers failed")
-        inputs.close(0)
-        outputs.close()
-        context.term()
+        channels.close()
         sys.stdout.flush()
         os._exit(code)  # no atexit handlers or torch teardown: the frontend is waiting on the exit
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 import os
 import pickle
-import signal
 import struct
 import sys
 import threading
@@ -21,6 +20,7 @@ import traceback
 import msgspec
 import zmq
 
+from tokenmill.child_process import start_child_process
 from tokenmill.core.sched_output import (WorkerFailure, WorkerInitCache, WorkerInput,
                                          WorkerReady, WorkerShutdown, WorkerStep, WorkerStepDone)
 
@@ -46,16 +46,8 @@ def _exit_with_parent(lifeline) -> None:
 
 def run_worker(config, rank: int, size: int, store_port: int, input_address: str, output_address: str,
                parent: int, max_model_len: int, log_level: str = "INFO") -> None:
-    # Ctrl-C reaches the whole process group; the engine core decides when workers stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if not logging.getLogger().handlers:
-        logging.basicConfig(level=log_level, format=f"%(asctime)s %(levelname)s %(name)s[tp{rank}]: %(message)s")
-    context = zmq.Context()
-    inputs = context.socket(zmq.PULL)
-    inputs.connect(input_address)
-    outputs = context.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.LINGER, 5000)
-    outputs.connect(output_address)
+    channels = start_child_process(f"tp{rank}", log_level, input_address, output_address)
+    inputs, outputs = channels.inputs, channels.outputs
     code = 0
     try:
         runner = _load(config, rank, size, store_port, max_model_len)
@@ -72,9 +64,7 @@ def run_worker(config, rank: int, size: int, store_port: int, input_address: str
         except Exception:
             pass
     finally:
-        inputs.close(0)
-        outputs.close()
-        context.term()
+        channels.close()
         sys.stdout.flush()
         os._exit(code)  # no torch.distributed teardown: a peer may be gone
 
