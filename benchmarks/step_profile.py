@@ -81,7 +81,6 @@ def _patched(obj: Any, name: str, replacement: Any) -> Iterator[None]:
 def profile_phases(llm) -> Iterator[PhaseTimer]:
     """Instrument one LLM's engine; the yielded timer fills while the block runs."""
     from tokenmill.model.layers.linear import BlockQuantLinear, PackedLinear
-    from tokenmill.runner import model_runner as runner_module
 
     engine = llm.llm_engine
     core = engine.core.core
@@ -96,7 +95,7 @@ def profile_phases(llm) -> Iterator[PhaseTimer]:
         patch(core.scheduler, "schedule", "schedule")
         patch(core.scheduler, "update_from_output", "update")
         patch(runner, "execute", "runner other")
-        patch(runner_module, "build_model_inputs", "prepare inputs")
+        patch(runner.input_batch, "prepare", "prepare inputs")
         patch(runner.sampler, "__call__", "sampling")
         patch(model, "compute_logits", "logits")
         patch(model, "forward", "model: other")

@@ -2,13 +2,17 @@
 GQA, contexts that end mid-block, scattered block tables, and decodes mixed with prefill chunks."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 
 from tokenmill.model.layers import attention
 from tokenmill.model.layers.attention import (CpuPagedAttentionBackend, TorchAttentionBackend,
                                               chunk_after_prefix_attention, get_attention_backend)
-from tokenmill.runner.input_batch import StepRow, build_model_inputs
+from tokenmill.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from tokenmill.runner.input_batch import InputBatch
+from tokenmill.sampling_params import SamplingParams
 
 BLOCK = 4
 
@@ -101,9 +105,31 @@ def test_paged_decode_kernel_reads_a_16_bit_cache_as_its_float32_values(kernels,
         kernels.paged_decode_attention(q.to(cache_dtype), cache.float(), tables, lens, 0.2)
 
 
-def _scheduled(rid: str, prompt_len: int, start: int, count: int, blocks: list[int]) -> StepRow:
-    tokens = list(range(1, prompt_len + 1))
-    return StepRow(start, count, tokens[start:start + count], blocks, [])
+@dataclass
+class _Row:
+    request_id: str
+    prompt_len: int
+    start_position: int
+    num_new_tokens: int
+    block_ids: list[int]
+
+
+def _scheduled(rid: str, prompt_len: int, start: int, count: int, blocks: list[int]) -> _Row:
+    return _Row(rid, prompt_len, start, count, blocks)
+
+
+def _model_inputs(items: list[_Row], decode_buckets: bool):
+    """The step's inputs as the runner's persistent batch prepares them."""
+    batch = InputBatch(max_model_len=64, block_size=BLOCK)
+    news, scheduled = [], []
+    for item in items:
+        tokens = list(range(1, item.prompt_len + 1))
+        news.append(NewRequestData(item.request_id, tokens, SamplingParams(max_tokens=1)))
+        end = item.start_position + item.num_new_tokens
+        scheduled.append(ScheduledRequest(item.request_id, item.start_position, item.num_new_tokens,
+                                          tokens[item.start_position:end], item.block_ids))
+    states = batch.update(SchedulerOutput(new_requests=news, scheduled=scheduled))
+    return batch.prepare(scheduled, states, torch.device("cpu"), decode_buckets)
 
 
 @pytest.mark.skipif(attention._FLASH_WITH_LSE is None, reason="this torch has no CPU flash kernel with log-sum-exp")
@@ -143,8 +169,7 @@ def test_backends_agree_on_a_mixed_batch(kernels, backend_name, cache_dtype, chu
     ]
     backend = get_attention_backend(torch.device("cpu"), backend_name)
     assert isinstance(backend, CpuPagedAttentionBackend if backend_name == "cpu" else TorchAttentionBackend)
-    inputs = build_model_inputs(items, BLOCK, torch.device("cpu"),
-                                backend.uses_decode_buckets)
+    inputs = _model_inputs(items, backend.uses_decode_buckets)
     num_tokens = inputs.input_ids.numel()
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
@@ -182,7 +207,7 @@ def test_softcapped_attention_matches_reference(kernels, backend_name, window):
     items = [_scheduled("d0", 10, 9, 1, [5, 9, 2]), _scheduled("p0", 7, 0, 7, [11, 12]),
              _scheduled("d1", 3, 2, 1, [20]), _scheduled("p1", 12, 8, 4, [3, 4, 6])]
     backend = get_attention_backend(torch.device("cpu"), backend_name)
-    inputs = build_model_inputs(items, BLOCK, torch.device("cpu"), backend.uses_decode_buckets)
+    inputs = _model_inputs(items, backend.uses_decode_buckets)
     num_tokens = inputs.input_ids.numel()
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen) * 2
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)

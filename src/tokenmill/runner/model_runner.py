@@ -19,7 +19,7 @@ from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, QUANT_BLOCK, B
 from tokenmill.model.layers.parallel import shard_int8_blocks, shard_weights
 from tokenmill.model.registry import get_model_class
 from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, release_freed_memory
-from tokenmill.runner.input_batch import InputBatch, OutputTokens, build_model_inputs, step_rows
+from tokenmill.runner.input_batch import InputBatch
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_caches
 from tokenmill.sample.sampler import Sampler, SamplingRequestState, compute_prompt_logprobs
 
@@ -119,10 +119,7 @@ class ModelRunner:
         self.layer_kv_caches: list[torch.Tensor] = []  # one per model layer: its group's tensor
         self.host_caches: list[torch.Tensor] = []
         self.sampler = Sampler(config.seed)
-        # A persistent block table where the attention backend reads block tables (the paged kernels).
-        uses_tables = not self.attention_backend.uses_decode_buckets
-        self.input_batch = InputBatch(-(-max_model_len // block_size) if uses_tables else None,
-                                      len(self.kv_layout.groups))
+        self.input_batch = InputBatch(max_model_len, block_size, len(self.kv_layout.groups), config.max_num_seqs)
         self.packed_linear_rows = min(config.max_num_seqs, 256) if config.packed_linear else None
         self.packed_linear = False
         self.linear_layers = ""  # how the projections run, once loaded (logged; reported by benchmarks)
@@ -305,10 +302,8 @@ class ModelRunner:
         self._copy_blocks(output.block_copies)
         if not output.scheduled:
             return result
-        rows = step_rows(output.scheduled, states)
         batch = self.input_batch
-        inputs = build_model_inputs(rows, self.block_size, self.device, self.attention_backend.uses_decode_buckets,
-                                    batch.block_table, batch.more_block_tables)
+        inputs = batch.prepare(output.scheduled, states, self.device, self.attention_backend.uses_decode_buckets)
         meta = inputs.meta
         if inputs.more_metas:  # several KV cache groups: each layer attends through its group's tables
             metas = [inputs.meta, *inputs.more_metas]
@@ -317,7 +312,7 @@ class ModelRunner:
 
         # Rows the sampler picks a token for, their items and states (in the same order), and the
         # speculative verifies, which take the argmax at each draft position instead.
-        sampling_rows, sampled_items, sampler_states, verifying = [], [], [], []
+        sampling_rows, sampled_items, sampler_states, batch_rows, verifying = [], [], [], [], []
         grammar_rows = output.grammar_rows
         for item, state, last in zip(output.scheduled, states, inputs.last_token_index):
             params = state.sampling_params
@@ -329,12 +324,14 @@ class ModelRunner:
                 sampling_rows.append(last)
                 sampled_items.append(item)
                 known_end = item.start_position + item.num_new_tokens
+                batch_rows.append(state.row)
                 sampler_states.append(SamplingRequestState(
                     params=params,
                     prompt_token_ids=state.prompt_token_ids,
-                    output_token_ids=OutputTokens(state.token_ids, state.num_prompt_tokens, known_end),
+                    output_token_ids=batch.output_tokens(state, known_end),
                     eos_token_id=state.eos_token_id,
                     grammar_row=grammar_rows.get(item.request_id),
+                    known_token_ids=batch.known_tokens(state, known_end),
                 ))
         if verifying:
             self._verify_drafts(verifying, hidden, result)
@@ -345,7 +342,8 @@ class ModelRunner:
             # Only the driver's samples reach the core; every rank's next tokens come from the core's
             # next SchedulerOutput, so the ranks' input batches agree without sampling here.
             return result
-        sampler_out = self.sampler(logits, sampler_states, self._grammar_bitmask(output))
+        sampler_out = self.sampler(logits, sampler_states, self._grammar_bitmask(output),
+                                   batch.sampling_arrays(batch_rows))
         for item, token, logprobs in zip(sampled_items, sampler_out.sampled_token_ids, sampler_out.logprobs):
             result.sampled[item.request_id] = token
             if logprobs is not None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 NEG_INF = float("-inf")
@@ -61,8 +62,8 @@ def _padded_token_ids(token_lists: Sequence[Sequence[int]], vocab: int, device: 
     max_len = max((len(t) for t in token_lists), default=0)
     padded = torch.full((len(token_lists), max(max_len, 1)), vocab, dtype=torch.int64)
     for i, tokens in enumerate(token_lists):
-        if tokens:
-            padded[i, : len(tokens)] = torch.as_tensor(list(tokens), dtype=torch.int64)
+        if len(tokens):
+            padded[i, : len(tokens)] = torch.as_tensor(np.asarray(tokens), dtype=torch.int64)
     padded = torch.where((padded >= 0) & (padded < vocab), padded, vocab)
     return padded.to(device)
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
+import numpy as np
 import torch
 
 from tokenmill.outputs import Logprob
@@ -41,6 +42,31 @@ class SamplingRequestState:
     eos_token_id: int | None  # the model's EOS; ignored when params.ignore_eos
     # Structured outputs: this row's row in the step's grammar bitmask (computed by the engine core).
     grammar_row: Optional[int] = None
+    # Prompt and generated tokens in one sequence, where the caller holds them so (the repetition penalty
+    # reads them); None: the two lists above, joined when needed.
+    known_token_ids: Optional[Sequence[int]] = None
+
+
+@dataclass(slots=True)
+class SamplingArrays:
+    """The rows' temperature and truncation parameters as host arrays, one entry per row: gathered from the
+    runner's persistent input batch (written once per request), or built from the rows' params."""
+
+    temperature: np.ndarray  # float32
+    top_k: np.ndarray  # int64; 0: no top-k
+    top_p: np.ndarray  # float32
+    min_p: np.ndarray  # float32
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams]) -> SamplingArrays:
+        return cls(np.array([p.temperature for p in params], dtype=np.float32),
+                   np.array([p.top_k or 0 for p in params], dtype=np.int64),
+                   np.array([p.top_p for p in params], dtype=np.float32),
+                   np.array([p.min_p for p in params], dtype=np.float32))
+
+    def select(self, rows: Sequence[int]) -> SamplingArrays:
+        index = np.asarray(rows, dtype=np.int64)
+        return SamplingArrays(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index])
 
 
 @dataclass(slots=True)
@@ -135,22 +161,27 @@ class Sampler:
         self._seeded_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingRequestState],
-                 grammar_bitmask: Optional[torch.Tensor] = None) -> SamplerOutput:
-        """grammar_bitmask: int32 [rows, ceil(vocab / 32)]; a state's grammar_row picks its row."""
+                 grammar_bitmask: Optional[torch.Tensor] = None,
+                 arrays: Optional[SamplingArrays] = None) -> SamplerOutput:
+        """grammar_bitmask: int32 [rows, ceil(vocab / 32)]; a state's grammar_row picks its row.
+        arrays: the rows' sampling parameters (built from the states' params when not given)."""
         if logits.dim() != 2 or logits.shape[0] != len(states):
             raise ValueError(f"expected [{len(states)}, vocab] logits, got {tuple(logits.shape)}")
+        if arrays is None:
+            arrays = SamplingArrays.from_params([s.params for s in states])
         work = logits.to(torch.float32, copy=True)
         self._apply_processors(work, states)
         if grammar_bitmask is not None:
             self._apply_grammars(work, logits, states, grammar_bitmask)
         random_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if len(random_rows) == len(states):
-            sampled = self._sample(work, states)
+            sampled = self._sample(work, states, arrays)
         else:
             sampled = work.argmax(dim=1)  # greedy answer for every row; random rows overwritten
         if 0 < len(random_rows) < len(states):
             index = torch.tensor(random_rows, device=work.device)
-            picked = self._sample(work.index_select(0, index), [states[i] for i in random_rows])
+            picked = self._sample(work.index_select(0, index), [states[i] for i in random_rows],
+                                  arrays.select(random_rows))
             sampled.index_copy_(0, index, picked)
         return SamplerOutput(sampled.tolist(), self._logprobs(logits, sampled, states))
 
@@ -162,7 +193,7 @@ class Sampler:
         rep_rows = [i for i, s in enumerate(states) if s.params.repetition_penalty != 1.0]
         lp.apply_repetition_penalty(
             logits, rep_rows,
-            [[*states[i].prompt_token_ids, *states[i].output_token_ids] for i in rep_rows],
+            [_known_tokens(states[i]) for i in rep_rows],
             [states[i].params.repetition_penalty for i in rep_rows],
         )
         pf_rows = [i for i, s in enumerate(states)
@@ -193,20 +224,17 @@ class Sampler:
             masked.index_copy_(0, dead, fallback)
         logits.index_copy_(0, index, masked)
 
-    def _sample(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, states: list[SamplingRequestState],
+                arrays: SamplingArrays) -> torch.Tensor:
         """Temperature, truncation masks, then one exponential-race draw per row (overwrites logits)."""
         device, vocab = logits.device, logits.shape[1]
-        params = [s.params for s in states]
-        logits.div_(torch.tensor([p.temperature for p in params], device=device).unsqueeze(1))
-        k_rows = [i for i, p in enumerate(params) if p.top_k is not None and p.top_k < vocab]
-        _apply_to_rows(logits, k_rows, lp.apply_top_k,
-                       torch.tensor([params[i].top_k for i in k_rows], dtype=torch.int64, device=device))
-        p_rows = [i for i, p in enumerate(params) if p.top_p < 1.0]
-        _apply_to_rows(logits, p_rows, lp.apply_top_p,
-                       torch.tensor([params[i].top_p for i in p_rows], device=device))
-        m_rows = [i for i, p in enumerate(params) if p.min_p > 0.0]
-        _apply_to_rows(logits, m_rows, lp.apply_min_p,
-                       torch.tensor([params[i].min_p for i in m_rows], device=device))
+        logits.div_(torch.from_numpy(arrays.temperature).to(device).unsqueeze(1))
+        k_rows = np.flatnonzero((arrays.top_k > 0) & (arrays.top_k < vocab)).tolist()
+        _apply_to_rows(logits, k_rows, lp.apply_top_k, torch.from_numpy(arrays.top_k[k_rows]).to(device))
+        p_rows = np.flatnonzero(arrays.top_p < 1.0).tolist()
+        _apply_to_rows(logits, p_rows, lp.apply_top_p, torch.from_numpy(arrays.top_p[p_rows]).to(device))
+        m_rows = np.flatnonzero(arrays.min_p > 0.0).tolist()
+        _apply_to_rows(logits, m_rows, lp.apply_min_p, torch.from_numpy(arrays.min_p[m_rows]).to(device))
         # Unnormalized probabilities are enough: the argmax below ignores a per-row scale.
         probs = logits.sub_(logits.max(dim=1, keepdim=True).values).exp_()
         # argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i, and lets each row use
@@ -273,3 +301,9 @@ def _min_tokens_blocked(state: SamplingRequestState) -> list[int] | None:
     if state.eos_token_id is not None and not params.ignore_eos:
         blocked.append(state.eos_token_id)
     return blocked
+
+
+def _known_tokens(state: SamplingRequestState) -> Sequence[int]:
+    if state.known_token_ids is not None:
+        return state.known_token_ids
+    return [*state.prompt_token_ids, *state.output_token_ids]
