@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.config import ATTENTION_BACKENDS
+from tokenmill.model.layers.kv_write import write_kv
 
 
 @dataclass
@@ -85,11 +86,7 @@ class TorchAttentionBackend:
                 meta: AttentionMetadata, scale: float, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]
-        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-        slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-        slots[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-        slots[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
-
+        write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         self.decode_into(out, q, kv_cache, meta, scale, window, softcap)
         self.prefill_into(out, q, kv_cache, meta, scale, window, softcap)
