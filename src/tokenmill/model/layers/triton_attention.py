@@ -70,6 +70,19 @@ def build_prefill_tables(meta: AttentionMetadata, block_q: int, device: torch.de
                          as_int32([offset for _, offset in tiles]), block_q)
 
 
+@dataclass(frozen=True, slots=True)
+class _LaunchArgs:
+    num_kv_heads: int
+    group: int  # query heads per KV head
+    head_dim: int
+    head_dim_p: int  # padded to a power of two, at least 16 (tl.dot's smallest)
+    softcap: float  # 0.0: none
+    window: int  # 0: none
+    block_size: int
+    cache_strides: tuple[int, int, int]  # block, token, KV head (in elements)
+    constexprs: dict
+
+
 def _pow2(n: int, least: int = 1) -> int:
     return max(least, 1 << (n - 1).bit_length())
 
@@ -104,8 +117,9 @@ class TritonAttentionBackend:
             self._prefill(out, q, kv_cache, meta, scale, window, softcap)
         return out
 
-    def _common(self, q: torch.Tensor, kv_cache: torch.Tensor, window: int | None, softcap: float | None) -> dict:
-        """Kernel arguments shared by decode and prefill: cache strides, head layout, dtypes, features."""
+    def _launch_args(self, q: torch.Tensor, kv_cache: torch.Tensor, window: int | None,
+                     softcap: float | None) -> _LaunchArgs:
+        """What the decode and prefill kernels share: head layout, cache strides, dtypes, features."""
         import triton.language as tl
 
         num_heads, head_dim = q.shape[1], q.shape[2]
@@ -118,15 +132,12 @@ class TritonAttentionBackend:
         if q.dtype not in dtypes or kv_cache.dtype not in dtypes:
             raise ValueError(f"triton attention takes float32/float16/bfloat16, got {q.dtype} over {kv_cache.dtype}")
         # Scores in the query's dtype, as the torch backend (it widens or narrows K/V to the query's).
-        interpreted = self._kernels.INTERPRETED
-        compute = tl.float32 if interpreted or q.dtype == torch.float32 else dtypes[q.dtype]
-        return dict(
-            scale_args=(softcap or 0.0, window or 0, kv_cache.shape[2]),
-            strides=(kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)),
-            group=num_heads // num_kv_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            constexprs=dict(HEAD_DIM=head_dim, HEAD_DIM_P=_pow2(head_dim, 16), HAS_WINDOW=window is not None,
-                            HAS_SOFTCAP=softcap is not None, COMPUTE=compute, IEEE=compute == tl.float32),
-        )
+        compute = tl.float32 if self._kernels.INTERPRETED or q.dtype == torch.float32 else dtypes[q.dtype]
+        return _LaunchArgs(
+            num_kv_heads, num_heads // num_kv_heads, head_dim, _pow2(head_dim, 16), softcap or 0.0, window or 0,
+            kv_cache.shape[2], (kv_cache.stride(1), kv_cache.stride(2), kv_cache.stride(3)),
+            dict(HEAD_DIM=head_dim, HEAD_DIM_P=_pow2(head_dim, 16), HAS_WINDOW=window is not None,
+                 HAS_SOFTCAP=softcap is not None, COMPUTE=compute, IEEE=compute == tl.float32))
 
     def _num_splits(self, rows: int, num_kv_heads: int, max_ctx: int) -> int:
         splits = min(self.max_splits, -(-max_ctx // self.split_tokens))
@@ -136,52 +147,48 @@ class TritonAttentionBackend:
 
     def _decode(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                 scale: float, window: int | None, softcap: float | None) -> None:
-        c = self._common(q, kv_cache, window, softcap)
-        rows, num_heads, group = meta.num_decodes, q.shape[1], c["group"]
+        a = self._launch_args(q, kv_cache, window, softcap)
+        rows, num_heads = meta.num_decodes, q.shape[1]
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         # The table's width bounds every row's context without reading the lengths back from the device.
         max_ctx = tables.shape[1] * kv_cache.shape[2]
         if window is not None:
             max_ctx = min(max_ctx, window)  # a windowed row attends at most `window` keys
-        splits = self._num_splits(rows, c["num_kv_heads"], max_ctx)
+        splits = self._num_splits(rows, a.num_kv_heads, max_ctx)
         # Whole key tiles per split; rounding up may leave fewer splits than asked for.
         split_tokens = -(-max_ctx // splits // DECODE_BLOCK_N) * DECODE_BLOCK_N
         splits = -(-max_ctx // split_tokens)
         splits_p = _pow2(splits)
-        head_dim_p = c["constexprs"]["HEAD_DIM_P"]
         if splits > 1:
-            part_out = torch.empty(rows, num_heads, splits_p, head_dim_p, dtype=torch.float32, device=q.device)
+            part_out = torch.empty(rows, num_heads, splits_p, a.head_dim_p, dtype=torch.float32, device=q.device)
             part_lse = torch.empty(rows, num_heads, splits_p, dtype=torch.float32, device=q.device)
         else:
             part_out = part_lse = out  # not written
-        softcap_value, window_value, block_size = c["scale_args"]
-        self._kernels.paged_decode_kernel[(rows, c["num_kv_heads"], splits)](
+        self._kernels.paged_decode_kernel[(rows, a.num_kv_heads, splits)](
             q, kv_cache[0], kv_cache[1], tables, lens, out, part_out, part_lse,
-            scale, softcap_value, window_value, block_size, split_tokens,
-            q.stride(0), q.stride(1), *c["strides"], tables.stride(0), out.stride(0), out.stride(1),
-            GROUP=group, GROUP_P=_pow2(group, 16), BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS_P=splits_p, DIRECT=splits == 1,
-            **c["constexprs"])
+            scale, a.softcap, a.window, a.block_size, split_tokens,
+            q.stride(0), q.stride(1), *a.cache_strides, tables.stride(0), out.stride(0), out.stride(1),
+            GROUP=a.group, GROUP_P=_pow2(a.group, 16), BLOCK_N=DECODE_BLOCK_N, NUM_SPLITS_P=splits_p,
+            DIRECT=splits == 1, **a.constexprs)
         if splits > 1:
             self._kernels.merge_splits_kernel[(rows, num_heads)](
                 part_out, part_lse, out, splits, out.stride(0), out.stride(1),
-                HEAD_DIM=c["head_dim"], HEAD_DIM_P=head_dim_p, NUM_SPLITS_P=splits_p)
+                HEAD_DIM=a.head_dim, HEAD_DIM_P=a.head_dim_p, NUM_SPLITS_P=splits_p)
 
     def _prefill(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                  scale: float, window: int | None, softcap: float | None) -> None:
-        c = self._common(q, kv_cache, window, softcap)
-        group = c["group"]
-        group_p = _pow2(group)
+        a = self._launch_args(q, kv_cache, window, softcap)
+        group_p = _pow2(a.group)
         block_q = max(1, PREFILL_BLOCK_M // group_p)
         tables = meta.prefill_tables
         if tables is None or tables.block_q != block_q:
             tables = meta.prefill_tables = build_prefill_tables(meta, block_q, q.device)
-        softcap_value, window_value, block_size = c["scale_args"]
-        self._kernels.paged_prefill_kernel[(tables.tile_requests.numel(), c["num_kv_heads"])](
+        self._kernels.paged_prefill_kernel[(tables.tile_requests.numel(), a.num_kv_heads)](
             q, kv_cache[0], kv_cache[1], tables.block_table, tables.query_starts, tables.context_lens,
             tables.tile_requests, tables.tile_offsets, out,
-            scale, softcap_value, window_value, block_size,
-            q.stride(0), q.stride(1), *c["strides"], tables.block_table.stride(0), out.stride(0), out.stride(1),
-            GROUP=group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N, **c["constexprs"])
+            scale, a.softcap, a.window, a.block_size,
+            q.stride(0), q.stride(1), *a.cache_strides, tables.block_table.stride(0), out.stride(0), out.stride(1),
+            GROUP=a.group, GROUP_P=group_p, BLOCK_Q=block_q, BLOCK_N=PREFILL_BLOCK_N, **a.constexprs)
 
 
 def make_triton_backend(device: torch.device) -> TritonAttentionBackend:
