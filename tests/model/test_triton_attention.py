@@ -51,14 +51,20 @@ def reference(q, keys, values, scale, first_pos, window=None, softcap=None):
 
 
 def scheduled_rows(specs, num_blocks, gen):
-    """specs: (cached tokens, new tokens) per request; each request gets scattered blocks of the cache."""
+    """specs: (cached tokens, new tokens[, number of them that are drafts]) per request; each request gets
+    scattered blocks of the cache."""
     perm = torch.randperm(num_blocks, generator=gen).tolist()
     rows, used = [], 0
-    for start, count in specs:
+    for start, count, *drafts in specs:
         n = -(-(start + count) // BLOCK)
         blocks, used = perm[used:used + n], used + n
-        rows.append(StepRow(start, count, list(range(1, count + 1)), blocks, []))
+        rows.append(StepRow(start, count, list(range(1, count + 1)), blocks, [7] * (drafts[0] if drafts else 0)))
     return rows
+
+
+def is_decode(row: StepRow) -> bool:
+    # With block tables a speculative verify is attended as one decode row per position.
+    return row.num_new_tokens == 1 or bool(row.spec_token_ids)
 
 
 def run_batch(backend, specs, num_heads, num_kv_heads, head_dim, dtype, cache_dtype=None, window=None,
@@ -66,7 +72,7 @@ def run_batch(backend, specs, num_heads, num_kv_heads, head_dim, dtype, cache_dt
     """The backend's output for one flat batch, checked against the reference row by row."""
     gen = torch.Generator().manual_seed(seed)
     cache_dtype = cache_dtype or dtype
-    num_blocks = sum(-(-(s + c) // BLOCK) for s, c in specs) + 3
+    num_blocks = sum(-(-(s + c) // BLOCK) for s, c, *_ in specs) + 3
     cache = torch.randn(2, num_blocks, BLOCK, num_kv_heads, head_dim, generator=gen).to(cache_dtype).to(DEVICE)
     rows = scheduled_rows(specs, num_blocks, gen)
     inputs = build_model_inputs(rows, BLOCK, DEVICE, backend.uses_decode_buckets)
@@ -79,8 +85,8 @@ def run_batch(backend, specs, num_heads, num_kv_heads, head_dim, dtype, cache_dt
 
     tol = TOL[torch.promote_types(dtype, cache_dtype) if dtype == torch.float32 else dtype]
     # Decodes come first, shortest context first; prefill chunks follow in order.
-    order = sorted((i for i, r in enumerate(rows) if r.num_new_tokens == 1), key=lambda i: rows[i].start_position)
-    order += [i for i, r in enumerate(rows) if r.num_new_tokens != 1]
+    order = sorted((i for i, r in enumerate(rows) if is_decode(r)), key=lambda i: rows[i].start_position)
+    order += [i for i, r in enumerate(rows) if not is_decode(r)]
     flat = 0
     for index in order:
         row = rows[index]
@@ -142,6 +148,13 @@ def test_mixed_batch_matches_the_torch_backend(cache_dtype):
     inputs = build_model_inputs(rows, BLOCK, DEVICE, torch_backend.uses_decode_buckets)
     expected = torch_backend.forward(q, k, v, cache, inputs.meta, 0.3)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+def test_speculative_verify_rows():
+    """A verify of 3 drafts is attended as 4 decode rows over the same blocks, each one key longer,
+    next to plain decodes and a chunk."""
+    backend = TritonAttentionBackend(split_tokens=32)
+    run_batch(backend, [(30, 4, 3), (5, 1), (60, 3, 2), (0, 9)], 8, 2, 16, torch.float32, seed=6)
 
 
 @pytest.mark.parametrize("window,softcap", [(None, 0.8), (6, None), (45, 0.8)])
