@@ -23,7 +23,7 @@ if torch.cuda.is_available():
     pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch ship it)")
 else:
     # Older interpreters index NumPy arrays in ways NumPy 2 refuses.
-    pytest.importorskip("triton", minversion="3.7", reason="Triton's CPU interpreter needs triton >= 3.7 (a test extra)")
+    pytest.importorskip("triton", minversion="3.7", reason="the CPU interpreter needs triton >= 3.7 (a test extra)")
 
 from tokenmill.model.layers.attention import TorchAttentionBackend, get_attention_backend  # noqa: E402
 from tokenmill.model.layers.triton_attention import TritonAttentionBackend  # noqa: E402
