@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run, each step under its own time limit:
-#   1. the GPU-marked tests (tests/engine/test_cuda.py, swap to host memory, make bench on CUDA);
+#   1. the GPU-marked tests (tests/engine/test_cuda.py, swap to host memory, make bench on CUDA), and the
+#      triton attention tests with their kernels compiled for the GPU (on CPU they run interpreted);
 #   2. `make bench` on the GPU (tokenmill vs transformers naive / static batches, bfloat16);
 #   3. offline throughput at GPU-sized concurrency (`tokenmill bench throughput`, random prompts);
 #   4. the engine, structured-output, sampler and server tests with CUDA as the default device.
 # Usage: scripts/gpu_check.sh [OUTDIR]   (PYTHON=... to pick the interpreter, default .venv/bin/python;
 # WORKLOAD=... for make bench's workload, default ../shared/bench/workload-64.jsonl)
-# Writes env.txt, gpu-tests.log, bench.log, benchmarks.md, engine-core-cuda.json, throughput.json and
-# suite.log under OUTDIR (default gpu-results/). Exit status: that of the GPU-marked tests.
+# Writes env.txt, gpu-tests.log, triton-tests.log, bench.log, benchmarks.md, engine-core-cuda.json, throughput.json and
+# suite.log under OUTDIR (default gpu-results/). Exit status: that of the GPU-marked tests, else the triton tests'.
 set -u
 out=${1:-gpu-results}
 mkdir -p "$out"
@@ -20,6 +21,10 @@ export PYTHONUNBUFFERED=1
 timeout "${GPU_TESTS_TIMEOUT:-170}" "$py" -m pytest -q -p no:cacheprovider --timeout 150 -m gpu tests \
   >"$out/gpu-tests.log" 2>&1
 status=$?
+timeout "${GPU_TRITON_TIMEOUT:-150}" "$py" -m pytest -q -p no:cacheprovider --timeout 140 \
+  tests/model/test_triton_attention.py >"$out/triton-tests.log" 2>&1
+triton_status=$?
+[ $status -eq 0 ] && status=$triton_status
 
 timeout "${GPU_BENCH_TIMEOUT:-160}" "$py" -m benchmarks.make_bench --device cuda --naive-limit 16 \
   ${WORKLOAD:+--workload "$WORKLOAD"} --no-tqdm --output "$out/benchmarks.md" --results-json "$out/engine-core-cuda.json" >"$out/bench.log" 2>&1

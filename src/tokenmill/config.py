@@ -44,7 +44,7 @@ def parse_memory_size(value: str | int | float) -> int:
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
 SCHEDULING_POLICIES = POLICIES
-ATTENTION_BACKENDS = ("auto", "torch", "cpu")
+ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 QUANTIZATIONS = ("gguf", "q8_0", "none")  # or None (unset)
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
@@ -172,8 +172,9 @@ class EngineConfig:
     max_logprobs: int = option(20, "most logprobs a request may ask for", bound="non_negative")
     num_threads: Optional[int] = option(None, "torch CPU threads", bound="positive")
     attention_backend: str = option(
-        "auto", "auto: tokenmill's C++ paged-attention kernels on CPU (built on first use) when a compiler is "
-        "present, else the portable torch backend", choices=ATTENTION_BACKENDS)
+        "auto", "auto: on CUDA the triton paged-attention kernels when triton is installed; on CPU tokenmill's C++ "
+        "paged-attention kernels (built on first use) when a compiler is present; else the portable torch backend",
+        choices=ATTENTION_BACKENDS)
     packed_linear: bool = option(
         True, "CPU: keep projection weights in oneDNN's packed layout (faster matmuls at serving batch sizes)")
     quantization: Optional[str] = option(

@@ -32,12 +32,16 @@ scores itself.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from tokenmill.config import ATTENTION_BACKENDS
+from tokenmill.model.layers.kv_write import write_kv
+
+if TYPE_CHECKING:
+    from tokenmill.model.layers.triton_attention import PrefillTables
 
 
 @dataclass
@@ -63,6 +67,8 @@ class AttentionMetadata:
     prefill_block_ids: list[torch.Tensor] = field(default_factory=list)  # [num_blocks] long per request
     # Scratch for gathered K/V, shared by all layers of one step (allocated on first use).
     gather_buffer: torch.Tensor | None = None
+    # The prefill chunks as padded tables for the triton kernels, built by the first layer of the step.
+    prefill_tables: PrefillTables | None = None
 
 
 class AttentionBackend(Protocol):
@@ -85,11 +91,7 @@ class TorchAttentionBackend:
                 meta: AttentionMetadata, scale: float, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D]; kv_cache: [2, num_blocks, block_size, Hkv, D]
-        num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
-        slots = kv_cache.view(2, num_blocks * block_size, num_kv_heads, head_dim)
-        slots[0].index_copy_(0, meta.slot_mapping, k.to(kv_cache.dtype))
-        slots[1].index_copy_(0, meta.slot_mapping, v.to(kv_cache.dtype))
-
+        write_kv(kv_cache, k, v, meta.slot_mapping)
         out = torch.empty_like(q)
         self.decode_into(out, q, kv_cache, meta, scale, window, softcap)
         self.prefill_into(out, q, kv_cache, meta, scale, window, softcap)
@@ -317,12 +319,16 @@ def windowed_paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables:
 
 
 def get_attention_backend(device: torch.device, name: str = "auto") -> AttentionBackend:
-    """`auto`: the C++ paged kernels on CPU when they build here, else the portable torch backend.
-
-    A CUDA-specific backend (FlashAttention/FlashInfer) would plug in here.
+    """`auto`: the triton kernels on CUDA when triton imports; on CPU the C++ paged kernels when they
+    build here; else the portable torch backend. An explicit choice that cannot run raises, naming why.
     """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
+    if name == "triton" or (name == "auto" and device.type == "cuda"):
+        from tokenmill.model.layers import triton_attention
+
+        if name == "triton" or triton_attention.triton_unavailable_reason(device) is None:
+            return triton_attention.make_triton_backend(device)
     if name == "torch" or device.type != "cpu":
         if name == "cpu":
             raise ValueError("the cpu attention backend runs only on the CPU device")
