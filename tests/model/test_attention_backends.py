@@ -2,17 +2,13 @@
 GQA, contexts that end mid-block, scattered block tables, and decodes mixed with prefill chunks."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 
 from tokenmill.model.layers import attention
 from tokenmill.model.layers.attention import (CpuPagedAttentionBackend, TorchAttentionBackend,
                                               chunk_after_prefix_attention, get_attention_backend)
-from tokenmill.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
-from tokenmill.runner.input_batch import InputBatch
-from tokenmill.sampling_params import SamplingParams
+from step_rows import Row, prepare_rows
 
 BLOCK = 4
 
@@ -105,31 +101,12 @@ def test_paged_decode_kernel_reads_a_16_bit_cache_as_its_float32_values(kernels,
         kernels.paged_decode_attention(q.to(cache_dtype), cache.float(), tables, lens, 0.2)
 
 
-@dataclass
-class _Row:
-    request_id: str
-    prompt_len: int
-    start_position: int
-    num_new_tokens: int
-    block_ids: list[int]
+def _scheduled(rid: str, prompt_len: int, start: int, count: int, blocks: list[int]) -> Row:
+    return Row(start, count, blocks)
 
 
-def _scheduled(rid: str, prompt_len: int, start: int, count: int, blocks: list[int]) -> _Row:
-    return _Row(rid, prompt_len, start, count, blocks)
-
-
-def _model_inputs(items: list[_Row], decode_buckets: bool):
-    """The step's inputs as the runner's persistent batch prepares them."""
-    batch = InputBatch(max_model_len=64, block_size=BLOCK)
-    news, scheduled = [], []
-    for item in items:
-        tokens = list(range(1, item.prompt_len + 1))
-        news.append(NewRequestData(item.request_id, tokens, SamplingParams(max_tokens=1)))
-        end = item.start_position + item.num_new_tokens
-        scheduled.append(ScheduledRequest(item.request_id, item.start_position, item.num_new_tokens,
-                                          tokens[item.start_position:end], item.block_ids))
-    states = batch.update(SchedulerOutput(new_requests=news, scheduled=scheduled))
-    return batch.prepare(scheduled, states, torch.device("cpu"), decode_buckets)
+def _model_inputs(items: list[Row], decode_buckets: bool):
+    return prepare_rows(items, BLOCK, torch.device("cpu"), decode_buckets)
 
 
 @pytest.mark.skipif(attention._FLASH_WITH_LSE is None, reason="this torch has no CPU flash kernel with log-sum-exp")

@@ -27,7 +27,7 @@ else:
 
 from tokenmill.model.layers.attention import TorchAttentionBackend, get_attention_backend  # noqa: E402
 from tokenmill.model.layers.triton_attention import TritonAttentionBackend  # noqa: E402
-from tokenmill.runner.input_batch import StepRow, build_model_inputs  # noqa: E402
+from step_rows import Row, prepare_rows  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK = 16
@@ -58,11 +58,11 @@ def scheduled_rows(specs, num_blocks, gen):
     for start, count, *drafts in specs:
         n = -(-(start + count) // BLOCK)
         blocks, used = perm[used:used + n], used + n
-        rows.append(StepRow(start, count, list(range(1, count + 1)), blocks, [7] * (drafts[0] if drafts else 0)))
+        rows.append(Row(start, count, blocks, [7] * (drafts[0] if drafts else 0)))
     return rows
 
 
-def is_decode(row: StepRow) -> bool:
+def is_decode(row: Row) -> bool:
     # With block tables a speculative verify is attended as one decode row per position.
     return row.num_new_tokens == 1 or bool(row.spec_token_ids)
 
@@ -75,7 +75,7 @@ def run_batch(backend, specs, num_heads, num_kv_heads, head_dim, dtype, cache_dt
     num_blocks = sum(-(-(s + c) // BLOCK) for s, c, *_ in specs) + 3
     cache = torch.randn(2, num_blocks, BLOCK, num_kv_heads, head_dim, generator=gen).to(cache_dtype).to(DEVICE)
     rows = scheduled_rows(specs, num_blocks, gen)
-    inputs = build_model_inputs(rows, BLOCK, DEVICE, backend.uses_decode_buckets)
+    inputs = prepare_rows(rows, BLOCK, DEVICE, backend.uses_decode_buckets)
     tokens = inputs.input_ids.numel()
     q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     k = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
@@ -145,7 +145,7 @@ def test_mixed_batch_matches_the_torch_backend(cache_dtype):
     rows, q, k, v, cache, out = run_batch(TritonAttentionBackend(split_tokens=64), specs, 8, 2, 32, torch.float32,
                                           cache_dtype=cache_dtype, seed=1)
     torch_backend = TorchAttentionBackend()
-    inputs = build_model_inputs(rows, BLOCK, DEVICE, torch_backend.uses_decode_buckets)
+    inputs = prepare_rows(rows, BLOCK, DEVICE, torch_backend.uses_decode_buckets)
     expected = torch_backend.forward(q, k, v, cache, inputs.meta, 0.3)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
@@ -172,7 +172,7 @@ def test_prefill_tables_are_built_once_per_step():
     backend = TritonAttentionBackend()
     gen = torch.Generator().manual_seed(3)
     rows = scheduled_rows([(0, 5), (16, 3)], 8, gen)
-    inputs = build_model_inputs(rows, BLOCK, DEVICE, backend.uses_decode_buckets)
+    inputs = prepare_rows(rows, BLOCK, DEVICE, backend.uses_decode_buckets)
     cache = torch.zeros(2, 8, BLOCK, 1, 16, device=DEVICE)
     q, kv = torch.randn(8, 2, 16, device=DEVICE), torch.randn(8, 1, 16, device=DEVICE)
     backend.forward(q, kv, kv, cache, inputs.meta, 0.25)

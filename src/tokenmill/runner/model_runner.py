@@ -11,7 +11,8 @@ from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES
 from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
 from tokenmill.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from tokenmill.errors import ModelLoadError
-from tokenmill.model.layers.attention import get_attention_backend
+from tokenmill.model.layers.attention import TorchAttentionBackend, get_attention_backend
+from tokenmill.model.layers.decoder import DecoderAttention
 from tokenmill.model.layers.basic import keep_rotary_tables_float, use_cpu_kernels
 from tokenmill.distributed.parallel_state import TensorParallelGroup
 from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, QUANT_BLOCK, BlockQuantLinear, Int8Blocks,
@@ -19,6 +20,7 @@ from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, QUANT_BLOCK, B
 from tokenmill.model.layers.parallel import shard_int8_blocks, shard_weights
 from tokenmill.model.registry import get_model_class
 from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, release_freed_memory
+from tokenmill.runner.backend_check import attention_mismatch
 from tokenmill.runner.input_batch import InputBatch
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_caches
 from tokenmill.sample.sampler import Sampler, SamplingRequestState, compute_prompt_logprobs
@@ -97,6 +99,8 @@ class ModelRunner:
         self.model.to(dtype=self.dtype)
         keep_rotary_tables_float(self.model)
         self.model.eval().requires_grad_(False)
+        if config.attention_backend == "auto" and self.attention_backend.name == "triton":
+            self._check_attention_kernels()
         kernels = getattr(self.attention_backend, "kernels", None)
         if kernels is not None:
             # The backend built tokenmill's C++ CPU kernels: norms, rotary and activation use them too.
@@ -125,6 +129,20 @@ class ModelRunner:
         self.linear_layers = ""  # how the projections run, once loaded (logged; reported by benchmarks)
         self.num_gguf_layers_kept = 0  # linear layers holding a GGUF's own blocks
         self.quantization = config.quantization
+
+    def _check_attention_kernels(self) -> None:
+        """The triton kernels on this model's attention shapes, once per distinct (window, soft-cap) kind of
+        layer; the torch backend takes over where they fail to compile or disagree with it."""
+        layers = [module for module in self.model.modules() if isinstance(module, DecoderAttention)]
+        for attention in {(layer.window, layer.softcap): layer for layer in layers}.values():
+            problem = attention_mismatch(self.attention_backend, attention, self.dtype, self.device)
+            if problem is not None:
+                logger.warning("the %s attention kernels failed their start-up check on this model (%s); "
+                               "using the torch backend", self.attention_backend.name, problem)
+                self.attention_backend = TorchAttentionBackend()
+                for layer in layers:
+                    layer.backend = self.attention_backend
+                return
 
     def _int8_kernels(self):
         """tokenmill's C++ kernels when block-int8 layers can run here (CPU backend, float32), else None."""
