@@ -167,3 +167,19 @@ def test_core_never_imports_torch():
             roots = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
                      else [node.module or ""])
             assert not any(r == "torch" or r.startswith("torch.") for r in roots), f"{name} imports torch"
+
+
+def test_the_api_process_modules_import_no_torch():
+    # The server's API process stays light (DESIGN.md): what it imports to serve HTTP, the AsyncLLM frontend,
+    # the tokenizer handover, tool-call parsing and the grammar checks must not pull torch in.
+    import subprocess
+    import sys
+
+    modules = ["tokenmill.entrypoints.cli", "tokenmill.entrypoints.openai.api_server", "tokenmill.engine.async_llm",
+               "tokenmill.engine.tokenizer_handover", "tokenmill.entrypoints.openai.tool_calls",
+               "tokenmill.structured.llguidance_backend", "tokenmill.metrics.prometheus"]
+    script = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
+              + "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]", "the API process's modules import torch"

@@ -1,7 +1,9 @@
 """AsyncLLM: the server's asyncio frontend over an engine core in its own process.
 
 The API process keeps what is per request and cheap: validation, the core messages, and output
-processing (detokenization, stop strings, logprobs, metrics). The engine core (scheduler, KV cache,
+processing (detokenization, stop strings, logprobs, metrics). It never loads the model: the core's
+ready message carries the tokenizer (as files, see tokenizer_handover) and the few model values the
+frontend reads (`FrontendModelInfo`), so this process imports no torch. The engine core (scheduler, KV cache,
 model) runs in a child process (`core_client.MPClient`); a receiver thread hands each step's outputs
 to the event loop, where they become RequestOutputs on per-request queues. If the core process dies,
 every request in flight fails at once with an error, `errored` turns true (so /health answers 503)
@@ -20,17 +22,19 @@ import os
 import time
 from typing import Any, AsyncIterator, Optional
 
+import msgspec
+
 from tokenmill.config import EngineConfig
 from tokenmill.engine.core_client import MPClient
 from tokenmill.engine.dp_router import DataParallelRouter
 from tokenmill.engine.frontend import Frontend, rejection, scheduler_snapshot
 from tokenmill.engine.input_processor import ProcessedPrompt
 from tokenmill.engine.messages import EngineCoreAbort, EngineCoreFork, EngineCoreOutput, EngineCoreOutputs, \
-    EngineCoreRequest
+    EngineCoreRequest, FrontendModelInfo
+from tokenmill.engine.tokenizer_handover import tokenizer_from_files
 from tokenmill.errors import EngineDeadError, EngineFailedError, InvalidRequestError, RequestTimeoutError, \
     TokenmillError
 from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
-from tokenmill.model.loader import load_model_source
 from tokenmill.outputs import RequestOutput
 from tokenmill.runner.host_memory import process_rss_bytes, release_freed_memory
 from tokenmill.sampling_params import SamplingParams
@@ -47,17 +51,21 @@ class AsyncLLM:
         self.config = config
         self.request_timeout = request_timeout
         self.stall_timeout = stall_timeout
-        # The core loads the model in its process; here only the tokenizer and the model's config.
-        source = load_model_source(config.model, config.tokenizer)
-        source.drop_weights_reader()
-        release_freed_memory()
-        self.tokenizer = source.tokenizer
+        # The core loads the model in its process (a bad model path fails there, as a ModelLoadError
+        # here); the tokenizer and the model's values come with its ready message (core 0's).
         self.clients = _start_cores(config, log_level)
+        try:
+            info, self.tokenizer = _take_model_info(self.clients)
+        except BaseException:
+            for client in self.clients:
+                client.shutdown(timeout_s=0.0)
+            raise
+        release_freed_memory()  # the tokenizer files, decoded and parsed
         self.ready = self.clients[0].ready
         self.max_model_len = self.ready.max_model_len
         self.router = DataParallelRouter(len(self.clients), self.ready.block_size, self.ready.num_kv_blocks,
                                          config.data_parallel_routing) if len(self.clients) > 1 else None
-        self.frontend = Frontend.build(config, source, self.max_model_len)
+        self.frontend = Frontend.build(config, info, self.tokenizer, self.max_model_len)
         self.served_model_name = self.frontend.served_model_name
         self.eos_token_ids = self.frontend.eos_token_ids
         self.input_processor = self.frontend.input_processor
@@ -364,6 +372,21 @@ def _start_cores(config: EngineConfig, log_level: str) -> list[MPClient]:
             client.shutdown(timeout_s=0.0)
         raise
     return clients
+
+
+def _take_model_info(clients: list[MPClient]) -> tuple[FrontendModelInfo, Any]:
+    """Core 0's model info and the tokenizer its files describe. Every client's ready message keeps the
+    info without the files (megabytes a long-lived process has no use for)."""
+    info = clients[0].ready.model_info
+    if info is None or not info.tokenizer_files:
+        raise EngineDeadError("the engine core's ready message carries no model info")
+    tokenizer = tokenizer_from_files(info.tokenizer_files)
+    for client in clients:
+        stripped = client.ready.model_info
+        if stripped is not None:
+            stripped = msgspec.structs.replace(stripped, tokenizer_files={})
+        client.ready = msgspec.structs.replace(client.ready, model_info=stripped)
+    return msgspec.structs.replace(info, tokenizer_files={}), tokenizer
 
 
 def _sum_known(values) -> Optional[int]:

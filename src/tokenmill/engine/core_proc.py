@@ -45,7 +45,8 @@ def run_engine_core(config, input_address: str, output_address: str, log_level: 
                                                   type(exc).__name__)))
             code = 1
             return
-        outputs.send(encode(core.ready_message()))
+        # The frontend builds its tokenizer from this message: it never loads the model itself.
+        outputs.send(encode(core.ready_message(with_tokenizer=True)))
         code = _busy_loop(core, inputs, outputs, parent)
     except BaseException:
         logger.exception("the engine core failed")

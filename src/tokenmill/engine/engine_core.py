@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import time
 
+import msgspec
 import torch
 
 from tokenmill.config import EngineConfig
@@ -18,7 +19,8 @@ from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import QUEUE_FULL, Scheduler, SchedulerStats
 from tokenmill.engine.input_processor import eos_token_ids
 from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFork, EngineCoreOutput, EngineCoreOutputs,
-                                       EngineCoreReady, EngineCoreRequest, roundtrip)
+                                       EngineCoreReady, EngineCoreRequest, FrontendModelInfo, roundtrip)
+from tokenmill.engine.tokenizer_handover import tokenizer_files
 from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.model.loader import load_model_source
 from tokenmill.model.registry import SLIDING_WINDOW_ARCHITECTURES
@@ -90,6 +92,10 @@ class EngineCore:
         device = resolve_device(config.device)
         self.device = device
         self.vocab_size = hf_config.vocab_size
+        self.tokenizer = source.tokenizer
+        # What a frontend needs of the model (the ready message carries it).
+        self.model_info = FrontendModelInfo(served_model_name=source.served_model_name, vocab_size=self.vocab_size,
+                                            eos_token_ids=eos_token_ids(source.tokenizer, hf_config))
         # Device-dependent defaults resolved into a new config; the caller's is never written to.
         budget_was_defaulted = config.max_num_batched_tokens is None
         config = config.with_resolved_defaults(device.type)
@@ -137,8 +143,7 @@ class EngineCore:
                                        group_windows=windows)
         self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv_cache)
         # Structured outputs: grammars compiled against the tokenizer, masks sized to the model's logits.
-        self.structured_backend = LLGuidanceBackend(source.tokenizer, self.vocab_size,
-                                                    eos_token_ids(source.tokenizer, hf_config))
+        self.structured_backend = LLGuidanceBackend(source.tokenizer, self.vocab_size, self.model_info.eos_token_ids)
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
         if spec is not None:
@@ -158,12 +163,17 @@ class EngineCore:
         """Stops the model's worker processes (tensor parallelism); nothing to do for an in-process runner."""
         self.executor.shutdown()
 
-    def ready_message(self) -> EngineCoreReady:
+    def ready_message(self, with_tokenizer: bool = False) -> EngineCoreReady:
+        """with_tokenizer: the model info carries the tokenizer's files, for a frontend in another process
+        (which then never loads the model); a frontend in this process takes the tokenizer object."""
+        info = self.model_info
+        if with_tokenizer:
+            info = msgspec.structs.replace(info, tokenizer_files=tokenizer_files(self.tokenizer))
         return EngineCoreReady(max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
                                block_size=self.config.block_size, device=str(self.device),
                                linear_layers=self.linear_layers, weights_bytes=self.memory.weights,
                                buffers_bytes=self.memory.buffers, kv_cache_bytes=self.memory.kv_cache, activations_bytes=self.memory.activations,
-                               rss_bytes=self.memory.rss)
+                               rss_bytes=self.memory.rss, model_info=info)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, message: EngineCoreRequest) -> None:

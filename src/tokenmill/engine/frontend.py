@@ -10,8 +10,8 @@ from typing import Any, Optional
 
 from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import QUEUE_FULL, QUEUE_TIMEOUT
-from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt, eos_token_ids
-from tokenmill.engine.messages import EngineCoreOutputs, EngineCoreRequest, ForkChild
+from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt
+from tokenmill.engine.messages import EngineCoreOutputs, EngineCoreRequest, ForkChild, FrontendModelInfo
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.errors import InvalidRequestError, RequestRejectedError
 from tokenmill.metrics.stats import SchedulerSnapshot
@@ -30,15 +30,15 @@ class Frontend:
     output_processor: OutputProcessor
 
     @classmethod
-    def build(cls, config: EngineConfig, source: Any, max_model_len: int) -> "Frontend":
-        """source: the model source (tokenizer and config); max_model_len: the core's effective one."""
-        tokenizer, hf_config = source.tokenizer, source.hf_config
-        eos_ids = eos_token_ids(tokenizer, hf_config)
-        name = config.served_model_name or (DEFAULT_MODEL_NAME if config.model is None else source.served_model_name)
+    def build(cls, config: EngineConfig, info: FrontendModelInfo, tokenizer: Any, max_model_len: int) -> "Frontend":
+        """info: what the core read of the model (its ready message's); tokenizer: the model's; max_model_len:
+        the core's effective one."""
+        eos_ids = list(info.eos_token_ids)
+        name = config.served_model_name or (DEFAULT_MODEL_NAME if config.model is None else info.served_model_name)
         # The backend compiles structured-output constraints only to check them; the core compiles its own.
-        backend = LLGuidanceBackend(tokenizer, hf_config.vocab_size, eos_ids)
+        backend = LLGuidanceBackend(tokenizer, info.vocab_size, eos_ids)
         return cls(name, eos_ids,
-                   InputProcessor(tokenizer, max_model_len, hf_config.vocab_size, config.max_prompt_tokens, backend),
+                   InputProcessor(tokenizer, max_model_len, info.vocab_size, config.max_prompt_tokens, backend),
                    OutputProcessor(tokenizer, eos_ids))
 
     def admit(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, *, priority: int = 0,

@@ -5,7 +5,8 @@ parameters, arrival time, priority, tenant), `EngineCoreFork` (beam search picks
 children fork from a parked beam), `EngineCoreAbort` (client gone, or a stop string the frontend's
 detokenizer found), `EngineCoreShutdown`.
 core -> frontend: `EngineCoreOutputs` once per step (per-request deltas: new token ids, finish
-reason, logprobs; plus the scheduler's stats), `EngineCoreReady` once the model is loaded,
+reason, logprobs; plus the scheduler's stats), `EngineCoreReady` once the model is loaded (with
+`FrontendModelInfo`: what the frontend needs of the model, so the API process never loads it),
 `EngineCoreFailure` when the core cannot go on.
 
 Every type is a msgspec Struct tagged with its name, so one decoder reads any of them from a zmq
@@ -83,6 +84,23 @@ class EngineCoreOutputs(msgspec.Struct, tag=True, omit_defaults=True):
     timestamp: float = 0.0
 
 
+class FrontendModelInfo(msgspec.Struct, omit_defaults=True):
+    """What a frontend needs of the model, read by the core from the model source it loaded: the API
+    process builds its tokenizer and request checks from this instead of loading the model itself
+    (which costs seconds, a torch import and hundreds of MiB there)."""
+
+    # The name the model source suggests (a directory's or file's name; the default model's name);
+    # --served-model-name still overrides it in the frontend.
+    served_model_name: str
+    vocab_size: int
+    # Every id that ends generation like EOS (input_processor.eos_token_ids), the primary one first.
+    eos_token_ids: list[int]
+    # The tokenizer as the files `save_pretrained` writes (tokenizer.json, tokenizer_config.json, chat
+    # template ...), name -> content; see tokenizer_handover. Empty when the frontend shares the core's
+    # process and takes the tokenizer object itself.
+    tokenizer_files: dict[str, bytes] = {}
+
+
 class EngineCoreReady(msgspec.Struct, tag=True, omit_defaults=True):
     """Sent once the core has loaded the model and sized its KV cache."""
 
@@ -98,6 +116,7 @@ class EngineCoreReady(msgspec.Struct, tag=True, omit_defaults=True):
     kv_cache_bytes: int = 0
     activations_bytes: int = 0
     rss_bytes: Optional[int] = None
+    model_info: Optional[FrontendModelInfo] = None
 
 
 class EngineCoreFailure(msgspec.Struct, tag=True):

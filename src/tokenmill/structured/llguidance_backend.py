@@ -1,15 +1,19 @@
 """The llguidance backend: grammars compiled against the model's tokenizer, token masks computed
-on the CPU in well under a millisecond per row for typical JSON schemas."""
+on the CPU in well under a millisecond per row for typical JSON schemas.
+
+The API process imports this module too (it compiles constraints to refuse bad ones before they reach
+the core), so torch is imported only where bitmasks are filled, which happens in the engine core."""
 from __future__ import annotations
 
 import json
 import logging
-from typing import Any, Optional, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from tokenmill.errors import InvalidRequestError
 from tokenmill.sampling_params import StructuredOutputsParams
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("tokenmill")
 
