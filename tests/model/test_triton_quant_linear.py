@@ -135,31 +135,35 @@ def test_start_up_check_passes(triton_kernels, dtype):
     assert block_kernel_problem(triton_kernels, DEVICE, dtype) is None
 
 
+
 @pytest.mark.slow
 def test_engine_runs_kept_gguf_blocks_through_triton(kernels, tiny_gguf_path, tiny_llama_dir, smollm2_tokenizer,
                                                      monkeypatch):
-    """The runner's CUDA path, on the CPU: with the triton kernels as its block kernels, a GGUF's kept
-    blocks become triton block layers (no C++ fused decode stack), no float copy of any projection is
-    held, and greedy tokens equal those of the C++ block kernels on the same file."""
+    """The runner's CUDA path: a GGUF's kept blocks become triton block layers on the device (no C++ fused
+    decode stack), no float copy of any projection is held, and greedy tokens equal those of the C++
+    block kernels on the CPU. Without a GPU the runner is handed the interpreted kernels on the CPU."""
     from test_gguf_int8 import greedy
     from tokenmill import LLM
     from tokenmill.model.layers.linear import BlockQuantEmbedding
     from tokenmill.runner.model_runner import ModelRunner
 
-    def engine():
-        return LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), max_num_batched_tokens=24,
-                   num_kv_blocks=64, max_model_len=512)
+    def engine(device: str):
+        return LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64,
+                   max_model_len=512, dtype="float32", device=device)
 
     lengths = [6, 4, 5, 3]
-    expected = greedy(engine(), smollm2_tokenizer, lengths)[1]
-    triton_kernels = TritonBlockKernels()
-    monkeypatch.setattr(ModelRunner, "block_kernels", property(lambda self: triton_kernels))
-    llm = engine()
+    expected = greedy(engine("cpu"), smollm2_tokenizer, lengths)[1]
+    if DEVICE.type == "cpu":
+        triton_kernels = TritonBlockKernels()
+        monkeypatch.setattr(ModelRunner, "block_kernels", property(lambda self: triton_kernels))
+    llm = engine(DEVICE.type)
     runner = llm.llm_engine.core.core.runner
     model = runner.model
     assert "triton dequantize-and-matmul" in runner.linear_layers and model._int8_decode is None
     layers = [m for m in model.modules() if isinstance(m, BlockQuantLinear)]
-    assert len(layers) == 4 * len(model.layers) + 2 and all(layer.kernels is triton_kernels for layer in layers)
+    assert len(layers) == 4 * len(model.layers) + 2
+    assert all(isinstance(layer.kernels, TritonBlockKernels) and layer.q.device.type == DEVICE.type
+               for layer in layers)
     assert isinstance(model.embed_tokens, BlockQuantEmbedding)
     smallest = min(layer.in_features * layer.out_features for layer in layers)
     tensors = list(model.parameters()) + [t for layer in layers for t in vars(layer).values()
