@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need a CUDA GPU, in one run, each step under its own time limit:
 #   1. the GPU-marked tests (tests/engine/test_cuda.py, swap to host memory, make bench on CUDA), and the
-#      triton attention tests with their kernels compiled for the GPU (on CPU they run interpreted);
+#      triton attention and block-quantized linear tests with their kernels compiled for the GPU (on CPU
+#      they run interpreted);
 #   2. `make bench` on the GPU (tokenmill vs transformers naive / static batches, bfloat16);
 #   3. offline throughput at GPU-sized concurrency (`tokenmill bench throughput`, random prompts);
 #   4. the engine, structured-output, sampler and server tests with CUDA as the default device.
@@ -22,7 +23,7 @@ timeout "${GPU_TESTS_TIMEOUT:-170}" "$py" -m pytest -q -p no:cacheprovider --tim
   >"$out/gpu-tests.log" 2>&1
 status=$?
 timeout "${GPU_TRITON_TIMEOUT:-150}" "$py" -m pytest -q -p no:cacheprovider --timeout 140 \
-  tests/model/test_triton_attention.py >"$out/triton-tests.log" 2>&1
+  tests/model/test_triton_attention.py tests/model/test_triton_quant_linear.py >"$out/triton-tests.log" 2>&1
 triton_status=$?
 [ $status -eq 0 ] && status=$triton_status
 

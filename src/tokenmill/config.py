@@ -179,7 +179,8 @@ class EngineConfig:
         True, "CPU: keep projection weights in oneDNN's packed layout (faster matmuls at serving batch sizes)")
     quantization: Optional[str] = option(
         None, "weights. Unset: a GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K matrices stay quantized as stored where "
-        "tokenmill's int8 kernels run (CPU, float32), other tensors are dequantized; gguf: insist on that; q8_0: "
+        "tokenmill's int8 kernels run (CPU, float32) or its triton kernel does (CUDA), other tensors are "
+        "dequantized; gguf: insist on that; q8_0: "
         "round any model's projection and LM-head weights to Q8_0 at load; none: dequantize everything to --dtype",
         choices=QUANTIZATIONS, aliases=("-q",))
     kv_cache_dtype: str = option(
@@ -219,8 +220,9 @@ class EngineConfig:
     # ---- derived values: computed, never written back -----------------------------------------------
     @property
     def resolved_dtype(self) -> str:
-        """The dtype the runner should use: `auto` with gguf/q8_0 weights computes in float32 (the
-        block-int8 path's dtype); otherwise `dtype` as given (`auto` is resolved on the device)."""
+        """The dtype a CPU runner should use: `auto` with gguf/q8_0 weights computes in float32 (the C++
+        block-int8 kernels' dtype); otherwise `dtype` as given (`auto` is resolved on the device). On
+        CUDA the triton block kernel takes any float dtype, so `auto` stays the device's choice there."""
         if self.dtype == "auto" and self.quantization in FLOAT32_QUANTIZATIONS:
             return "float32"
         return self.dtype
@@ -233,12 +235,13 @@ class EngineConfig:
 
     def with_resolved_defaults(self, device_type: str) -> "EngineConfig":
         """A NEW config whose device-dependent defaults are filled in: max_num_batched_tokens
-        (default_max_num_batched_tokens(device_type)), dtype (resolved_dtype) and preemption_mode
+        (default_max_num_batched_tokens(device_type)), dtype (resolved_dtype on the CPU) and preemption_mode
         (resolved_preemption_mode(device_type)). `self` is left as it is."""
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = default_max_num_batched_tokens(device_type)
-        return dataclasses.replace(self, max_num_batched_tokens=budget, dtype=self.resolved_dtype,
+        dtype = self.resolved_dtype if device_type == "cpu" else self.dtype
+        return dataclasses.replace(self, max_num_batched_tokens=budget, dtype=dtype,
                                    preemption_mode=self.resolved_preemption_mode(device_type))
 
     def scheduler_config(self, max_model_len: int, preemption_mode: Optional[str] = None):

@@ -178,16 +178,17 @@ class DecoderForCausalLM(nn.Module):
         """Look embeddings up from block-quantized storage instead of a float table: the tied LM head's
         own blocks when it has them, else `blocks` (the file's token embedding). Returns whether it did.
         Whenever the file's embedding is blocks this replaces the float table, which was never filled.
-        Under tensor parallelism the vocabulary-parallel table stays (it was filled at load)."""
+        Under tensor parallelism the vocabulary-parallel table stays (it was filled at load). The table
+        lives on the model's device and its rows come out in the model's dtype (the final norm's)."""
         if self.tp is not None:
             return False
         if self.tie_word_embeddings and isinstance(self.lm_head, BlockQuantLinear):
             table = self.lm_head
         elif blocks is not None:
-            table = BlockQuantLinear(blocks, None, kernels)
+            table = BlockQuantLinear(blocks, None, kernels, device=self.norm.weight.device)
         else:
             return False
-        self.embed_tokens = BlockQuantEmbedding(table)
+        self.embed_tokens = BlockQuantEmbedding(table, dtype=self.norm.weight.dtype)
         return True
 
     def checkpoint_part_rows(self, module_name: str) -> list[int]:

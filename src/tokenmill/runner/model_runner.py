@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import cached_property
 from typing import Optional
 
 import torch
@@ -50,7 +51,8 @@ def resolve_device(name: Optional[str]) -> torch.device:
     return torch.device(name)
 
 
-INT8_KERNELS_NEEDED = "needs the CPU device, dtype float32 and tokenmill's CPU kernels (attention backend 'cpu')"
+INT8_KERNELS_NEEDED = ("needs the CPU device, dtype float32 and tokenmill's CPU kernels (attention backend 'cpu'), "
+                       "or a CUDA device where triton runs")
 
 
 def model_tensor_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -151,18 +153,38 @@ class ModelRunner:
             return None
         return kernels
 
+    @cached_property
+    def block_kernels(self):
+        """What runs block-quantized layers here, or None (they are then dequantized at load): on CUDA the
+        Triton dequantize-and-matmul, where triton imports and the kernel passes a start-up check in the
+        model's dtype; elsewhere tokenmill's C++ kernels (`_int8_kernels`). Decided once; logged."""
+        if self.device.type != "cuda":
+            return self._int8_kernels()
+        if not hasattr(self.model, "convert_linear_layers"):
+            return None
+        from tokenmill.model.layers.triton_quant_linear import load_triton_block_kernels
+
+        kernels, reason = load_triton_block_kernels(self.device, self.dtype)
+        if kernels is None:
+            logger.info("block-quantized weights: the triton kernel cannot run (%s); GGUF blocks are "
+                        "dequantized to %s at load", reason, str(self.dtype).removeprefix("torch."))
+        return kernels
+
+    def _runs_cpu_kernels(self, kernels) -> bool:
+        return kernels is not None and kernels is self._int8_kernels()
+
     def keeps_int8_blocks(self, is_gguf: bool) -> bool:
         """Whether loading keeps a GGUF's block-quantized matrices as stored: `--quantization gguf`, and by
-        default for GGUF files wherever the int8 kernels run (as vLLM and llama.cpp serve a GGUF in its own
+        default for GGUF files wherever `block_kernels` run (as vLLM and llama.cpp serve a GGUF in its own
         quantization). The values are the file's, bit for bit; only the summation order differs from a
-        dense float32 copy."""
+        dense float32 copy (and, on CUDA, the final rounding to the model's dtype)."""
         if self.quantization == "gguf":
             if not is_gguf:
                 raise ModelLoadError("--quantization gguf needs a GGUF model file")
-            if self._int8_kernels() is None:
+            if self.block_kernels is None:
                 raise ModelLoadError(f"--quantization gguf {INT8_KERNELS_NEEDED}")
             return True
-        return self.quantization is None and is_gguf and self._int8_kernels() is not None
+        return self.quantization is None and is_gguf and self.block_kernels is not None
 
     def load_weights(self, weights, int8_blocks: Optional[dict[str, Int8Blocks]] = None) -> None:
         """Copies `weights` into the model, then builds its linear layers; `int8_blocks` (filled while
@@ -179,7 +201,8 @@ class ModelRunner:
     def _prepare_linear_layers(self, int8_blocks: Optional[dict[str, Int8Blocks]] = None) -> str:
         convertible = hasattr(self.model, "convert_linear_layers")
         rows = self.packed_linear_rows or 64
-        kernels = self._int8_kernels()
+        kernels = self.block_kernels
+        device = None if self.device.type == "cpu" else self.device  # where the packed tensors live
         if self.quantization == "q8_0":
             if kernels is None:
                 raise ModelLoadError(f"--quantization q8_0 {INT8_KERNELS_NEEDED}")
@@ -189,10 +212,11 @@ class ModelRunner:
                     logger.info("%s: %d input features per rank are not whole Q8_0 blocks; the layer stays dense",
                                 name, weight.shape[1])
                     return dense_linear(weight, bias, self.packed_linear_rows)
-                return BlockQuantLinear.from_weight(weight, bias, kernels)
+                return BlockQuantLinear.from_weight(weight, bias, kernels, device)
 
             self.model.convert_linear_layers(make_q8_0)
-            return "Q8_0 weights rounded at load (" + self._block_kernel_paths() + self._enable_int8_decode(kernels)
+            return ("Q8_0 weights rounded at load (" + self._block_kernel_paths(kernels)
+                    + self._enable_int8_decode(kernels))
         if int8_blocks:
             widths: dict[int, int] = {}
 
@@ -200,7 +224,8 @@ class ModelRunner:
                 parts = [int8_blocks.get(part) for part in self.model.checkpoint_weight_names(name)]
                 if all(part is not None for part in parts):
                     self.num_gguf_layers_kept += 1
-                    layer = BlockQuantLinear(Int8Blocks.cat(parts) if len(parts) > 1 else parts[0], bias, kernels)
+                    layer = BlockQuantLinear(Int8Blocks.cat(parts) if len(parts) > 1 else parts[0], bias, kernels,
+                                             device)
                     widths[layer.bits] = widths.get(layer.bits, 0) + 1
                     return layer
                 # A matrix GGUF blocks do not cover (a Q6_K head, an F16 projection) stays dense; parts of it
@@ -218,7 +243,7 @@ class ModelRunner:
             int8_blocks.clear()  # the layers hold their packed copies now
             kept = ", ".join(f"{count} at {bits} bits" for bits, count in sorted(widths.items()))
             return (f"GGUF weights kept quantized in {self.num_gguf_layers_kept} layers ({kept}{embedding}; "
-                    + self._block_kernel_paths() + self._enable_int8_decode(kernels))
+                    + self._block_kernel_paths(kernels) + self._enable_int8_decode(kernels))
         if self.quantization == "gguf":
             raise ModelLoadError("--quantization gguf: the file has no matrices in a type kept quantized "
                                  "(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K)")
@@ -229,12 +254,15 @@ class ModelRunner:
             return "oneDNN packed weights"
         return "torch F.linear"
 
-    @staticmethod
-    def _block_kernel_paths() -> str:
+    def _block_kernel_paths(self, kernels) -> str:
+        if not self._runs_cpu_kernels(kernels):
+            return f"triton dequantize-and-matmul on {self.device}, no float copy"
         return (f"row kernel for steps of up to {BLOCK_KERNEL_MAX_ROWS} rows, dequantized tiles through sgemm "
                 "above, no float copy")
 
     def _enable_int8_decode(self, kernels) -> str:
+        if not self._runs_cpu_kernels(kernels):
+            return ")"
         fused = getattr(self.model, "enable_int8_decode", lambda _: False)(kernels)
         limit = BLOCK_KERNEL_MAX_ROWS
         return f"; decode steps of up to {limit} rows run the decoder stack in one C++ call)" if fused else ")"

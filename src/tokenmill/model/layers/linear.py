@@ -204,26 +204,33 @@ def unpack_blocks(q: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Te
 
 
 class BlockQuantLinear(nn.Module):
-    """A float32 linear whose weights stay block-quantized (`Int8Blocks`) at the width the GGUF stores
-    them (4-bit Q4_0/Q4_1/Q4_K, 8-bit Q8_0/Q5_*), or a float weight rounded to Q8_0 at load
-    (`from_weight`). No float copy of the weights is kept: tokenmill's C++ kernel reads the packed
-    integers for decode steps and dequantizes cache-sized tiles for prefill chunks (`block_linear`).
+    """A linear whose weights stay block-quantized (`Int8Blocks`) at the width the GGUF stores them
+    (4-bit Q4_0/Q4_1/Q4_K, 8-bit Q8_0/Q5_*), or a float weight rounded to Q8_0 at load (`from_weight`).
+    No float copy of the weights is kept. `kernels.block_linear` does the matmul: on the CPU
+    tokenmill's C++ kernel (float32; it reads the packed integers for decode steps and dequantizes
+    cache-sized tiles for prefill chunks), on CUDA the Triton dequantize-and-matmul
+    (`triton_quant_linear`, any float dtype) with the packed tensors moved to `device`.
     """
 
-    def __init__(self, blocks: Int8Blocks, bias: torch.Tensor | None, kernels) -> None:
+    def __init__(self, blocks: Int8Blocks, bias: torch.Tensor | None, kernels,
+                 device: Optional[torch.device] = None) -> None:
         super().__init__()
         self.out_features, self.in_features = blocks.q.shape
         if self.in_features % QUANT_BLOCK:
             raise ValueError(f"block-quantized weights need in_features divisible by {QUANT_BLOCK}")
-        self.q, self.scales, self.mins = pack_blocks(blocks)
+        # Packed where the loader left them (the CPU), then moved: a GPU holds no int16 intermediate.
+        packed = pack_blocks(blocks)
+        self.q, self.scales, self.mins = (t if t is None or device is None else t.to(device) for t in packed)
         self.bits = 4 if self.q.dtype == torch.uint8 else 8
-        self.bias = None if bias is None else bias.detach().float()
+        self.bias = None if bias is None else bias.detach().float().to(device or bias.device)
         self.kernels = kernels
 
     @classmethod
-    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels) -> "BlockQuantLinear":
-        """`--quantization q8_0`: the float weight rounded to GGUF's Q8_0 at load."""
-        return cls(Int8Blocks(*quantize_q8_0(weight)), bias, kernels)
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None, kernels,
+                    device: Optional[torch.device] = None) -> "BlockQuantLinear":
+        """`--quantization q8_0`: the float weight rounded to GGUF's Q8_0 at load (on the CPU, one matrix
+        at a time, so a GPU holds no float32 copy of the largest matrix while it is rounded)."""
+        return cls(Int8Blocks(*quantize_q8_0(weight.to("cpu"))), bias, kernels, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, self.in_features).contiguous()
@@ -259,15 +266,17 @@ class BlockQuantLinear(nn.Module):
 
 class BlockQuantEmbedding(nn.Module):
     """An embedding table read from a `BlockQuantLinear`'s packed blocks (the tied LM head's, or the
-    file's own token embedding): each lookup dequantizes only the rows it needs."""
+    file's own token embedding): each lookup dequantizes only the rows it needs (torch ops, on the
+    table's device), in float32, then rounds them to the model's `dtype`."""
 
-    def __init__(self, table: BlockQuantLinear) -> None:
+    def __init__(self, table: BlockQuantLinear, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.table = table
+        self.dtype = dtype
         self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.table.dequantize_rows(input_ids.reshape(-1))
+        rows = self.table.dequantize_rows(input_ids.reshape(-1)).to(self.dtype)
         return rows.reshape(*input_ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
