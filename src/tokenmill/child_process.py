@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import logging
 import signal
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import zmq
 
@@ -13,17 +14,22 @@ import zmq
 @dataclass
 class ChildChannels:
     context: zmq.Context
-    inputs: zmq.Socket  # PULL, connected to the parent's input address
+    inputs: zmq.Socket  # PULL, connected to the parent's input address (and any more senders')
     outputs: zmq.Socket  # PUSH, connected to the parent's output address
+    # The engine core under --api-server-count N: a PUSH socket to each further API server, in order.
+    more_outputs: list[zmq.Socket] = field(default_factory=list)
 
     def close(self) -> None:
         """Drop unread inputs, let queued outputs go out (up to the 5 s linger), end the context."""
         self.inputs.close(0)
-        self.outputs.close()
+        for socket in (self.outputs, *self.more_outputs):
+            socket.close()
         self.context.term()
 
 
-def start_child_process(tag: str, log_level: str, input_address: str, output_address: str) -> ChildChannels:
+def start_child_process(tag: str, log_level: str, input_address: str, output_address: str,
+                        more_peers: Sequence[tuple[str, str]] = ()) -> ChildChannels:
+    """more_peers: (input address, output address) of further senders/receivers (API servers 1..N-1)."""
     # Ctrl-C reaches the whole process group; the parent decides when its children stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if not logging.getLogger().handlers:
@@ -34,4 +40,11 @@ def start_child_process(tag: str, log_level: str, input_address: str, output_add
     outputs = context.socket(zmq.PUSH)
     outputs.setsockopt(zmq.LINGER, 5000)
     outputs.connect(output_address)
-    return ChildChannels(context, inputs, outputs)
+    more_outputs = []
+    for peer_input, peer_output in more_peers:
+        inputs.connect(peer_input)  # one PULL fair-queues every sender
+        socket = context.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 5000)
+        socket.connect(peer_output)
+        more_outputs.append(socket)
+    return ChildChannels(context, inputs, outputs, more_outputs)

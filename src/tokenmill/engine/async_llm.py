@@ -47,13 +47,22 @@ class AsyncLLM:
     stall_timeout: seconds a started request (it had output) may go without output from the core."""
 
     def __init__(self, config: EngineConfig, log_level: str = "INFO", *, request_timeout: Optional[float] = None,
-                 stall_timeout: Optional[float] = None) -> None:
+                 stall_timeout: Optional[float] = None, api_server_count: int = 1,
+                 clients: Optional[list[MPClient]] = None) -> None:
+        """api_server_count: API servers (this one and api_server_count - 1 started by the caller with
+        `ready_for_api_servers` and the core client's frontend_addresses) that share one engine core.
+        clients: an API server i > 0's AttachedClient, instead of starting cores."""
         self.config = config
         self.request_timeout = request_timeout
         self.stall_timeout = stall_timeout
+        if api_server_count > 1 and config.data_parallel_size > 1:
+            raise InvalidRequestError("--api-server-count > 1 serves one engine core; it cannot be combined with "
+                                      "--data-parallel-size > 1", "api_server_count")
         # The core loads the model in its process (a bad model path fails there, as a ModelLoadError
         # here); the tokenizer and the model's values come with its ready message (core 0's).
-        self.clients = _start_cores(config, log_level)
+        self.clients = clients if clients is not None else _start_cores(config, log_level, api_server_count)
+        # The ready message with the tokenizer's files, for the other API servers (dropped once they start).
+        self.ready_for_api_servers = self.clients[0].ready if api_server_count > 1 else None
         try:
             info, self.tokenizer = _take_model_info(self.clients)
         except BaseException:
@@ -95,6 +104,18 @@ class AsyncLLM:
     @property
     def errored(self) -> bool:
         return self._dead is not None
+
+    def poll_cores(self) -> bool:
+        """Whether every engine core process still runs; notices a core that died while no request was in
+        flight (the receivers, which otherwise notice, start with the first request)."""
+        if self._dead is None:
+            for client in self.clients:
+                if client.dead is None and not client.process.is_alive():
+                    client.dead = f"the engine core process exited with status {client.process.exitcode}"
+                    logger.error("engine core died: %s", client.dead)
+                    self._on_dead(client.dead)
+                    break
+        return self._dead is None
 
     @property
     def is_running(self) -> bool:
@@ -354,7 +375,7 @@ def _core_environment(config: EngineConfig, index: int) -> Optional[dict[str, st
     return {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices[index * per_core:(index + 1) * per_core])}
 
 
-def _start_cores(config: EngineConfig, log_level: str) -> list[MPClient]:
+def _start_cores(config: EngineConfig, log_level: str, api_server_count: int = 1) -> list[MPClient]:
     """Start every engine core (they load their models at the same time), then wait for each."""
     size = config.data_parallel_size
     core_config = config
@@ -364,7 +385,8 @@ def _start_cores(config: EngineConfig, log_level: str) -> list[MPClient]:
     clients: list[MPClient] = []
     try:
         for index in range(size):
-            clients.append(MPClient(core_config, log_level, wait=False, env=_core_environment(config, index)))
+            clients.append(MPClient(core_config, log_level, wait=False, env=_core_environment(config, index),
+                                    api_server_count=api_server_count))
         for client in clients:
             client.wait_until_ready()
     except BaseException:

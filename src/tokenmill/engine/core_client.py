@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Sequence
 from typing import Callable, Optional
 
 import zmq
@@ -63,10 +64,11 @@ class CoreProcess:
     """`python -m tokenmill.engine.core_proc`, with multiprocessing.Process's names for what we use."""
 
     def __init__(self, config, input_address: str, output_address: str, log_level: str,
-                 env: Optional[dict[str, str]] = None) -> None:
+                 env: Optional[dict[str, str]] = None, more_frontends: Sequence[tuple[str, str]] = ()) -> None:
         self._popen = subprocess.Popen([sys.executable, "-m", "tokenmill.engine.core_proc"], stdin=subprocess.PIPE,
                                        env=env)
-        self._popen.stdin.write(pickle.dumps((config, input_address, output_address, log_level)))
+        self._popen.stdin.write(pickle.dumps((config, input_address, output_address, log_level,
+                                              list(more_frontends))))
         self._popen.stdin.close()
 
     @property
@@ -99,12 +101,32 @@ class MPClient:
     """The engine core in a child process. Construction blocks until the model is loaded (unless
     wait=False; then wait_until_ready does)."""
 
+    # API server index stamped on requests (EngineCoreRequest.frontend): 0 for the core's own parent.
+    frontend = 0
+
     def __init__(self, config, log_level: str = "INFO", startup_timeout_s: Optional[float] = None,
-                 wait: bool = True, env: Optional[dict[str, str]] = None) -> None:
-        """env: the core process's environment (default: this process's)."""
+                 wait: bool = True, env: Optional[dict[str, str]] = None, api_server_count: int = 1) -> None:
+        """env: the core process's environment (default: this process's). api_server_count: API servers
+        that talk to this core; this client is server 0, the others attach with `frontend_addresses`."""
         self._dir = tempfile.mkdtemp(prefix="tokenmill-core-")
-        input_address = f"ipc://{self._dir}/input"
-        output_address = f"ipc://{self._dir}/output"
+        self.frontend_addresses = [(f"ipc://{self._dir}/input-{i}", f"ipc://{self._dir}/output-{i}")
+                                   for i in range(api_server_count)]
+        input_address, output_address = self.frontend_addresses[0]
+        self._bind(input_address, output_address)
+        # A fresh interpreter, not a fork: the frontend may already run threads (and torch's OpenMP
+        # pool). Its settings arrive pickled on stdin.
+        self.process = CoreProcess(config, input_address, output_address, log_level, env,
+                                   self.frontend_addresses[1:])
+        self._start_state()
+        if wait:
+            self.wait_until_ready(startup_timeout_s)
+
+    @property
+    def run_directory(self) -> Optional[str]:
+        """A private directory (0700) for this client's sockets, removed at shutdown."""
+        return self._dir
+
+    def _bind(self, input_address: str, output_address: str) -> None:
         self._context = zmq.Context()
         self._input = self._context.socket(zmq.PUSH)
         self._input.setsockopt(zmq.LINGER, 0)
@@ -112,15 +134,12 @@ class MPClient:
         self._output = self._context.socket(zmq.PULL)
         self._output.setsockopt(zmq.LINGER, 0)
         self._output.bind(output_address)
-        # A fresh interpreter, not a fork: the frontend may already run threads (and torch's OpenMP
-        # pool). Its settings arrive pickled on stdin.
-        self.process = CoreProcess(config, input_address, output_address, log_level, env)
+
+    def _start_state(self) -> None:
         self._receiver: Optional[threading.Thread] = None
         self._stopping = threading.Event()
         self.dead: Optional[str] = None
         self.ready: Optional[EngineCoreReady] = None
-        if wait:
-            self.wait_until_ready(startup_timeout_s)
 
     def wait_until_ready(self, timeout_s: Optional[float] = None) -> EngineCoreReady:
         """Blocks until the core has loaded its model (several cores can load at once: start them all
@@ -156,6 +175,7 @@ class MPClient:
         self._input.send(encode(message))
 
     def add_request(self, message: EngineCoreRequest) -> None:
+        message.frontend = self.frontend
         self._send(message)
 
     def fork(self, message: EngineCoreFork) -> None:
@@ -225,5 +245,52 @@ class MPClient:
         self._input.close(0)
         self._output.close(0)
         self._context.term()
-        shutil.rmtree(self._dir, ignore_errors=True)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
 
+
+
+class ForeignProcess:
+    """The engine core as seen by an API server that did not start it (--api-server-count): alive while its
+    pid exists and is not a zombie (the server that started it reaps it)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    @property
+    def exitcode(self):
+        return None if self.is_alive() else "unknown (it belongs to API server 0)"
+
+    def is_alive(self) -> bool:
+        try:
+            with open(f"/proc/{self.pid}/stat") as stat:
+                return stat.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+        except (OSError, IndexError):
+            return False
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        pass
+
+
+class AttachedClient(MPClient):
+    """API server i > 0 of --api-server-count N: binds its own pair of the addresses the core was started
+    with (the core connects to every pair) and talks to that core; it never starts or stops it."""
+
+    def __init__(self, frontend: int, input_address: str, output_address: str, core_pid: int,
+                 ready: EngineCoreReady) -> None:
+        self._dir = None
+        self.frontend = frontend
+        self.frontend_addresses = []
+        self._bind(input_address, output_address)
+        self.process = ForeignProcess(core_pid)
+        self._start_state()
+        self.ready = ready
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop receiving and close this server's sockets; the core stays (API server 0 stops it)."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self._receiver is not None:
+            self._receiver.join(timeout=2 * POLL_MS / 1000)
+        self._close()

@@ -16,22 +16,27 @@ import logging
 import os
 import sys
 import traceback
+from collections.abc import Sequence
 
+import msgspec
 import zmq
 
 from tokenmill.child_process import start_child_process
-from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFailure, EngineCoreFork, EngineCoreRequest,
-                                       EngineCoreShutdown, decode_input, encode)
+from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFailure, EngineCoreFork, EngineCoreOutputs,
+                                       EngineCoreRequest, EngineCoreShutdown, decode_input, encode)
 
 logger = logging.getLogger("tokenmill")
 
 IDLE_POLL_MS = 1000
 
 
-def run_engine_core(config, input_address: str, output_address: str, log_level: str = "INFO") -> None:
-    """Process entry point (started by core_client.MPClient as `python -m tokenmill.engine.core_proc`)."""
-    channels = start_child_process("core", log_level, input_address, output_address)
-    inputs, outputs = channels.inputs, channels.outputs
+def run_engine_core(config, input_address: str, output_address: str, log_level: str = "INFO",
+                    more_frontends: Sequence[tuple[str, str]] = ()) -> None:
+    """Process entry point (started by core_client.MPClient as `python -m tokenmill.engine.core_proc`).
+    more_frontends: (input, output) addresses of API servers 1..N-1 under --api-server-count N."""
+    channels = start_child_process("core", log_level, input_address, output_address, more_frontends)
+    inputs = channels.inputs
+    outputs = FrontendOutputs([channels.outputs, *channels.more_outputs])
     parent = os.getppid()
     code = 0
     core = None
@@ -41,17 +46,16 @@ def run_engine_core(config, input_address: str, output_address: str, log_level: 
         try:
             core = EngineCore(config)
         except BaseException as exc:
-            outputs.send(encode(EngineCoreFailure(getattr(exc, "message", None) or str(exc),
-                                                  type(exc).__name__)))
+            outputs.send(EngineCoreFailure(getattr(exc, "message", None) or str(exc), type(exc).__name__))
             code = 1
             return
         # The frontend builds its tokenizer from this message: it never loads the model itself.
-        outputs.send(encode(core.ready_message(with_tokenizer=True)))
+        outputs.send(core.ready_message(with_tokenizer=True))
         code = _busy_loop(core, inputs, outputs, parent)
     except BaseException:
         logger.exception("the engine core failed")
         try:
-            outputs.send(encode(EngineCoreFailure("the engine core failed: " + traceback.format_exc(limit=3))))
+            outputs.send(EngineCoreFailure("the engine core failed: " + traceback.format_exc(limit=3)))
         except Exception:
             pass
         code = 1
@@ -66,7 +70,49 @@ def run_engine_core(config, input_address: str, output_address: str, log_level: 
         os._exit(code)  # no atexit handlers or torch teardown: the frontend is waiting on the exit
 
 
-def _busy_loop(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> int:
+class FrontendOutputs:
+    """Where the core's messages go: with one API server, its socket; with several, each request's outputs
+    to the server that sent it (forks follow their parent), the scheduler's stats and any ready or failure
+    message to every server."""
+
+    def __init__(self, sockets: list[zmq.Socket]) -> None:
+        self.sockets = sockets
+        self.frontend_of: dict[str, int] = {}  # request ids of servers 1..N-1 (absent: server 0)
+
+    def note(self, message) -> None:
+        if len(self.sockets) == 1:
+            return
+        if isinstance(message, EngineCoreRequest) and message.frontend:
+            ids = [message.request_id, *(child.request_id for child in message.fork_children or ())]
+            self.frontend_of.update(dict.fromkeys(ids, message.frontend))
+        elif isinstance(message, EngineCoreFork) and message.parent_id in self.frontend_of:
+            frontend = self.frontend_of[message.parent_id]
+            self.frontend_of.update((child.request_id, frontend) for child in message.children)
+        elif isinstance(message, EngineCoreAbort):
+            for request_id in message.request_ids:
+                self.frontend_of.pop(request_id, None)
+
+    def send(self, message) -> None:
+        """A step's EngineCoreOutputs, split by server; anything else to every server."""
+        if len(self.sockets) == 1:
+            self.sockets[0].send(encode(message))
+            return
+        if not isinstance(message, EngineCoreOutputs):
+            frame = encode(message)
+            for socket in self.sockets:
+                socket.send(frame)
+            return
+        shares: list[list] = [[] for _ in self.sockets]
+        for output in message.outputs:
+            frontend = self.frontend_of.get(output.request_id, 0)
+            if output.finish_reason is not None:
+                self.frontend_of.pop(output.request_id, None)
+            shares[frontend].append(output)
+        for socket, share in zip(self.sockets, shares):
+            socket.send(encode(msgspec.structs.replace(message, outputs=share)))
+
+
+def _busy_loop(core, inputs: zmq.Socket, outputs: FrontendOutputs, parent: int) -> int:
     while True:
         changed = False
         timeout = 0 if core.has_unfinished_requests() else IDLE_POLL_MS
@@ -74,6 +120,7 @@ def _busy_loop(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> in
             message = decode_input(inputs.recv())
             if isinstance(message, EngineCoreShutdown):
                 return 0
+            outputs.note(message)
             _handle(core, message)
             changed = True
             timeout = 0
@@ -83,7 +130,7 @@ def _busy_loop(core, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> in
         if not changed and not core.has_unfinished_requests():
             continue
         # An idle core after an abort still reports, so gauges show the freed blocks.
-        outputs.send(encode(core.step()))
+        outputs.send(core.step())
 
 
 def _handle(core, message) -> None:

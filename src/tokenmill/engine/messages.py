@@ -46,6 +46,8 @@ class EngineCoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
     # Beam search: after each sampled token the request parks (keeps its blocks, computes nothing)
     # until an EngineCoreFork names the beams that continue from it.
     park_after_sample: bool = False
+    # --api-server-count N: the API server that sent it (0..N-1), which gets its outputs (and its forks').
+    frontend: int = 0
 
 
 class EngineCoreFork(msgspec.Struct, tag=True):

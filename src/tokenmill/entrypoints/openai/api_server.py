@@ -15,12 +15,15 @@ import argparse
 import asyncio
 import logging
 import math
+import os
+import signal
+import socket
 import sys
 import time
 from importlib import metadata, resources
 from pathlib import Path
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -35,6 +38,7 @@ from tokenmill.entrypoints.openai.cli_args import (
     resolve_rate_limiter,
 )
 from tokenmill.entrypoints.openai.errors import error_response, install_exception_handlers
+from tokenmill.entrypoints.openai.api_servers import STOP_GRACE_S, ApiServers, StatsCollector, listening_socket
 from tokenmill.entrypoints.openai.middleware import GatewayMiddleware, ServerLifecycle
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -84,7 +88,10 @@ def _version() -> str:
         return "0.0.0+unknown"
 
 
-def build_app(engine: "AsyncLLM", args: Optional[argparse.Namespace] = None) -> FastAPI:
+def build_app(engine: "AsyncLLM", args: Optional[argparse.Namespace] = None,
+              relay_path: Optional[str] = None) -> FastAPI:
+    """relay_path: API server i > 0 of --api-server-count, whose /metrics and /stats are server 0's, fetched
+    over this unix socket (its own request statistics are forwarded there, api_servers.StatsForwarder)."""
     lifecycle = ServerLifecycle()
     app = FastAPI(title="tokenmill", version=_version(),
                   description="OpenAI-compatible API of the tokenmill inference engine")
@@ -93,7 +100,10 @@ def build_app(engine: "AsyncLLM", args: Optional[argparse.Namespace] = None) -> 
     install_exception_handlers(app)
     _add_openai_routes(app, engine, args)
     _add_server_routes(app, engine, lifecycle)
-    _add_observability(app, engine, args)
+    if relay_path is None:
+        _add_observability(app, engine, args)
+    else:
+        _add_relayed_observability(app, relay_path)
     max_body = getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES)
     limiter = resolve_rate_limiter(args)
     app.state.rate_limiter = limiter  # the token limits are charged by the serving layer
@@ -144,7 +154,7 @@ def _add_server_routes(app: FastAPI, engine: "AsyncLLM", lifecycle: ServerLifecy
 
     @app.get("/health", responses={200: {"description": "the engine can serve"}, 503: {"model": ErrorResponse}})
     async def health() -> Response:
-        if engine.errored:
+        if not engine.poll_cores():
             return error_response(503, "the engine has stopped", "service_unavailable", code="engine_dead")
         if lifecycle.draining:
             return error_response(503, "the server is shutting down", "service_unavailable", code="shutting_down")
@@ -194,6 +204,39 @@ def _add_observability(app: FastAPI, engine: "AsyncLLM", args: Optional[argparse
     app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
 
 
+def _add_relayed_observability(app: FastAPI, relay_path: str) -> None:
+    """API server i > 0: /metrics and /stats answered with API server 0's (which counts every server's
+    requests), the dashboard served here."""
+    import httpx
+
+    client = httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds=relay_path), base_url="http://api-server-0",
+                               timeout=10.0)
+
+    async def relay(path: str) -> Response:
+        try:
+            answer = await client.get(path)
+        except httpx.HTTPError as exc:
+            return error_response(503, f"API server 0 did not answer: {exc}", "service_unavailable",
+                                  code="api_server_unavailable")
+        return Response(answer.content, status_code=answer.status_code,
+                        media_type=answer.headers.get("content-type"), headers=_NO_CACHE)
+
+    @app.get("/metrics", response_class=Response,
+             responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
+    async def metrics() -> Response:
+        return await relay("/metrics")
+
+    @app.get("/stats", responses={200: {"description": "engine statistics (API server 0's, every server's requests)"}})
+    async def stats() -> Response:
+        return await relay("/stats")
+
+    @app.get("/", include_in_schema=False)
+    async def dashboard() -> Response:
+        return FileResponse(STATIC_DIR / "index.html", headers=_NO_CACHE)
+
+    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+
+
 def _jsonable(value: Any) -> Any:
     """JSON has no NaN or Infinity; a stats gauge that is not finite reads as null."""
     if isinstance(value, float) and not math.isfinite(value):
@@ -214,17 +257,26 @@ class DrainingServer(uvicorn.Server):
     503 until in-flight requests are done and then exits normally with status 0.
     """
 
-    def __init__(self, config: uvicorn.Config, lifecycle: ServerLifecycle, shutdown_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, lifecycle: ServerLifecycle, shutdown_timeout_s: float,
+                 on_drain: Optional[Callable[[], None]] = None) -> None:
+        """on_drain: called once when the drain starts (API server 0 passes SIGTERM on to the others)."""
         super().__init__(config)
         self.lifecycle = lifecycle
         self.shutdown_timeout_s = shutdown_timeout_s
+        self.on_drain = on_drain
         self._drain_deadline: Optional[float] = None
         self._drain_logged = False
         self._dead_since: Optional[float] = None
         self._failed_at: Optional[float] = None
 
+    # API servers 1..N-1 of --api-server-count leave Ctrl-C (sent to the whole process group) to server 0,
+    # which passes the drain on as SIGTERM; taking both would count as the second, forcing signal.
+    ignore_sigint = False
+
     def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
         # Runs as a signal handler: only set flags here (no logging, no awaiting).
+        if sig == signal.SIGINT and self.ignore_sigint:
+            return
         if self.lifecycle.draining:
             self.force_exit = True
             self.should_exit = True
@@ -234,7 +286,7 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         engine = getattr(getattr(self.config.app, "state", None), "engine", None)
-        if engine is not None and engine.errored and not self.should_exit:
+        if engine is not None and not engine.poll_cores() and not self.should_exit:
             # The engine core died: requests in flight have already failed. Keep answering (503 on
             # /health, errors on requests) for a moment, so load balancers and clients see why, then
             # exit non-zero (run_server) for a supervisor to restart the server.
@@ -252,6 +304,8 @@ class DrainingServer(uvicorn.Server):
                 self._drain_logged = True
                 logger.info("shutting down: refusing new requests, waiting for %d in flight (up to %.0f s)",
                             inflight, self.shutdown_timeout_s)
+                if self.on_drain is not None:
+                    self.on_drain()
             now = time.monotonic()
             if inflight and self._failed_at is None and now >= (self._drain_deadline or 0.0):
                 # Requests still running end with a 503 (a stream: an error event, then [DONE]) rather
@@ -268,7 +322,10 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-async def serve_app(app: FastAPI, args: argparse.Namespace) -> None:
+async def serve_app(app: FastAPI, args: argparse.Namespace, sockets: Optional[list[socket.socket]] = None,
+                    on_drain: Optional[Callable[[], None]] = None, ignore_sigint: bool = False) -> DrainingServer:
+    """sockets: already bound (--api-server-count: the shared port, and server 0's private relay socket).
+    Returns the server once it has stopped."""
     config = uvicorn.Config(
         app,
         host=getattr(args, "host", "127.0.0.1"),
@@ -277,8 +334,10 @@ async def serve_app(app: FastAPI, args: argparse.Namespace) -> None:
         access_log=not getattr(args, "disable_access_log", False),
         lifespan="off",
     )
-    server = DrainingServer(config, app.state.lifecycle, getattr(args, "shutdown_timeout", 30.0))
-    await server.serve()
+    server = DrainingServer(config, app.state.lifecycle, getattr(args, "shutdown_timeout", 30.0), on_drain)
+    server.ignore_sigint = ignore_sigint
+    await server.serve(sockets=sockets)
+    return server
 
 
 def run_server(args: argparse.Namespace) -> int:
@@ -306,17 +365,47 @@ def run_server(args: argparse.Namespace) -> int:
 async def _serve(args: argparse.Namespace, config) -> int:
     from tokenmill.engine.async_llm import AsyncLLM
 
+    count = getattr(args, "api_server_count", 1)
+    log_level = getattr(args, "log_level", None) or "INFO"
+    sock = None
+    if count > 1:
+        try:
+            sock = listening_socket(getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000))
+        except OSError as exc:
+            logger.error("cannot listen on %s:%s: %s", getattr(args, "host", ""), getattr(args, "port", ""), exc)
+            return 1
     try:
         # The engine core starts in its own process; this returns once it has loaded the model.
-        engine = AsyncLLM.from_config(config, getattr(args, "log_level", None) or "INFO",
-                                      request_timeout=getattr(args, "request_timeout", None),
-                                      stall_timeout=getattr(args, "engine_stall_timeout", None))
+        engine = AsyncLLM.from_config(config, log_level, request_timeout=getattr(args, "request_timeout", None),
+                                      stall_timeout=getattr(args, "engine_stall_timeout", None),
+                                      api_server_count=count)
     except TokenmillError as exc:
         logger.error("cannot start the engine: %s", exc.message)
         return 1
+    servers: Optional[ApiServers] = None
+    collector = None
+    sockets = None
     try:
-        await serve_app(build_app(engine, args), args)
+        app = build_app(engine, args)
+        if count > 1:
+            directory = engine.client.run_directory
+            relay_path = os.path.join(directory, "api-server-0.sock")
+            relay = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            relay.bind(relay_path)
+            relay.listen(64)
+            sockets = [sock, relay]
+            collector = StatsCollector(directory, engine)
+            collector.start(asyncio.get_running_loop())
+            servers = ApiServers(args, config, engine, sock, collector.address, relay_path, log_level)
+            engine.ready_for_api_servers = None
+            logger.info("%d API servers on port %s (pids %s and this one)", count, getattr(args, "port", ""),
+                        ", ".join(str(pid) for pid in servers.pids))
+        await serve_app(app, args, sockets, on_drain=servers.drain if servers is not None else None)
     finally:
+        if servers is not None:  # they drain their own requests, which the core still serves
+            servers.stop(getattr(args, "shutdown_timeout", 30.0) + STOP_GRACE_S)
+        if collector is not None:
+            collector.close()
         try:
             await asyncio.wait_for(engine.shutdown(), ENGINE_SHUTDOWN_TIMEOUT_S)
         except Exception:

@@ -31,6 +31,12 @@ def _port(value: str) -> int:
     return int(value)
 
 
+def _positive_int(value: str) -> int:
+    if not value.isdigit() or int(value) < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
+    return int(value)
+
+
 def _non_negative(value: str) -> float:
     try:
         number = float(value)
@@ -61,6 +67,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> None:
                        help="JSON object: API key -> {tenant, requests_per_minute, tokens_per_minute} (all optional); "
                        "over a limit: 429 with Retry-After; the tenant is the request's user for --scheduling-policy "
                        "fair (adds to --api-key)")
+    group.add_argument("--api-server-count", type=_positive_int, default=1, metavar="N",
+                       help="HTTP frontend processes sharing the port and one engine core (tokenization, "
+                       "detokenization and streaming spread over N CPU cores); metrics count every server's requests")
     group.add_argument("--shutdown-timeout", type=_non_negative, default=30.0,
                        help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
     group.add_argument("--request-timeout", type=_optional_seconds, default=None, metavar="SECONDS",

@@ -56,7 +56,8 @@ class GatewayMiddleware:
         request_id = _request_id(scope)
         scope.setdefault("state", {})["request_id"] = request_id
         send = _with_header(send, b"x-request-id", request_id.encode())
-        if self.lifecycle.draining:
+        # /health answers for itself (it tells a dead engine core from a shutdown).
+        if self.lifecycle.draining and scope["path"] != "/health":
             await _reject(send, 503, "the server is shutting down", "service_unavailable", "shutting_down",
                           [(b"connection", b"close")])
             return
