@@ -1,7 +1,7 @@
 """What generation returns to users (vLLM's shapes)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 # One generated position's top logprobs: token id -> Logprob.

@@ -14,9 +14,9 @@ import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Optional
 
-from tokenmill.errors import InvalidRequestError, TokenmillError
+from tokenmill.errors import InvalidRequestError
 
 
 def _int_list(value: str) -> list[int]:
