@@ -10,20 +10,11 @@ CPU, is older than 3.7.
 """
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
+from triton_setup import require_triton
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-if torch.cuda.is_available():
-    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch ship it)")
-else:
-    # Older interpreters index NumPy arrays in ways NumPy 2 refuses.
-    pytest.importorskip("triton", minversion="3.7", reason="the CPU interpreter needs triton >= 3.7 (a test extra)")
+require_triton()
 
 from tokenmill.model.layers.attention import TorchAttentionBackend, get_attention_backend  # noqa: E402
 from tokenmill.model.layers.triton_attention import TritonAttentionBackend  # noqa: E402

@@ -9,20 +9,11 @@ Skipped, with the reason, where triton is not installed or, on the CPU, is older
 """
 from __future__ import annotations
 
-import os
-
+import pytest
 import torch
+from triton_setup import require_triton
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-
-if torch.cuda.is_available():
-    pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch ship it)")
-else:
-    # Older interpreters index NumPy arrays in ways NumPy 2 refuses.
-    pytest.importorskip("triton", minversion="3.7", reason="the CPU interpreter needs triton >= 3.7 (a test extra)")
+require_triton()
 
 from tokenmill.model.layers.linear import BlockQuantLinear, Int8Blocks, pack_blocks  # noqa: E402
 from tokenmill.model.layers.triton_quant_linear import TritonBlockKernels, block_kernel_problem  # noqa: E402

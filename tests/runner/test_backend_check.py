@@ -1,15 +1,12 @@
 """The start-up check that lets `--attention-backend auto` fall back to torch when compiled kernels fail."""
 from __future__ import annotations
 
-import os
 from types import SimpleNamespace
 
 import torch
+from triton_setup import interpret_without_cuda, require_triton
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
+interpret_without_cuda()
 
 from tokenmill.entrypoints.llm import LLM  # noqa: E402
 from tokenmill.model.layers.attention import TorchAttentionBackend  # noqa: E402
@@ -41,7 +38,7 @@ def test_the_torch_backend_passes_and_broken_kernels_are_named():
 
 
 def test_the_triton_kernels_pass_the_check_on_windowed_and_capped_layers():
-    pytest.importorskip("triton", minversion="3.7", reason="the CPU interpreter needs triton >= 3.7 (a test extra)")
+    require_triton()
     from tokenmill.model.layers.triton_attention import TritonAttentionBackend
 
     for layer in (LAYER, SimpleNamespace(**{**vars(LAYER), "window": 9, "softcap": 0.5})):
