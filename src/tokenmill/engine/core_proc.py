@@ -78,6 +78,7 @@ class FrontendOutputs:
     def __init__(self, sockets: list[zmq.Socket]) -> None:
         self.sockets = sockets
         self.frontend_of: dict[str, int] = {}  # request ids of servers 1..N-1 (absent: server 0)
+        self._unreachable: set[int] = set()
 
     def note(self, message) -> None:
         if len(self.sockets) == 1:
@@ -99,8 +100,8 @@ class FrontendOutputs:
             return
         if not isinstance(message, EngineCoreOutputs):
             frame = encode(message)
-            for socket in self.sockets:
-                socket.send(frame)
+            for index in range(len(self.sockets)):
+                self._send(index, frame)
             return
         shares: list[list] = [[] for _ in self.sockets]
         for output in message.outputs:
@@ -108,8 +109,21 @@ class FrontendOutputs:
             if output.finish_reason is not None:
                 self.frontend_of.pop(output.request_id, None)
             shares[frontend].append(output)
-        for socket, share in zip(self.sockets, shares):
-            socket.send(encode(msgspec.structs.replace(message, outputs=share)))
+        for index, (socket, share) in enumerate(zip(self.sockets, shares)):
+            self._send(index, encode(msgspec.structs.replace(message, outputs=share)))
+
+    def _send(self, index: int, frame: bytes) -> None:
+        """Server 0 owns this process (its death ends the core); a further server that died must not stall
+        the core once its queue is full: its messages are dropped instead."""
+        if index == 0:
+            self.sockets[0].send(frame)
+            return
+        try:
+            self.sockets[index].send(frame, zmq.NOBLOCK)
+        except zmq.Again:
+            if index not in self._unreachable:
+                self._unreachable.add(index)
+                logger.error("API server %d does not take the engine core's outputs; dropping them", index)
 
 
 def _busy_loop(core, inputs: zmq.Socket, outputs: FrontendOutputs, parent: int) -> int:

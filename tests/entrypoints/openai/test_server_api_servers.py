@@ -117,3 +117,17 @@ def test_a_dead_core_fails_both_api_servers(start_server, tiny_llama_dir):
     while is_alive(worker) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not is_alive(worker)
+
+
+@pytest.mark.slow
+def test_a_dead_api_server_stops_the_server_for_its_supervisor(start_server, tiny_llama_dir):
+    server = start_server(["--model", str(tiny_llama_dir), "--served-model-name", MODEL, "--api-server-count", "2",
+                           "--max-model-len", "256", "--disable-access-log", "--disable-log-stats"])
+    worker, core = _processes(server)
+    os.kill(worker, signal.SIGKILL)
+    assert server.proc.wait(30) == 1
+    assert "API server 1" in server.log_text() and "exited with status -9" in server.log_text()
+    deadline = time.monotonic() + 15
+    while is_alive(core) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not is_alive(core)

@@ -258,12 +258,17 @@ class DrainingServer(uvicorn.Server):
     """
 
     def __init__(self, config: uvicorn.Config, lifecycle: ServerLifecycle, shutdown_timeout_s: float,
-                 on_drain: Optional[Callable[[], None]] = None) -> None:
-        """on_drain: called once when the drain starts (API server 0 passes SIGTERM on to the others)."""
+                 on_drain: Optional[Callable[[], None]] = None,
+                 failure: Optional[Callable[[], Optional[str]]] = None) -> None:
+        """on_drain: called once when the drain starts (API server 0 passes SIGTERM on to the others).
+        failure: polled every tick; a reason it returns starts a drain, and the server then exits non-zero
+        (API server 0: another API server died)."""
         super().__init__(config)
         self.lifecycle = lifecycle
         self.shutdown_timeout_s = shutdown_timeout_s
         self.on_drain = on_drain
+        self.failure = failure
+        self.failed: Optional[str] = None
         self._drain_deadline: Optional[float] = None
         self._drain_logged = False
         self._dead_since: Optional[float] = None
@@ -286,6 +291,11 @@ class DrainingServer(uvicorn.Server):
 
     async def on_tick(self, counter: int) -> bool:
         engine = getattr(getattr(self.config.app, "state", None), "engine", None)
+        if self.failure is not None and self.failed is None and not self.should_exit:
+            self.failed = self.failure()
+            if self.failed is not None:
+                logger.error("%s; the server drains and exits", self.failed)
+                self.handle_exit(signal.SIGTERM, None)
         if engine is not None and not engine.poll_cores() and not self.should_exit:
             # The engine core died: requests in flight have already failed. Keep answering (503 on
             # /health, errors on requests) for a moment, so load balancers and clients see why, then
@@ -323,7 +333,8 @@ class DrainingServer(uvicorn.Server):
 
 
 async def serve_app(app: FastAPI, args: argparse.Namespace, sockets: Optional[list[socket.socket]] = None,
-                    on_drain: Optional[Callable[[], None]] = None, ignore_sigint: bool = False) -> DrainingServer:
+                    on_drain: Optional[Callable[[], None]] = None, ignore_sigint: bool = False,
+                    failure: Optional[Callable[[], Optional[str]]] = None) -> DrainingServer:
     """sockets: already bound (--api-server-count: the shared port, and server 0's private relay socket).
     Returns the server once it has stopped."""
     config = uvicorn.Config(
@@ -334,7 +345,7 @@ async def serve_app(app: FastAPI, args: argparse.Namespace, sockets: Optional[li
         access_log=not getattr(args, "disable_access_log", False),
         lifespan="off",
     )
-    server = DrainingServer(config, app.state.lifecycle, getattr(args, "shutdown_timeout", 30.0), on_drain)
+    server = DrainingServer(config, app.state.lifecycle, getattr(args, "shutdown_timeout", 30.0), on_drain, failure)
     server.ignore_sigint = ignore_sigint
     await server.serve(sockets=sockets)
     return server
@@ -384,6 +395,7 @@ async def _serve(args: argparse.Namespace, config) -> int:
         return 1
     servers: Optional[ApiServers] = None
     collector = None
+    failed = False
     sockets = None
     try:
         app = build_app(engine, args)
@@ -400,7 +412,9 @@ async def _serve(args: argparse.Namespace, config) -> int:
             engine.ready_for_api_servers = None
             logger.info("%d API servers on port %s (pids %s and this one)", count, getattr(args, "port", ""),
                         ", ".join(str(pid) for pid in servers.pids))
-        await serve_app(app, args, sockets, on_drain=servers.drain if servers is not None else None)
+        server = await serve_app(app, args, sockets, on_drain=servers.drain if servers is not None else None,
+                                 failure=servers.failure if servers is not None else None)
+        failed = server.failed is not None
     finally:
         if servers is not None:  # they drain their own requests, which the core still serves
             servers.stop(getattr(args, "shutdown_timeout", 30.0) + STOP_GRACE_S)
@@ -410,8 +424,8 @@ async def _serve(args: argparse.Namespace, config) -> int:
             await asyncio.wait_for(engine.shutdown(), ENGINE_SHUTDOWN_TIMEOUT_S)
         except Exception:
             logger.exception("engine shutdown failed")
-    # A dead engine core ends the server with a failure, so a supervisor restarts it.
-    return 1 if engine.errored else 0
+    # A dead engine core (or API server) ends the server with a failure, so a supervisor restarts it.
+    return 1 if engine.errored or failed else 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:

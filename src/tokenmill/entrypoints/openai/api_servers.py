@@ -160,6 +160,16 @@ class ApiServers:
     def pids(self) -> list[int]:
         return [process.pid for process in self.processes]
 
+    def failure(self) -> Optional[str]:
+        """Why the group cannot go on: an API server exited while nobody asked it to (its requests are
+        lost and the port serves on with fewer processes; a supervisor should restart the whole server)."""
+        if self._signalled:
+            return None
+        for index, process in enumerate(self.processes, start=1):
+            if process.poll() is not None:
+                return f"API server {index} (pid {process.pid}) exited with status {process.returncode}"
+        return None
+
     def drain(self) -> None:
         """SIGTERM, once: each server refuses new requests and finishes its own (a second one would cut
         them off)."""
