@@ -378,13 +378,6 @@ async def _serve(args: argparse.Namespace, config) -> int:
 
     count = getattr(args, "api_server_count", 1)
     log_level = getattr(args, "log_level", None) or "INFO"
-    sock = None
-    if count > 1:
-        try:
-            sock = listening_socket(getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000))
-        except OSError as exc:
-            logger.error("cannot listen on %s:%s: %s", getattr(args, "host", ""), getattr(args, "port", ""), exc)
-            return 1
     try:
         # The engine core starts in its own process; this returns once it has loaded the model.
         engine = AsyncLLM.from_config(config, log_level, request_timeout=getattr(args, "request_timeout", None),
@@ -400,6 +393,14 @@ async def _serve(args: argparse.Namespace, config) -> int:
     try:
         app = build_app(engine, args)
         if count > 1:
+            # Bound once the model is loaded, as uvicorn binds for a single server: until then connections
+            # are refused rather than left waiting.
+            host, port = getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000)
+            try:
+                sock = listening_socket(host, port)
+            except OSError as exc:
+                logger.error("cannot listen on %s:%s: %s", host, port, exc)
+                return 1
             directory = engine.client.run_directory
             relay_path = os.path.join(directory, "api-server-0.sock")
             relay = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
