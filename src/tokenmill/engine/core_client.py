@@ -207,11 +207,18 @@ class MPClient:
                 elif isinstance(message, EngineCoreFailure):
                     self._declare_dead(message.message, on_dead)
                     return
-            elif not self.process.is_alive() and not self._stopping.is_set():
-                self._declare_dead(f"the engine core process exited with status {self.process.exitcode}", on_dead)
+            elif not self._stopping.is_set() and self.check_alive(on_dead) is not None:
                 return
 
+    def check_alive(self, on_dead) -> Optional[str]:
+        """Why the core is gone (declared dead now if its process has exited), or None while it runs."""
+        if self.dead is None and not self.process.is_alive():
+            self._declare_dead(f"the engine core process exited with status {self.process.exitcode}", on_dead)
+        return self.dead
+
     def _declare_dead(self, reason: str, on_dead) -> None:
+        if self.dead is not None:  # the receiver thread and a health check may both notice
+            return
         self.dead = reason
         logger.error("engine core died: %s", reason)
         on_dead(reason)
@@ -222,15 +229,18 @@ class MPClient:
         if self._stopping.is_set():
             return
         self._stopping.set()
+        self._stop_core(timeout_s)
+        if self._receiver is not None:
+            self._receiver.join(timeout=2 * POLL_MS / 1000)
+        self._close()
+
+    def _stop_core(self, timeout_s: float) -> None:
         if self.dead is None and self.process.is_alive():
             try:
                 self._input.send(encode(EngineCoreShutdown()), zmq.NOBLOCK)
             except zmq.ZMQError:
                 pass
         self._stop_process(timeout_s)
-        if self._receiver is not None:
-            self._receiver.join(timeout=2 * POLL_MS / 1000)
-        self._close()
 
     def _stop_process(self, timeout_s: float) -> None:
         self.process.join(timeout_s)
@@ -286,11 +296,5 @@ class AttachedClient(MPClient):
         self._start_state()
         self.ready = ready
 
-    def shutdown(self, timeout_s: float = 10.0) -> None:
-        """Stop receiving and close this server's sockets; the core stays (API server 0 stops it)."""
-        if self._stopping.is_set():
-            return
-        self._stopping.set()
-        if self._receiver is not None:
-            self._receiver.join(timeout=2 * POLL_MS / 1000)
-        self._close()
+    def _stop_core(self, timeout_s: float) -> None:
+        """Shutting down only closes this server's sockets: the core stays (API server 0 stops it)."""

@@ -95,10 +95,7 @@ class FrontendOutputs:
 
     def send(self, message) -> None:
         """A step's EngineCoreOutputs, split by server; anything else to every server."""
-        if len(self.sockets) == 1:
-            self.sockets[0].send(encode(message))
-            return
-        if not isinstance(message, EngineCoreOutputs):
+        if len(self.sockets) == 1 or not isinstance(message, EngineCoreOutputs):
             frame = encode(message)
             for index in range(len(self.sockets)):
                 self._send(index, frame)
@@ -109,7 +106,7 @@ class FrontendOutputs:
             if output.finish_reason is not None:
                 self.frontend_of.pop(output.request_id, None)
             shares[frontend].append(output)
-        for index, (socket, share) in enumerate(zip(self.sockets, shares)):
+        for index, share in enumerate(shares):
             self._send(index, encode(msgspec.structs.replace(message, outputs=share)))
 
     def _send(self, index: int, frame: bytes) -> None:
