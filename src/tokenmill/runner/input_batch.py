@@ -8,7 +8,7 @@ arrays, reused once it leaves:
 
     token_ids      [rows, max_model_len] int32   every token by position (prompt, generated, drafts)
     block_tables   [groups][rows, max_blocks] int32   one table per KV cache group
-    temperature, top_k, top_p, min_p   [rows]    the sampling parameters, written when a request joins
+    sampling       SamplingArrays [rows]         temperature, top-k, top-p, min-p, written when a request joins
 
 A step's input ids, positions and slot mapping are then a few vectorized gathers over the scheduled
 rows, not lists built anew. Tokens are kept by position, so a speculative verify that rejects drafts
@@ -52,7 +52,7 @@ class CachedRequestState:
     sampling_params: SamplingParams
     eos_token_id: Optional[int]
     row: int  # its row of the batch's arrays
-    # Blocks in the request's table, per KV cache group (their tables have one entry per block of tokens).
+    # Entries in the request's block table (every KV cache group's table holds as many: one per block of tokens).
     num_blocks: int = 0
 
     @property
@@ -66,17 +66,13 @@ class InputBatch:
     def __init__(self, max_model_len: int, block_size: int, num_groups: int = 1,
                  max_num_reqs: int = INITIAL_ROWS) -> None:
         self.block_size = block_size
-        self.num_groups = num_groups
-        self.max_blocks = -(-max_model_len // block_size)
         self.requests: dict[str, CachedRequestState] = {}
         rows = max(1, max_num_reqs)
         # np.zeros maps untouched pages lazily: a row costs memory only as far as its tokens reach.
         self.token_ids = np.zeros((rows, max_model_len), dtype=np.int32)
-        self.block_tables = [np.zeros((rows, self.max_blocks), dtype=np.int32) for _ in range(num_groups)]
-        self.temperature = np.ones(rows, dtype=np.float32)
-        self.top_k = np.zeros(rows, dtype=np.int64)  # 0: no top-k
-        self.top_p = np.ones(rows, dtype=np.float32)
-        self.min_p = np.zeros(rows, dtype=np.float32)
+        self.block_tables = [np.zeros((rows, -(-max_model_len // block_size)), dtype=np.int32)
+                             for _ in range(num_groups)]
+        self.sampling = SamplingArrays.empty(rows)
         self._free_rows: list[int] = list(range(rows - 1, -1, -1))
 
     # ---- deltas ----------------------------------------------------------------------------
@@ -114,11 +110,7 @@ class InputBatch:
         self.requests[new.request_id] = CachedRequestState(new.request_id, new.prompt_token_ids, new.sampling_params,
                                                            new.eos_token_id, row)
         self._write_tokens(row, 0, new.prompt_token_ids, new.output_token_ids)
-        params = new.sampling_params
-        self.temperature[row] = params.temperature
-        self.top_k[row] = params.top_k or 0
-        self.top_p[row] = params.top_p
-        self.min_p[row] = params.min_p
+        self.sampling.write(row, new.sampling_params)
 
     def _drop(self, request_id: str) -> None:
         state = self.requests.pop(request_id, None)
@@ -143,8 +135,7 @@ class InputBatch:
 
         self.token_ids = doubled(self.token_ids)
         self.block_tables = [doubled(table) for table in self.block_tables]
-        self.temperature, self.top_k, self.top_p, self.min_p = (
-            doubled(a) for a in (self.temperature, self.top_k, self.top_p, self.min_p))
+        self.sampling = self.sampling.grown(2 * old)
         self._free_rows = list(range(2 * old - 1, old - 1, -1))
 
     def _grow_columns(self, width: int) -> None:
@@ -164,8 +155,7 @@ class InputBatch:
 
     def sampling_arrays(self, rows: Sequence[int]) -> SamplingArrays:
         """The sampling parameters of these rows (in this order), gathered from the persistent arrays."""
-        index = np.asarray(rows, dtype=np.int64)
-        return SamplingArrays(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index])
+        return self.sampling.select(rows)
 
     # ---- the step's tensors ----------------------------------------------------------------
     def prepare(self, scheduled: Sequence[ScheduledRequest], states: Sequence[CachedRequestState],

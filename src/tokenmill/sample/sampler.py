@@ -58,15 +58,34 @@ class SamplingArrays:
     min_p: np.ndarray  # float32
 
     @classmethod
+    def empty(cls, rows: int) -> SamplingArrays:
+        """Rows of neutral parameters (temperature 1, no truncation), to be written."""
+        return cls(np.ones(rows, dtype=np.float32), np.zeros(rows, dtype=np.int64), np.ones(rows, dtype=np.float32),
+                   np.zeros(rows, dtype=np.float32))
+
+    @classmethod
     def from_params(cls, params: Sequence[SamplingParams]) -> SamplingArrays:
-        return cls(np.array([p.temperature for p in params], dtype=np.float32),
-                   np.array([p.top_k or 0 for p in params], dtype=np.int64),
-                   np.array([p.top_p for p in params], dtype=np.float32),
-                   np.array([p.min_p for p in params], dtype=np.float32))
+        arrays = cls.empty(len(params))
+        for row, row_params in enumerate(params):
+            arrays.write(row, row_params)
+        return arrays
+
+    def write(self, row: int, params: SamplingParams) -> None:
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k or 0
+        self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
 
     def select(self, rows: Sequence[int]) -> SamplingArrays:
         index = np.asarray(rows, dtype=np.int64)
         return SamplingArrays(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index])
+
+    def grown(self, rows: int) -> SamplingArrays:
+        """A copy with `rows` rows, the new ones neutral."""
+        grown = SamplingArrays.empty(rows)
+        for name in ("temperature", "top_k", "top_p", "min_p"):
+            getattr(grown, name)[:len(self.temperature)] = getattr(self, name)
+        return grown
 
 
 @dataclass(slots=True)
