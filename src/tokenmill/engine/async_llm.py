@@ -34,7 +34,7 @@ from tokenmill.engine.messages import EngineCoreAbort, EngineCoreFork, EngineCor
 from tokenmill.engine.tokenizer_handover import tokenizer_from_files
 from tokenmill.errors import EngineDeadError, EngineFailedError, InvalidRequestError, RequestTimeoutError, \
     TokenmillError
-from tokenmill.metrics.stats import SchedulerSnapshot, StatLogger
+from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot, StatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.runner.host_memory import process_rss_bytes, release_freed_memory
 from tokenmill.sampling_params import SamplingParams
@@ -110,10 +110,7 @@ class AsyncLLM:
         flight (the receivers, which otherwise notice, start with the first request)."""
         if self._dead is None:
             for client in self.clients:
-                if client.dead is None and not client.process.is_alive():
-                    client.dead = f"the engine core process exited with status {client.process.exitcode}"
-                    logger.error("engine core died: %s", client.dead)
-                    self._on_dead(client.dead)
+                if client.check_alive(self._on_dead) is not None:
                     break
         return self._dead is None
 
@@ -280,6 +277,11 @@ class AsyncLLM:
         if core_outputs.stats is None:
             return
         self._snapshots[index] = scheduler_snapshot(core_outputs)
+        self.record_iteration(iteration)
+
+    def record_iteration(self, iteration: IterationStats) -> None:
+        """One step's request statistics (this server's, or another API server's forwarded to this one)
+        to the stat loggers, with the cores' latest scheduler stats."""
         iteration.timestamp = time.time()
         snapshot = self._snapshot()
         for stat_logger in self.stat_loggers:

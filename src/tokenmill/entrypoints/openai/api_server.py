@@ -197,6 +197,12 @@ def _add_observability(app: FastAPI, engine: "AsyncLLM", args: Optional[argparse
         body["max_model_len"] = engine.max_model_len
         return JSONResponse(_jsonable(body), headers=_NO_CACHE)
 
+    _add_dashboard(app)
+
+
+def _add_dashboard(app: FastAPI) -> None:
+    """The web dashboard `/` and its `/static/*` files (it reads /stats)."""
+
     @app.get("/", include_in_schema=False)
     async def dashboard() -> Response:
         return FileResponse(STATIC_DIR / "index.html", headers=_NO_CACHE)
@@ -230,11 +236,7 @@ def _add_relayed_observability(app: FastAPI, relay_path: str) -> None:
     async def stats() -> Response:
         return await relay("/stats")
 
-    @app.get("/", include_in_schema=False)
-    async def dashboard() -> Response:
-        return FileResponse(STATIC_DIR / "index.html", headers=_NO_CACHE)
-
-    app.mount("/static", StaticFiles(directory=STATIC_DIR), name="static")
+    _add_dashboard(app)
 
 
 def _jsonable(value: Any) -> Any:
@@ -259,24 +261,23 @@ class DrainingServer(uvicorn.Server):
 
     def __init__(self, config: uvicorn.Config, lifecycle: ServerLifecycle, shutdown_timeout_s: float,
                  on_drain: Optional[Callable[[], None]] = None,
-                 failure: Optional[Callable[[], Optional[str]]] = None) -> None:
+                 failure: Optional[Callable[[], Optional[str]]] = None, ignore_sigint: bool = False) -> None:
         """on_drain: called once when the drain starts (API server 0 passes SIGTERM on to the others).
         failure: polled every tick; a reason it returns starts a drain, and the server then exits non-zero
-        (API server 0: another API server died)."""
+        (API server 0: another API server died). ignore_sigint: API servers 1..N-1 of --api-server-count
+        leave Ctrl-C (sent to the whole process group) to server 0, which passes the drain on as SIGTERM;
+        taking both would count as the second, forcing signal."""
         super().__init__(config)
         self.lifecycle = lifecycle
         self.shutdown_timeout_s = shutdown_timeout_s
         self.on_drain = on_drain
         self.failure = failure
         self.failed: Optional[str] = None
+        self.ignore_sigint = ignore_sigint
         self._drain_deadline: Optional[float] = None
         self._drain_logged = False
         self._dead_since: Optional[float] = None
         self._failed_at: Optional[float] = None
-
-    # API servers 1..N-1 of --api-server-count leave Ctrl-C (sent to the whole process group) to server 0,
-    # which passes the drain on as SIGTERM; taking both would count as the second, forcing signal.
-    ignore_sigint = False
 
     def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
         # Runs as a signal handler: only set flags here (no logging, no awaiting).
@@ -345,8 +346,8 @@ async def serve_app(app: FastAPI, args: argparse.Namespace, sockets: Optional[li
         access_log=not getattr(args, "disable_access_log", False),
         lifespan="off",
     )
-    server = DrainingServer(config, app.state.lifecycle, getattr(args, "shutdown_timeout", 30.0), on_drain, failure)
-    server.ignore_sigint = ignore_sigint
+    server = DrainingServer(config, app.state.lifecycle, getattr(args, "shutdown_timeout", 30.0), on_drain, failure,
+                            ignore_sigint)
     await server.serve(sockets=sockets)
     return server
 

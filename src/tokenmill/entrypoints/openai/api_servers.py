@@ -122,10 +122,7 @@ class StatsCollector:
             if added > 0:
                 engine.num_rejected[reason] = engine.num_rejected.get(reason, 0) + added
         self._rejected[message.frontend] = message.num_rejected
-        snapshot = engine._snapshot()
-        message.iteration.timestamp = time.time()
-        for stat_logger in engine.stat_loggers:
-            stat_logger.record(snapshot, message.iteration)
+        engine.record_iteration(message.iteration)
 
     def close(self) -> None:
         self._stopping.set()
