@@ -27,6 +27,16 @@ def is_alive(pid: int) -> bool:
     return state != "Z"
 
 
+def still_alive(pids, timeout_s: float) -> list[int]:
+    """Waits up to timeout_s for the processes to exit; the pids still running then."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return sorted(pid for pid in pids if is_alive(pid))
+
+
 def kill_under_load(url: str, pid: int) -> tuple[float, list[str], tuple]:
     """A non-streaming and a streaming 900-token completion in flight; `pid` is SIGKILLed after the stream's
     5th event. Returns (when it was killed, the stream's data events, (status, body) of the non-streaming)."""

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 from model_factory import GOLDEN_PROMPTS, build_tiny_family
-from proc_util import is_alive
+from proc_util import is_alive, still_alive
 
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.parallel_state import TensorParallelGroup
@@ -125,10 +125,7 @@ def test_shutdown_leaves_no_worker_and_a_dead_worker_fails_the_step(tiny_llama_d
         llm.generate(["Hi"], GREEDY, use_tqdm=False)
     assert time.monotonic() - started < 30
     llm.shutdown()
-    deadline = time.monotonic() + 10
-    while any(is_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not any(is_alive(pid) for pid in pids)
+    assert still_alive(pids, 10) == []
 
 
 def test_worker_messages_hold_plain_data():

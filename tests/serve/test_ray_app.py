@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-from proc_util import child_pids, is_alive  # noqa: E402
+from proc_util import child_pids, still_alive  # noqa: E402
 
 import tokenmill  # noqa: E402
 from tokenmill.serve.ray_app import REPLICA_HEADER, build_app  # noqa: E402
@@ -71,10 +70,7 @@ def base_url(smollm2_path):
         started |= _descendants(os.getpid()) - before
         serve.shutdown()
         ray.shutdown()
-        deadline = time.monotonic() + 30
-        while any(is_alive(p) for p in started) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        leaked = sorted(p for p in started if is_alive(p))
+        leaked = still_alive(started, 30)
         assert not leaked, f"processes left after ray.shutdown(): {leaked}"
 
 

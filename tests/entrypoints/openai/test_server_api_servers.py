@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from proc_util import child_pids, is_alive
+from proc_util import child_pids, still_alive
 
 MODEL = "tiny"
 
@@ -88,11 +88,7 @@ def test_two_api_servers_share_one_core_and_one_set_of_metrics(start_server, tin
 
     # SIGTERM to API server 0 drains and stops both servers and the core.
     assert server.stop() == 0
-    for pid in (worker, core):
-        deadline = time.monotonic() + 10
-        while is_alive(pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not is_alive(pid), f"process {pid} outlived the server"
+    assert still_alive([worker, core], 10) == [], "processes outlived the server"
 
 
 @pytest.mark.slow
@@ -113,10 +109,7 @@ def test_a_dead_core_fails_both_api_servers(start_server, tiny_llama_dir):
         time.sleep(0.05)
     assert seen is not None and seen.json()["error"]["code"] == "engine_dead"
     assert server.proc.wait(30) == 1
-    deadline = time.monotonic() + 15
-    while is_alive(worker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not is_alive(worker)
+    assert still_alive([worker], 15) == []
 
 
 @pytest.mark.slow
@@ -127,7 +120,4 @@ def test_a_dead_api_server_stops_the_server_for_its_supervisor(start_server, tin
     os.kill(worker, signal.SIGKILL)
     assert server.proc.wait(30) == 1
     assert "API server 1" in server.log_text() and "exited with status -9" in server.log_text()
-    deadline = time.monotonic() + 15
-    while is_alive(core) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not is_alive(core)
+    assert still_alive([core], 15) == []
