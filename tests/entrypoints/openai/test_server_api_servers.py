@@ -14,6 +14,11 @@ from proc_util import child_pids, still_alive
 MODEL = "tiny"
 
 
+def _start_two(start_server, tiny_llama_dir, *extra: str):
+    return start_server(["--model", str(tiny_llama_dir), "--served-model-name", MODEL, "--api-server-count", "2",
+                         "--max-model-len", "256", "--disable-access-log", "--disable-log-stats", *extra])
+
+
 def _processes(server) -> tuple[int, int]:
     """(the second API server's pid, the engine core's pid): children of API server 0."""
     deadline = time.monotonic() + 30
@@ -57,9 +62,7 @@ def _metric(url: str, name: str) -> float:
 
 @pytest.mark.slow
 def test_two_api_servers_share_one_core_and_one_set_of_metrics(start_server, tiny_llama_dir):
-    server = start_server(["--model", str(tiny_llama_dir), "--served-model-name", MODEL, "--api-server-count", "2",
-                           "--max-model-len", "256", "--disable-access-log", "--disable-log-stats",
-                           "--shutdown-timeout", "10"])
+    server = _start_two(start_server, tiny_llama_dir, "--shutdown-timeout", "10")
     worker, core = _processes(server)
     prompts = [f"Request number {i} says" for i in range(8)]
     with ThreadPoolExecutor(8) as pool:
@@ -93,8 +96,7 @@ def test_two_api_servers_share_one_core_and_one_set_of_metrics(start_server, tin
 
 @pytest.mark.slow
 def test_a_dead_core_fails_both_api_servers(start_server, tiny_llama_dir):
-    server = start_server(["--model", str(tiny_llama_dir), "--served-model-name", MODEL, "--api-server-count", "2",
-                           "--max-model-len", "256", "--disable-access-log", "--disable-log-stats"])
+    server = _start_two(start_server, tiny_llama_dir)
     worker, core = _processes(server)
     os.kill(core, signal.SIGKILL)
     # The servers see it within a second or so: /health answers 503 until they exit, non-zero.
@@ -114,8 +116,7 @@ def test_a_dead_core_fails_both_api_servers(start_server, tiny_llama_dir):
 
 @pytest.mark.slow
 def test_a_dead_api_server_stops_the_server_for_its_supervisor(start_server, tiny_llama_dir):
-    server = start_server(["--model", str(tiny_llama_dir), "--served-model-name", MODEL, "--api-server-count", "2",
-                           "--max-model-len", "256", "--disable-access-log", "--disable-log-stats"])
+    server = _start_two(start_server, tiny_llama_dir)
     worker, core = _processes(server)
     os.kill(worker, signal.SIGKILL)
     assert server.proc.wait(30) == 1
