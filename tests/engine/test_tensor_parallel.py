@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from model_factory import GOLDEN_PROMPTS, build_tiny_family
+from model_factory import GOLDEN_PROMPTS, build_tiny_family, write_family_gguf
 from proc_util import is_alive, still_alive
 
 from tokenmill.config import EngineConfig
@@ -58,6 +58,47 @@ def test_shards_of_each_kind_of_tensor():
     assert torch.equal(vocab[:2], w[3:5]) and not vocab[2].any()
 
 
+def test_fused_checkpoint_tensors_split_part_by_part():
+    # Phi-3's qkv_proj (q 4 rows, k 2, v 2) and gate_up_proj (gate 4, up 4): rank 1 of 2 holds the
+    # second half of each part, joined in the parts' order.
+    rank1 = TensorParallelGroup(rank=1, size=2)
+    qkv = torch.arange(8.0).unsqueeze(1).expand(8, 3)
+    got = shard_tensor("model.layers.0.self_attn.qkv_proj.weight", qkv, rank1, qkv_rows=(4, 2, 2))
+    assert got[:, 0].tolist() == [2, 3, 5, 7]
+    gate_up = torch.arange(8.0).unsqueeze(1)
+    assert shard_tensor("model.layers.0.mlp.gate_up_proj.weight", gate_up, rank1)[:, 0].tolist() == [2, 3, 6, 7]
+    with pytest.raises(ValueError, match="q/k/v sizes"):
+        shard_tensor("model.layers.0.self_attn.qkv_proj.weight", qkv, rank1)
+
+
+def test_stacked_experts_split_by_their_features():
+    # [experts, rows, cols]: gate_up rows (gate half, up half) and down_proj's input columns.
+    rank0 = TensorParallelGroup(rank=0, size=2)
+    gate_up = torch.arange(2 * 8 * 3.0).reshape(2, 8, 3)
+    got = shard_tensor("model.layers.0.mlp.experts.gate_up_proj", gate_up, rank0)
+    assert torch.equal(got, torch.cat([gate_up[:, 0:2], gate_up[:, 4:6]], dim=1))
+    down = torch.arange(2 * 3 * 4.0).reshape(2, 3, 4)
+    assert torch.equal(shard_tensor("model.layers.0.mlp.experts.down_proj", down, rank0), down[:, :, :2])
+    gate = torch.arange(2 * 4 * 3.0).reshape(2, 4, 3)
+    assert torch.equal(shard_tensor("model.layers.0.mlp.experts.gate_proj", gate, rank0), gate[:, :2])
+    # One expert's own matrices are ordinary column- and row-parallel ones; the router is replicated.
+    assert torch.equal(shard_tensor("model.layers.0.mlp.experts.3.up_proj.weight", gate[0], rank0), gate[0, :2])
+    assert torch.equal(shard_tensor("model.layers.0.mlp.gate.weight", gate[0], rank0), gate[0])
+
+
+def test_fused_int8_blocks_slice_like_their_dequantized_weights():
+    qkv = Int8Blocks(*quantize_q8_0(torch.randn(16, 64)), mins=torch.randn(16, 2))
+    gate_up = Int8Blocks(*quantize_q8_0(torch.randn(8, 64)))
+    for rank in range(2):
+        tp = TensorParallelGroup(rank=rank, size=2)
+        kept = {"model.layers.0.self_attn.qkv_proj.weight": qkv, "model.layers.0.mlp.gate_up_proj.weight": gate_up}
+        shard_int8_blocks(kept, tp, qkv_rows=(8, 4, 4))
+        for name, blocks in (("model.layers.0.self_attn.qkv_proj.weight", qkv),
+                             ("model.layers.0.mlp.gate_up_proj.weight", gate_up)):
+            want = shard_tensor(name, blocks.dequantize(), tp, qkv_rows=(8, 4, 4))
+            assert torch.equal(kept[name].dequantize(), want), (name, rank)
+
+
 def test_a_row_parallel_int8_shard_off_the_block_grid_stays_dense():
     blocks = Int8Blocks(*quantize_q8_0(torch.randn(8, 64)))
     kept = {"model.layers.0.mlp.down_proj.weight": blocks, "model.layers.0.mlp.up_proj.weight": blocks}
@@ -79,7 +120,7 @@ def test_tensor_parallel_size_must_be_positive():
 
 # ---- parity with one process ------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe"])
 def test_two_ranks_match_one_on_every_family(family, tmp_path, smollm2_tokenizer, tiny_llama_dir):
     model = tiny_llama_dir if family == "llama" else build_tiny_family(tmp_path, smollm2_tokenizer, family)
     assert _greedy(str(model), 2) == _greedy(str(model), 1)
@@ -91,6 +132,16 @@ def test_two_ranks_match_one_with_kept_gguf_int8_blocks(tiny_gguf_path, tiny_lla
     # decode stack is off under tensor parallelism.
     kwargs = dict(tokenizer=str(tiny_llama_dir))
     assert _greedy(str(tiny_gguf_path), 2, **kwargs) == _greedy(str(tiny_gguf_path), 1, **kwargs)
+
+
+@pytest.mark.slow
+def test_two_ranks_match_one_with_fused_gguf_int8_blocks(tmp_path, smollm2_tokenizer):
+    # Phi-3's GGUF keeps qkv_proj and gate_up_proj fused: each rank's blocks are its rows of every part.
+    directory = build_tiny_family(tmp_path / "phi3", smollm2_tokenizer, "phi3")
+    path = tmp_path / "phi3.gguf"
+    write_family_gguf(path, directory, "phi3")
+    kwargs = dict(tokenizer=str(directory))
+    assert _greedy(str(path), 2, **kwargs) == _greedy(str(path), 1, **kwargs)
 
 
 @pytest.mark.slow

@@ -70,14 +70,12 @@ def check_tensor_parallel(config: EngineConfig, hf_config) -> None:
         return
     from tokenmill.model.layers.parallel import check_divisible
 
-    if getattr(hf_config, "num_experts", None):
-        # Experts would need their own split (expert or intermediate parallel) and router all-reduces.
-        raise ModelLoadError(f"--tensor-parallel-size {size}: mixture-of-experts models are not supported "
-                             "with tensor parallelism; use --data-parallel-size")
     heads = hf_config.num_attention_heads
+    # Experts split by their features on every rank (model/layers/parallel.py).
+    moe_features = getattr(hf_config, "moe_intermediate_size", 0) if getattr(hf_config, "num_experts", 0) else 0
     try:
         check_divisible(heads, getattr(hf_config, "num_key_value_heads", None) or heads,
-                        hf_config.intermediate_size, size)
+                        hf_config.intermediate_size, size, moe_features or 0)
     except ValueError as exc:
         raise ModelLoadError(str(exc)) from None
 

@@ -18,7 +18,7 @@ from tokenmill.model.layers.basic import keep_rotary_tables_float, use_cpu_kerne
 from tokenmill.distributed.parallel_state import TensorParallelGroup
 from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, QUANT_BLOCK, BlockQuantLinear, Int8Blocks,
                                           PackedLinear, dense_linear, onednn_packing_supported, skip_weight_init)
-from tokenmill.model.layers.parallel import shard_int8_blocks, shard_weights
+from tokenmill.model.layers.parallel import fused_qkv_rows, shard_int8_blocks, shard_weights
 from tokenmill.model.registry import get_model_class
 from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, release_freed_memory
 from tokenmill.runner.backend_check import attention_mismatch
@@ -192,9 +192,10 @@ class ModelRunner:
         if self.tp is None:
             self.model.load_weights(weights, skip=int8_blocks if int8_blocks is not None else ())
         else:  # every rank's shard is filled: its kept blocks are sliced after loading
-            self.model.load_weights(shard_weights(weights, self.tp))
+            qkv_rows = fused_qkv_rows(self.model.spec, self.tp.size)
+            self.model.load_weights(shard_weights(weights, self.tp, qkv_rows))
             if int8_blocks:
-                shard_int8_blocks(int8_blocks, self.tp)
+                shard_int8_blocks(int8_blocks, self.tp, qkv_rows)
         self.linear_layers = self._prepare_linear_layers(int8_blocks)
         logger.info("linear layers: %s", self.linear_layers)
 

@@ -170,14 +170,14 @@ class DecoderMLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, spec: DecoderSpec, backend: AttentionBackend, rotary: RotaryEmbedding,
                  window: Optional[int], sparse: bool = False, reduce: Optional[Reduce] = None) -> None:
-        """sparse: a mixture-of-experts MLP (not under tensor parallelism). reduce: under tensor
-        parallelism, the all-reduce after o_proj and down_proj (row-parallel)."""
+        """sparse: a mixture-of-experts MLP. reduce: under tensor parallelism, the all-reduce after
+        o_proj and down_proj (row-parallel) and after the experts' routed sum."""
         super().__init__()
         self.self_attn = DecoderAttention(spec, backend, rotary, window, reduce)
         self.mlp: nn.Module
         if sparse:
             self.mlp = SparseMoeBlock(spec.hidden_size, spec.moe_intermediate_size, spec.num_experts,
-                                      spec.num_experts_per_tok, spec.norm_topk_prob, spec.activation)
+                                      spec.num_experts_per_tok, spec.norm_topk_prob, spec.activation, reduce)
         else:
             self.mlp = DecoderMLP(spec, reduce)
         eps = spec.rms_norm_eps

@@ -22,7 +22,7 @@ whose choices a rounded weight could flip.
 from __future__ import annotations
 
 import re
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -48,8 +48,12 @@ class MoeExperts(nn.Module):
 
 class SparseMoeBlock(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int,
-                 norm_topk_prob: bool, activation: str) -> None:
+                 norm_topk_prob: bool, activation: str,
+                 reduce: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+        """reduce: under tensor parallelism (each rank holds 1/N of every expert's features), the
+        all-reduce of the routed sum, a partial sum on each rank."""
         super().__init__()
+        self.reduce = reduce
         self.num_experts = num_experts
         self.top_k = top_k
         self.norm_topk_prob = norm_topk_prob
@@ -81,7 +85,8 @@ class SparseMoeBlock(nn.Module):
                 h = self.act(F.linear(inputs[start:end], self.experts.gate_up_proj[expert]))
                 results[start:end] = F.linear(h, self.experts.down_proj[expert]) * pair_weights[start:end]
                 start = end
-        return torch.zeros_like(x).index_add_(0, tokens, results)
+        out = torch.zeros_like(x).index_add_(0, tokens, results)
+        return out if self.reduce is None else self.reduce(out)
 
 
 # layers.3.mlp.experts.7.gate_proj.weight (per expert) or layers.3.mlp.experts.gate_proj.weight (stacked)

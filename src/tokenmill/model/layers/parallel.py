@@ -5,9 +5,14 @@ of the MLP's intermediate features and of the vocabulary), so every layer class,
 block-int8, is constructed as usual from already-sliced weights:
 
     column-parallel (rows split)     q/k/v (by head, so each rank holds whole KV heads and the query
-                                     heads that share them), gate/up
+                                     heads that share them), gate/up; a checkpoint's fused qkv_proj and
+                                     gate_up_proj (Phi-3) split part by part, so a rank's fused rows are
+                                     its q, its k and its v (its gate, its up)
     row-parallel (columns split)     o_proj, down_proj: each rank's output is a partial sum, all-reduced;
                                      a bias is added once (rank 0 holds it, the others zeros)
+    experts (intermediate split)     every rank holds every expert (and the replicated router), with
+                                     1/N of each expert's features: gate/up rows, down_proj columns;
+                                     the routed sum is a partial sum, all-reduced like down_proj's
     vocab-parallel (rows split)      embed_tokens (lookups outside the rank's range are zeros,
                                      all-reduced), lm_head (each rank's logits, gathered)
     replicated                       norms, q/k head norms, rotary tables
@@ -40,12 +45,18 @@ _COLUMN = re.compile(r"\.(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)
 _ROW_WEIGHT = re.compile(r"\.(o_proj|down_proj)\.weight$")
 _ROW_BIAS = re.compile(r"\.(o_proj|down_proj)\.bias$")
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
+_FUSED_QKV = re.compile(r"\.qkv_proj\.(weight|bias)$")
+_FUSED_GATE_UP = re.compile(r"\.gate_up_proj\.weight$")
+# Experts stacked in one tensor ([E, rows, cols]: transformers 5's layout, a GGUF's *_exps); per-expert
+# names (experts.7.gate_proj.weight) are plain column/row-parallel matrices.
+_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)$")
 
 
-def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
+def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int,
+                    moe_intermediate_size: int = 0) -> None:
     """ValueError naming the first dimension that `size` ranks cannot split evenly."""
     for name, value in (("num_key_value_heads", num_kv_heads), ("num_attention_heads", num_heads),
-                        ("intermediate_size", intermediate_size)):
+                        ("intermediate_size", intermediate_size), ("moe_intermediate_size", moe_intermediate_size)):
         if value % size:
             raise ValueError(f"{name} ({value}) is not divisible by --tensor-parallel-size {size}")
 
@@ -56,10 +67,17 @@ def local_vocab_size(vocab_size: int, size: int) -> int:
 
 def shard_spec(spec: DecoderSpec, size: int) -> DecoderSpec:
     """One rank's share of a decoder: heads, KV heads, MLP features and the (padded) vocabulary."""
-    check_divisible(spec.num_heads, spec.num_kv_heads, spec.intermediate_size, size)
+    check_divisible(spec.num_heads, spec.num_kv_heads, spec.intermediate_size, size, spec.moe_intermediate_size)
     return dataclasses.replace(spec, num_heads=spec.num_heads // size, num_kv_heads=spec.num_kv_heads // size,
                                intermediate_size=spec.intermediate_size // size,
+                               moe_intermediate_size=spec.moe_intermediate_size // size,
                                vocab_size=local_vocab_size(spec.vocab_size, size))
+
+
+def fused_qkv_rows(spec: DecoderSpec, size: int) -> tuple[int, int, int]:
+    """The whole model's q, k and v rows of a fused qkv_proj, from one rank's (sharded) spec."""
+    kv = spec.num_kv_heads * size * spec.head_dim
+    return spec.num_heads * size * spec.head_dim, kv, kv
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -90,8 +108,30 @@ def _vocab_rows(tensor: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
     return part.contiguous()
 
 
-def shard_tensor(name: str, tensor: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
-    """This rank's slice of the checkpoint tensor `name` (HF names)."""
+def _fused_parts(tensor: torch.Tensor, sizes: list[int], dim: int, tp: TensorParallelGroup) -> torch.Tensor:
+    """The rank's share of each part of a fused tensor along `dim`, joined in the parts' order."""
+    parts = tensor.split(sizes, dim=dim)
+    return torch.cat([part.chunk(tp.size, dim=dim)[tp.rank] for part in parts], dim=dim).contiguous()
+
+
+def shard_tensor(name: str, tensor: torch.Tensor, tp: TensorParallelGroup,
+                 qkv_rows: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
+    """This rank's slice of the checkpoint tensor `name` (HF names). qkv_rows: the q, k and v rows of
+    a fused qkv_proj (`fused_qkv_rows`), needed where the checkpoint fuses them."""
+    experts = _STACKED_EXPERTS.search(name)
+    if experts is not None:
+        part = experts.group(1)
+        if part == "down_proj":  # [E, hidden, features]
+            return tensor.chunk(tp.size, dim=2)[tp.rank].contiguous()
+        if part == "gate_up_proj":  # [E, 2 * features, hidden], gate rows first
+            return _fused_parts(tensor, [tensor.shape[1] // 2] * 2, 1, tp)
+        return tensor.chunk(tp.size, dim=1)[tp.rank].contiguous()
+    if _FUSED_QKV.search(name):
+        if qkv_rows is None:
+            raise ValueError(f"{name}: a fused qkv_proj needs its q/k/v sizes to be split")
+        return _fused_parts(tensor, list(qkv_rows), 0, tp)
+    if _FUSED_GATE_UP.search(name):
+        return _fused_parts(tensor, [tensor.shape[0] // 2] * 2, 0, tp)
     if _COLUMN.search(name):
         return tensor.chunk(tp.size, dim=0)[tp.rank].contiguous()
     if _ROW_WEIGHT.search(name):
@@ -104,10 +144,10 @@ def shard_tensor(name: str, tensor: torch.Tensor, tp: TensorParallelGroup) -> to
     return tensor
 
 
-def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], tp: TensorParallelGroup
-                  ) -> Iterator[tuple[str, torch.Tensor]]:
+def shard_weights(weights: Iterable[tuple[str, torch.Tensor]], tp: TensorParallelGroup,
+                  qkv_rows: Optional[tuple[int, int, int]] = None) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in weights:
-        yield name, shard_tensor(name, tensor, tp)
+        yield name, shard_tensor(name, tensor, tp, qkv_rows)
 
 
 def int8_rows(blocks: Int8Blocks, start: int, end: int) -> Int8Blocks:
@@ -130,14 +170,32 @@ def int8_columns(blocks: Int8Blocks, start: int, end: int) -> Int8Blocks:
                       None if blocks.mins is None else blocks.mins[:, first:last].contiguous())
 
 
-def shard_int8_blocks(int8_blocks: dict[str, Int8Blocks], tp: TensorParallelGroup) -> None:
+def _int8_fused_rows(blocks: Int8Blocks, sizes: list[int], tp: TensorParallelGroup) -> Int8Blocks:
+    """The rank's rows of each part of a fused matrix, joined in the parts' order (as `_fused_parts`)."""
+    parts, offset = [], 0
+    for size in sizes:
+        share = size // tp.size
+        start = offset + tp.rank * share
+        parts.append(int8_rows(blocks, start, start + share))
+        offset += size
+    return Int8Blocks.cat(parts)
+
+
+def shard_int8_blocks(int8_blocks: dict[str, Int8Blocks], tp: TensorParallelGroup,
+                      qkv_rows: Optional[tuple[int, int, int]] = None) -> None:
     """Slices a GGUF's kept block-int8 matrices in place, as `shard_tensor` slices the dense ones. A
     row-parallel matrix whose share of the inputs does not fall on 32-value blocks is dropped (its
     layer runs on the dense weights), with a log line."""
     for name in list(int8_blocks):
         blocks = int8_blocks[name]
         out_features, in_features = blocks.q.shape
-        if _COLUMN.search(name):
+        if _FUSED_QKV.search(name):
+            if qkv_rows is None:
+                raise ValueError(f"{name}: a fused qkv_proj needs its q/k/v sizes to be split")
+            int8_blocks[name] = _int8_fused_rows(blocks, list(qkv_rows), tp)
+        elif _FUSED_GATE_UP.search(name):
+            int8_blocks[name] = _int8_fused_rows(blocks, [out_features // 2] * 2, tp)
+        elif _COLUMN.search(name):
             rows = out_features // tp.size
             int8_blocks[name] = int8_rows(blocks, tp.rank * rows, (tp.rank + 1) * rows)
         elif _ROW_WEIGHT.search(name):
