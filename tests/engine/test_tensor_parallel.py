@@ -81,6 +81,9 @@ def test_stacked_experts_split_by_their_features():
     assert torch.equal(shard_tensor("model.layers.0.mlp.experts.down_proj", down, rank0), down[:, :, :2])
     gate = torch.arange(2 * 4 * 3.0).reshape(2, 4, 3)
     assert torch.equal(shard_tensor("model.layers.0.mlp.experts.gate_proj", gate, rank0), gate[:, :2])
+    # A GGUF's stacked experts carry the .weight suffix.
+    assert torch.equal(shard_tensor("model.layers.0.mlp.experts.up_proj.weight", gate, rank0), gate[:, :2])
+    assert torch.equal(shard_tensor("model.layers.0.mlp.experts.down_proj.weight", down, rank0), down[:, :, :2])
     # One expert's own matrices are ordinary column- and row-parallel ones; the router is replicated.
     assert torch.equal(shard_tensor("model.layers.0.mlp.experts.3.up_proj.weight", gate[0], rank0), gate[0, :2])
     assert torch.equal(shard_tensor("model.layers.0.mlp.gate.weight", gate[0], rank0), gate[0])
@@ -135,11 +138,13 @@ def test_two_ranks_match_one_with_kept_gguf_int8_blocks(tiny_gguf_path, tiny_lla
 
 
 @pytest.mark.slow
-def test_two_ranks_match_one_with_fused_gguf_int8_blocks(tmp_path, smollm2_tokenizer):
-    # Phi-3's GGUF keeps qkv_proj and gate_up_proj fused: each rank's blocks are its rows of every part.
-    directory = build_tiny_family(tmp_path / "phi3", smollm2_tokenizer, "phi3")
-    path = tmp_path / "phi3.gguf"
-    write_family_gguf(path, directory, "phi3")
+@pytest.mark.parametrize("family", ["phi3", "qwen3moe"])
+def test_two_ranks_match_one_on_family_ggufs(family, tmp_path, smollm2_tokenizer):
+    # Phi-3's GGUF keeps qkv_proj and gate_up_proj fused: each rank's int8 blocks are its rows of every
+    # part. Qwen3-MoE's GGUF stacks each layer's experts in one [experts, out, in] tensor per projection.
+    directory = build_tiny_family(tmp_path / family, smollm2_tokenizer, family)
+    path = tmp_path / f"{family}.gguf"
+    write_family_gguf(path, directory, family)
     kwargs = dict(tokenizer=str(directory))
     assert _greedy(str(path), 2, **kwargs) == _greedy(str(path), 1, **kwargs)
 

@@ -47,9 +47,10 @@ _ROW_BIAS = re.compile(r"\.(o_proj|down_proj)\.bias$")
 _VOCAB = re.compile(r"(^|\.)(embed_tokens|lm_head)\.weight$")
 _FUSED_QKV = re.compile(r"\.qkv_proj\.(weight|bias)$")
 _FUSED_GATE_UP = re.compile(r"\.gate_up_proj\.weight$")
-# Experts stacked in one tensor ([E, rows, cols]: transformers 5's layout, a GGUF's *_exps); per-expert
-# names (experts.7.gate_proj.weight) are plain column/row-parallel matrices.
-_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)$")
+# Experts stacked in one [E, rows, cols] tensor: transformers 5's layout (experts.gate_up_proj) and a
+# GGUF's *_exps (experts.gate_proj.weight). Per-expert names (experts.7.gate_proj.weight) are plain
+# column/row-parallel matrices.
+_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|gate_proj|up_proj|down_proj)(\.weight)?$")
 
 
 def check_divisible(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int,
@@ -119,7 +120,7 @@ def shard_tensor(name: str, tensor: torch.Tensor, tp: TensorParallelGroup,
     """This rank's slice of the checkpoint tensor `name` (HF names). qkv_rows: the q, k and v rows of
     a fused qkv_proj (`fused_qkv_rows`), needed where the checkpoint fuses them."""
     experts = _STACKED_EXPERTS.search(name)
-    if experts is not None:
+    if experts is not None and tensor.dim() == 3:
         part = experts.group(1)
         if part == "down_proj":  # [E, hidden, features]
             return tensor.chunk(tp.size, dim=2)[tp.rank].contiguous()
