@@ -32,6 +32,25 @@ def test_plans_follow_tool_choice():
     assert "maxItems" not in plan_tool_calls([WEATHER], "required", None, None).constraint.json
 
 
+def _grammar_accepts(tokenizer, schema: dict, text: str) -> bool:
+    from tokenmill.sampling_params import StructuredOutputsParams
+    from tokenmill.structured.llguidance_backend import LLGuidanceBackend
+
+    backend = LLGuidanceBackend(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    grammar = backend.compile(StructuredOutputsParams(json=schema))
+    return all(grammar.accept_token(token) for token in tokenizer.encode(text))
+
+
+def test_required_calls_hold_a_name_and_parameters_only(smollm2_tokenizer):
+    schema = plan_tool_calls([WEATHER, TIME], "required", None, None).constraint.json
+    assert _grammar_accepts(smollm2_tokenizer, schema, '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]')
+    assert not _grammar_accepts(smollm2_tokenizer, schema,
+                                '[{"name": "get_weather", "parameters": {"city": "Oslo"}, "errorCode": 1}]')
+    # The tool's own schema decides what its parameters may hold (this one leaves them open).
+    assert _grammar_accepts(smollm2_tokenizer, schema,
+                            '[{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "C"}}]')
+
+
 @pytest.mark.parametrize("tools,choice,param", [
     (None, "required", "tool_choice"),
     ([WEATHER], "sometimes", "tool_choice"),

@@ -114,9 +114,14 @@ def _named_choice(tool_choice: Any) -> str:
 
 
 def _required_schema(functions: dict[str, dict[str, Any]], parallel_tool_calls: Optional[bool]) -> dict[str, Any]:
-    """A JSON array of calls, each one of the tools with its own parameters schema."""
+    """A JSON array of calls, each one of the tools with its own parameters schema.
+
+    A call object holds its name and parameters and nothing else (vLLM's schema leaves it open): keys
+    beside them would be dropped by the parser anyway, and a small model otherwise spends its tokens
+    on them. The tool's own parameters schema is used as given."""
     calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
-              "required": ["name", "parameters"]} for name, schema in functions.items()]
+              "required": ["name", "parameters"], "additionalProperties": False}
+             for name, schema in functions.items()]
     schema: dict[str, Any] = {"type": "array", "minItems": 1,
                               "items": calls[0] if len(calls) == 1 else {"anyOf": calls}}
     if parallel_tool_calls is False:
