@@ -67,7 +67,8 @@ def test_required_gives_calls_of_the_given_tools(openai_client, model_name, stre
     else:
         choice = openai_client.chat.completions.create(**kwargs).choices[0]
         calls, finish = choice.message.tool_calls, choice.finish_reason
-    assert finish == "stop" and len(calls) == 1  # parallel_tool_calls=False: one call
+    # OpenAI's finish reason for required calls (a named function's stays "stop").
+    assert finish == "tool_calls" and len(calls) == 1  # parallel_tool_calls=False: one call
     call = calls[0]
     assert call.function.name in ("get_weather", "get_time") and call.id
     if call.function.name == "get_weather":

@@ -142,7 +142,7 @@ def test_streamed_hermes_reply_streams_text_then_the_calls():
 def test_streamed_required_calls_arrive_with_the_finish():
     plan = plan_tool_calls([WEATHER], "required", None, None)
     choices = _stream(plan, ['[{"name"', '[{"name": "get_weather", "parameters": {"city": "Lima"}}]'])
-    assert len(choices) == 1 and choices[0].finish_reason == "stop"
+    assert len(choices) == 1 and choices[0].finish_reason == "tool_calls"
     assert json.loads(choices[0].delta.tool_calls[0].function.arguments) == {"city": "Lima"}
     # Cut short by max_tokens: the partial JSON comes back as text with finish_reason "length".
     choices = _stream(plan, ['[{"name"'], finish="length")

@@ -244,8 +244,11 @@ def _tool_call(call: ParsedToolCall) -> ToolCall:
 
 
 def _tool_finish_reason(plan: ToolPlan, finish_reason: Optional[str]) -> Optional[str]:
-    """Calls the model chose ("auto") finish with "tool_calls"; forced ones keep the generation's reason."""
-    return "tool_calls" if plan.mode == "auto" else finish_reason
+    """OpenAI's: calls made under "auto", and under "required" when the reply completed, finish with
+    "tool_calls"; a named function's call keeps the generation's reason ("stop", or "length")."""
+    if plan.mode == "auto" or (plan.mode == "required" and finish_reason == "stop"):
+        return "tool_calls"
+    return finish_reason
 
 
 def _entry(text: str, logprob: Optional[Logprob]) -> dict[str, Any]:
