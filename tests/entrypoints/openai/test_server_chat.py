@@ -59,3 +59,22 @@ def test_chat_n_and_logprobs(openai_client, model_name):
     texts = {i: "".join(c.choices[0].delta.content or "" for c in chunks if c.choices[0].index == i) for i in (0, 1)}
     # The same seed gives the same samples whether streamed or not.
     assert texts == {c.index: c.message.content for c in full.choices}
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": MESSAGES}),
+    ("/v1/completions", {"prompt": "The capital of France is"}),
+])
+def test_stream_chunks_carry_a_null_finish_reason_until_the_end(http, model_name, path, body):
+    # As OpenAI's and vLLM's chunks do: clients test `finish_reason !== null` on the raw JSON.
+    import json
+
+    choices = []
+    with http.stream("POST", path, json={"model": model_name, "max_tokens": 4, "temperature": 0, "stream": True,
+                                         **body}) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                choices.extend(json.loads(line[len("data: "):])["choices"])
+    assert choices and all("finish_reason" in c and "logprobs" in c for c in choices)
+    assert [c["finish_reason"] for c in choices][-1] == "length"
+    assert all(c["finish_reason"] is None for c in choices[:-1])

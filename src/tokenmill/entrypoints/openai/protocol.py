@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_serializer, model_validator
 from pydantic_core import PydanticCustomError
 
 from tokenmill.engine.text_checks import find_bad_text
@@ -304,7 +304,20 @@ class CompletionResponse(OpenAIModel):
     usage: UsageInfo
 
 
-class CompletionStreamChoice(OpenAIModel):
+class StreamChoice(OpenAIModel):
+    """A choice of a stream chunk. Chunks are written without their null fields, except these two:
+    OpenAI's and vLLM's chunks carry `logprobs` and `finish_reason` in every choice, null until set,
+    and clients test `finish_reason !== null` to see a choice end."""
+
+    @model_serializer(mode="wrap")
+    def _with_null_finish(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        data.setdefault("logprobs", None)
+        data.setdefault("finish_reason", None)
+        return data
+
+
+class CompletionStreamChoice(StreamChoice):
     index: int
     text: str
     logprobs: Optional[CompletionLogProbs] = None
@@ -465,7 +478,7 @@ class DeltaMessage(OpenAIModel):
     tool_calls: Optional[list[DeltaToolCall]] = None
 
 
-class ChatCompletionStreamChoice(OpenAIModel):
+class ChatCompletionStreamChoice(StreamChoice):
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChatLogProbs] = None
