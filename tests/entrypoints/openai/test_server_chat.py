@@ -1,6 +1,8 @@
 """/v1/chat/completions over HTTP on SmolLM2 (its chat template), driven by the official openai client."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -67,8 +69,6 @@ def test_chat_n_and_logprobs(openai_client, model_name):
 ])
 def test_stream_chunks_carry_a_null_finish_reason_until_the_end(http, model_name, path, body):
     # As OpenAI's and vLLM's chunks do: clients test `finish_reason !== null` on the raw JSON.
-    import json
-
     choices = []
     with http.stream("POST", path, json={"model": model_name, "max_tokens": 4, "temperature": 0, "stream": True,
                                          **body}) as response:

@@ -115,6 +115,17 @@ def _fused_parts(tensor: torch.Tensor, sizes: list[int], dim: int, tp: TensorPar
     return torch.cat([part.chunk(tp.size, dim=dim)[tp.rank] for part in parts], dim=dim).contiguous()
 
 
+def _fused_row_parts(name: str, rows: int, qkv_rows: Optional[tuple[int, int, int]]) -> Optional[list[int]]:
+    """The rows of each part of a checkpoint matrix that fuses q/k/v or gate/up; None for any other."""
+    if _FUSED_QKV.search(name):
+        if qkv_rows is None:
+            raise ValueError(f"{name}: a fused qkv_proj needs its q/k/v sizes to be split")
+        return list(qkv_rows)
+    if _FUSED_GATE_UP.search(name):
+        return [rows // 2] * 2
+    return None
+
+
 def shard_tensor(name: str, tensor: torch.Tensor, tp: TensorParallelGroup,
                  qkv_rows: Optional[tuple[int, int, int]] = None) -> torch.Tensor:
     """This rank's slice of the checkpoint tensor `name` (HF names). qkv_rows: the q, k and v rows of
@@ -127,12 +138,9 @@ def shard_tensor(name: str, tensor: torch.Tensor, tp: TensorParallelGroup,
         if part == "gate_up_proj":  # [E, 2 * features, hidden], gate rows first
             return _fused_parts(tensor, [tensor.shape[1] // 2] * 2, 1, tp)
         return tensor.chunk(tp.size, dim=1)[tp.rank].contiguous()
-    if _FUSED_QKV.search(name):
-        if qkv_rows is None:
-            raise ValueError(f"{name}: a fused qkv_proj needs its q/k/v sizes to be split")
-        return _fused_parts(tensor, list(qkv_rows), 0, tp)
-    if _FUSED_GATE_UP.search(name):
-        return _fused_parts(tensor, [tensor.shape[0] // 2] * 2, 0, tp)
+    fused = _fused_row_parts(name, tensor.shape[0], qkv_rows)
+    if fused is not None:
+        return _fused_parts(tensor, fused, 0, tp)
     if _COLUMN.search(name):
         return tensor.chunk(tp.size, dim=0)[tp.rank].contiguous()
     if _ROW_WEIGHT.search(name):
@@ -171,17 +179,6 @@ def int8_columns(blocks: Int8Blocks, start: int, end: int) -> Int8Blocks:
                       None if blocks.mins is None else blocks.mins[:, first:last].contiguous())
 
 
-def _int8_fused_rows(blocks: Int8Blocks, sizes: list[int], tp: TensorParallelGroup) -> Int8Blocks:
-    """The rank's rows of each part of a fused matrix, joined in the parts' order (as `_fused_parts`)."""
-    parts, offset = [], 0
-    for size in sizes:
-        share = size // tp.size
-        start = offset + tp.rank * share
-        parts.append(int8_rows(blocks, start, start + share))
-        offset += size
-    return Int8Blocks.cat(parts)
-
-
 def shard_int8_blocks(int8_blocks: dict[str, Int8Blocks], tp: TensorParallelGroup,
                       qkv_rows: Optional[tuple[int, int, int]] = None) -> None:
     """Slices a GGUF's kept block-int8 matrices in place, as `shard_tensor` slices the dense ones. A
@@ -190,12 +187,9 @@ def shard_int8_blocks(int8_blocks: dict[str, Int8Blocks], tp: TensorParallelGrou
     for name in list(int8_blocks):
         blocks = int8_blocks[name]
         out_features, in_features = blocks.q.shape
-        if _FUSED_QKV.search(name):
-            if qkv_rows is None:
-                raise ValueError(f"{name}: a fused qkv_proj needs its q/k/v sizes to be split")
-            int8_blocks[name] = _int8_fused_rows(blocks, list(qkv_rows), tp)
-        elif _FUSED_GATE_UP.search(name):
-            int8_blocks[name] = _int8_fused_rows(blocks, [out_features // 2] * 2, tp)
+        fused = _fused_row_parts(name, out_features, qkv_rows)
+        if fused is not None:  # the same rows of q, scales and mins as of the dense matrix
+            int8_blocks[name] = blocks.map_rows(lambda t: _fused_parts(t, fused, 0, tp))
         elif _COLUMN.search(name):
             rows = out_features // tp.size
             int8_blocks[name] = int8_rows(blocks, tp.rank * rows, (tp.rank + 1) * rows)
