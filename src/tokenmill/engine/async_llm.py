@@ -143,18 +143,27 @@ class AsyncLLM:
             self.router.finished(index)
 
     # ---- requests ------------------------------------------------------------------------
+    def submit(self, prompt: ProcessedPrompt, sampling_params: SamplingParams, request_id: str, sink: Any, *,
+               priority: int = 0, user: Optional[str] = None, validated: bool = False) -> None:
+        """Sends a request to its core; its outputs (as its params' output_kind asks), or the exception
+        that ends it, go to `sink.put_nowait` on the event loop, straight from the step's callback.
+        The caller aborts it (`abort`) if it stops listening before a finished output.
+        validated: the caller already ran input_processor.validate on these parameters."""
+        if self.errored:
+            raise EngineDeadError(f"the engine has stopped: {self._dead}")
+        self._ensure_receiving()
+        message = self.frontend.admit(request_id, prompt, sampling_params, priority=priority, user=user,
+                                      queue=sink, validated=validated)
+        index = self._engine_of[request_id] = self._route(prompt.prompt_token_ids)
+        self.clients[index].add_request(message)
+
     async def generate(self, prompt: ProcessedPrompt, sampling_params: SamplingParams, request_id: str, *,
                        priority: int = 0, user: Optional[str] = None,
                        validated: bool = False) -> AsyncIterator[RequestOutput]:
         """The request's outputs (as its params' output_kind asks); closing the iterator early aborts it.
         validated: the caller already ran input_processor.validate on these parameters."""
-        await self.check_health()
-        self._ensure_receiving()
         queue: asyncio.Queue = asyncio.Queue()
-        message = self.frontend.admit(request_id, prompt, sampling_params, priority=priority, user=user,
-                                      queue=queue, validated=validated)
-        index = self._engine_of[request_id] = self._route(prompt.prompt_token_ids)
-        self.clients[index].add_request(message)
+        self.submit(prompt, sampling_params, request_id, queue, priority=priority, user=user, validated=validated)
         finished = False
         try:
             while not finished:
@@ -174,6 +183,7 @@ class AsyncLLM:
         index = self._engine_of.get(request_id, 0)
         if state is not None and self._dead is None:
             self.clients[index].abort(EngineCoreAbort(state.core_ids))
+        self._release(request_id)
 
     def fail_request(self, request_id: str, error: TokenmillError) -> None:
         """Ends a request in flight with `error` (its generate() raises it) and aborts it in the core."""
@@ -269,6 +279,8 @@ class AsyncLLM:
                     item = refused
                 elif state.error is not None:
                     item = InvalidRequestError(state.error)
+            if state.finished:
+                self._release(state.request_id)
             state.queue.put_nowait(item)
         self._record_stats(core_outputs, index)
 

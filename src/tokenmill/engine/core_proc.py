@@ -22,6 +22,7 @@ import msgspec
 import zmq
 
 from tokenmill.child_process import start_child_process
+from tokenmill.runner.host_memory import freeze_startup_heap
 from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFailure, EngineCoreFork, EngineCoreOutputs,
                                        EngineCoreRequest, EngineCoreShutdown, decode_input, encode)
 
@@ -51,6 +52,7 @@ def run_engine_core(config, input_address: str, output_address: str, log_level: 
             return
         # The frontend builds its tokenizer from this message: it never loads the model itself.
         outputs.send(core.ready_message(with_tokenizer=True))
+        freeze_startup_heap()
         code = _busy_loop(core, inputs, outputs, parent)
     except BaseException:
         logger.exception("the engine core failed")

@@ -21,6 +21,7 @@ import msgspec
 import zmq
 
 from tokenmill.child_process import start_child_process
+from tokenmill.runner.host_memory import freeze_startup_heap
 from tokenmill.core.sched_output import (WorkerFailure, WorkerInitCache, WorkerInput,
                                          WorkerReady, WorkerShutdown, WorkerStep, WorkerStepDone)
 
@@ -54,6 +55,7 @@ def run_worker(config, rank: int, size: int, store_port: int, input_address: str
         outputs.send(_encoder.encode(WorkerReady(rank, runner.kv_cache_capacity(config),
                                                  runner.kv_spec.bytes_per_block, runner.linear_layers,
                                                  list(runner.kv_layout.windows))))
+        freeze_startup_heap()
         _loop(runner, inputs, outputs, parent)
     except BaseException as exc:
         logger.exception("tensor-parallel worker %d failed", rank)

@@ -63,6 +63,7 @@ from tokenmill.errors import ServiceUnavailableError, TokenmillError
 from tokenmill.metrics.loggers import LoggingStatLogger
 from tokenmill.metrics.prometheus import PrometheusStatLogger
 from tokenmill.metrics.stats import WindowStatLogger
+from tokenmill.runner.host_memory import freeze_startup_heap
 
 if TYPE_CHECKING:
     from tokenmill.engine.async_llm import AsyncLLM
@@ -393,6 +394,7 @@ async def _serve(args: argparse.Namespace, config) -> int:
     sockets = None
     try:
         app = build_app(engine, args)
+        freeze_startup_heap()
         if count > 1:
             # Bound once the model is loaded, as uvicorn binds for a single server: until then connections
             # are refused rather than left waiting.

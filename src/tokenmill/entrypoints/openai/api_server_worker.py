@@ -20,6 +20,7 @@ async def _serve(settings: dict) -> int:
     from tokenmill.engine.messages import EngineCoreReady
     from tokenmill.entrypoints.openai.api_server import build_app, serve_app
     from tokenmill.entrypoints.openai.api_servers import StatsForwarder, watch_parent
+    from tokenmill.runner.host_memory import freeze_startup_heap
 
     args, frontend = settings["args"], settings["frontend"]
     ready = msgspec.msgpack.decode(settings["ready"], type=EngineCoreReady)
@@ -30,6 +31,7 @@ async def _serve(settings: dict) -> int:
     forwarder = StatsForwarder(frontend, settings["stats_address"], engine.num_rejected)
     engine.stat_loggers.append(forwarder)
     app = build_app(engine, args, relay_path=settings["relay_path"])
+    freeze_startup_heap()
     sock = socket.socket(fileno=settings["socket_fd"])
     # Server 0 gone (killed without passing the drain on): drain too, as after SIGTERM.
     watch_parent(os.getppid(), lambda: os.kill(os.getpid(), signal.SIGTERM))

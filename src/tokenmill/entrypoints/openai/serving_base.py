@@ -226,13 +226,28 @@ def merge_delta(into: Optional[RequestOutput], delta: RequestOutput, keep_text: 
     return into
 
 
+class _JobSink:
+    """Where the engine puts one prompt's outputs: straight into its group, from the step's callback."""
+
+    __slots__ = ("group", "index")
+
+    def __init__(self, group: "GenerationGroup", index: int) -> None:
+        self.group = group
+        self.index = index
+
+    def put_nowait(self, item: Any) -> None:
+        self.group._deliver(self.index, item)
+
+
 class GenerationGroup:
     """Runs one engine request per prompt concurrently and merges their outputs.
 
     Streaming, the engine sends deltas (only what is new); deltas a slow reader has not taken yet are
     merged into one, so it catches up in a single event. Otherwise the engine sends each request's
-    final output once. A watcher on the HTTP connection aborts every engine request the moment the
-    client disconnects, whether or not anyone is reading the outputs.
+    final output once. The engine hands every output to the group as the step's outputs arrive (no
+    task per prompt in between), so a stream's token costs the event loop one wake-up: the response
+    task that renders and writes it. A watcher on the HTTP connection aborts every engine request the
+    moment the client disconnects, whether or not anyone is reading the outputs.
     """
 
     def __init__(self, engine: "AsyncLLM", jobs: list[GenerationJob], log: RequestLog, *,
@@ -251,11 +266,11 @@ class GenerationGroup:
         log.tenant = self._user
         self._pending: dict[int, RequestOutput] = {}
         self._ended = [False] * len(jobs)
+        self._submitted = [False] * len(jobs)
         self._error: Optional[BaseException] = None
         self._disconnected = False
         self._closed = False
         self._changed = asyncio.Event()
-        self._tasks: list[asyncio.Task] = []
         self._watcher: Optional[asyncio.Task] = None
 
     def start(self) -> None:
@@ -265,7 +280,14 @@ class GenerationGroup:
             params = self.engine.input_processor.validate(job.prompt.prompt_token_ids, job.params)
             job.params = params.clone(output_kind=kind)
         self._charge_tokens()
-        self._tasks = [asyncio.ensure_future(self._produce(i, job)) for i, job in enumerate(self.jobs)]
+        for index, job in enumerate(self.jobs):
+            try:
+                self.engine.submit(job.prompt, job.params, job.request_id, _JobSink(self, index),
+                                   priority=self._priority, user=self._user, validated=True)
+            except Exception as exc:  # handed to the reader, which maps it to an error response
+                self._error = exc
+                break
+            self._submitted[index] = True
         if self._request is not None:
             self._watcher = asyncio.ensure_future(self._watch_disconnect(self._request))
 
@@ -281,27 +303,25 @@ class GenerationGroup:
             self.engine.num_rejected[REASON] = self.engine.num_rejected.get(REASON, 0) + 1
             raise
 
-    async def _produce(self, index: int, job: GenerationJob) -> None:
-        try:
-            async for out in self.engine.generate(job.prompt, job.params, job.request_id,
-                                                  priority=self._priority, user=self._user, validated=True):
-                if self.log.first_token is None and any(c.token_ids for c in out.outputs):
-                    self.log.first_token = time.monotonic()
-                if self.stream:
-                    self.latest[index] = merge_delta(self.latest.get(index), out, keep_text=False)
-                    self._pending[index] = merge_delta(self._pending.get(index), out, keep_text=True)
-                else:
-                    self.latest[index] = out
-                    self._pending[index] = out
-                self._changed.set()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # handed to the reader, which maps it to an error response
-            if self._error is None:
-                self._error = exc
-        finally:
+    def _deliver(self, index: int, item: Any) -> None:
+        """One output (or the exception that ends the prompt's request) from the engine."""
+        if self._ended[index]:
+            return
+        if isinstance(item, BaseException):
             self._ended[index] = True
-            self._changed.set()
+            if self._error is None:
+                self._error = item
+        else:
+            if self.log.first_token is None and any(c.token_ids for c in item.outputs):
+                self.log.first_token = time.monotonic()
+            if self.stream:
+                self.latest[index] = merge_delta(self.latest.get(index), item, keep_text=False)
+                self._pending[index] = merge_delta(self._pending.get(index), item, keep_text=True)
+            else:
+                self.latest[index] = item
+                self._pending[index] = item
+            self._ended[index] = item.finished
+        self._changed.set()
 
     async def _watch_disconnect(self, request: Request) -> None:
         try:
@@ -340,12 +360,10 @@ class GenerationGroup:
         current = asyncio.current_task()
         if self._watcher is not None and self._watcher is not current:
             self._watcher.cancel()
-        for index, task in enumerate(self._tasks):
+        for index, job in enumerate(self.jobs):
             out = self.latest.get(index)
-            if not task.done():
-                task.cancel()
-            if out is None or not out.finished:
-                spawn(self._abort(self.jobs[index].request_id))
+            if self._submitted[index] and (out is None or not out.finished):
+                spawn(self._abort(job.request_id))
         self.log.emit(self._status(), self.final_outputs())
 
     def _status(self) -> str:
