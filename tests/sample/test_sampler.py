@@ -243,6 +243,26 @@ def test_logprobs_from_raw_logits_with_ranks():
     assert out.logprobs[2] is None
 
 
+def test_sampled_ids_and_logprobs_reach_the_host_in_one_copy(monkeypatch):
+    """On a GPU every device-to-host copy waits for the step: the sampled ids and every row's logprobs
+    (rows asking for different top-N, one not asking) come back together."""
+    logits = torch.tensor([[0.5, 2.0, 1.0, -1.0, 0.0], [3.0, 1.0, 2.0, 0.0, 4.0], [1.0, 1.0, 0.0, 0.0, 2.0]])
+    states = [state(temperature=0.0, logprobs=3), state(temperature=0.0), state(temperature=0.0, logprobs=1)]
+    copies = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: copies.append(self.shape) or real_tolist(self))
+    out = Sampler()(logits, states)
+    assert len(copies) == 1
+    assert out.sampled_token_ids == [1, 4, 4] and all(type(t) is int for t in out.sampled_token_ids)
+    reference = torch.log_softmax(logits, dim=1)
+    assert list(out.logprobs[0]) == [1, 2, 0] and [e.rank for e in out.logprobs[0].values()] == [1, 2, 3]
+    assert out.logprobs[1] is None
+    assert list(out.logprobs[2]) == [4] and out.logprobs[2][4].rank == 1
+    for row in (0, 2):
+        for token, entry in out.logprobs[row].items():
+            assert entry.logprob == reference[row, token].item()  # float32 values, exactly
+
+
 def test_compute_prompt_logprobs(monkeypatch):
     monkeypatch.setattr(sampler_module, "_PROMPT_LOGPROBS_CHUNK", 2)  # exercise several chunks
     torch.manual_seed(0)

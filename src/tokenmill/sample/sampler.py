@@ -111,32 +111,42 @@ def mix_seed(seed: int, step: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (step & _MASK64)) & _MASK63
 
 
+def logprob_table(logprobs: torch.Tensor, token_ids: torch.Tensor, max_n: int) -> torch.Tensor:
+    """Per row, on the logits' device and in float64 (exact for float32 values and for ids and ranks):
+    [token id, its logprob, its rank, top max_n logprobs, their ids]. One table per step, so its rows
+    reach the host in the same copy as the sampled ids.
+
+    rank = 1 + number of tokens with a strictly greater logprob.
+    """
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
+    ranks = (logprobs > chosen).sum(dim=1, keepdim=True).add_(1)
+    columns = [token_ids.unsqueeze(1).double(), chosen.double(), ranks.double()]
+    if max_n > 0:
+        top = logprobs.topk(min(max_n, logprobs.shape[1]), dim=1)
+        columns += [top.values.double(), top.indices.double()]
+    return torch.cat(columns, dim=1)
+
+
+def logprob_dicts(table: Sequence[Sequence[float]], num_logprobs: Sequence[int]) -> list[dict[int, Logprob]]:
+    """logprob_table's rows (on the host) -> per row {token: Logprob(lp, rank)} followed by the top
+    num_logprobs[row] tokens (ranks 1..N); the chosen token comes first and keeps its own rank if it is
+    also in the top N."""
+    result: list[dict[int, Logprob]] = []
+    for row, n in zip(table, num_logprobs):
+        width = (len(row) - 3) // 2
+        entry = {int(row[0]): Logprob(row[1], int(row[2]))}
+        for rank in range(1, min(n, width) + 1):
+            entry.setdefault(int(row[2 + width + rank]), Logprob(row[2 + rank], rank))
+        result.append(entry)
+    return result
+
+
 def build_logprob_dicts(
     logprobs: torch.Tensor, token_ids: torch.Tensor, num_logprobs: Sequence[int]
 ) -> list[dict[int, Logprob]]:
-    """Per row: {token_ids[row]: Logprob(lp, rank)} followed by the top num_logprobs[row] tokens.
-
-    rank = 1 + number of tokens with a strictly greater logprob; top-N entries get ranks 1..N.
-    The chosen token comes first and keeps its own rank if it is also in the top N.
-    """
-    chosen = logprobs.gather(1, token_ids.unsqueeze(1))
-    ranks = (logprobs > chosen).sum(dim=1).add_(1).tolist()
-    chosen_values = chosen.squeeze(1).tolist()
-    ids = token_ids.tolist()
-    max_n = max(num_logprobs, default=0)
-    top_values: list[list[float]] = [[] for _ in ids]
-    top_ids: list[list[int]] = [[] for _ in ids]
-    if max_n > 0:
-        top = logprobs.topk(min(max_n, logprobs.shape[1]), dim=1)
-        top_values, top_ids = top.values.tolist(), top.indices.tolist()
-    result: list[dict[int, Logprob]] = []
-    for row, token in enumerate(ids):
-        entry = {token: Logprob(chosen_values[row], ranks[row])}
-        n = num_logprobs[row]
-        for rank, (tok, value) in enumerate(zip(top_ids[row][:n], top_values[row][:n]), start=1):
-            entry.setdefault(tok, Logprob(value, rank))
-        result.append(entry)
-    return result
+    """Per row: {token_ids[row]: Logprob(lp, rank)} followed by the top num_logprobs[row] tokens."""
+    table = logprob_table(logprobs, token_ids, max(num_logprobs, default=0))
+    return logprob_dicts(table.tolist(), num_logprobs)
 
 
 def compute_prompt_logprobs(
@@ -202,7 +212,7 @@ class Sampler:
             picked = self._sample(work.index_select(0, index), [states[i] for i in random_rows],
                                   arrays.select(random_rows))
             sampled.index_copy_(0, index, picked)
-        return SamplerOutput(sampled.tolist(), self._logprobs(logits, sampled, states))
+        return self._to_host(logits, sampled, states)
 
     # -- stages ------------------------------------------------------------------------------
 
@@ -281,20 +291,24 @@ class Sampler:
         # tokens, so the smallest normal float stands in for it.
         return noise.log_().neg_().clamp_min_(torch.finfo(torch.float32).tiny)
 
-    def _logprobs(
-        self, raw_logits: torch.Tensor, sampled: torch.Tensor, states: list[SamplingRequestState]
-    ) -> list[dict[int, Logprob] | None]:
+    def _to_host(self, raw_logits: torch.Tensor, sampled: torch.Tensor,
+                 states: list[SamplingRequestState]) -> SamplerOutput:
+        """The sampled ids and the requested logprobs, brought to the host in one copy (on a GPU, the
+        step's only wait for the device)."""
         rows = [i for i, s in enumerate(states) if s.params.logprobs is not None]
         result: list[dict[int, Logprob] | None] = [None] * len(states)
         if not rows:
-            return result
+            return SamplerOutput(sampled.tolist(), result)
         index = torch.tensor(rows, device=raw_logits.device)
         logprobs = torch.log_softmax(raw_logits.index_select(0, index).float(), dim=1)
-        dicts = build_logprob_dicts(logprobs, sampled.index_select(0, index),
-                                    [states[i].params.logprobs for i in rows])
-        for row, entry in zip(rows, dicts):
+        counts = [states[i].params.logprobs for i in rows]
+        table = logprob_table(logprobs, sampled.index_select(0, index), max(counts))
+        host = torch.cat([sampled.double(), table.flatten()]).tolist()
+        width = table.shape[1]
+        table_rows = [host[len(states) + k * width:len(states) + (k + 1) * width] for k in range(len(rows))]
+        for row, entry in zip(rows, logprob_dicts(table_rows, counts)):
             result[row] = entry
-        return result
+        return SamplerOutput([int(token) for token in host[:len(states)]], result)
 
     def _generator(self, device: torch.device) -> torch.Generator:
         gen = self._generators.get(device)
