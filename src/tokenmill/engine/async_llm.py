@@ -5,7 +5,8 @@ processing (detokenization, stop strings, logprobs, metrics). It never loads the
 ready message carries the tokenizer (as files, see tokenizer_handover) and the few model values the
 frontend reads (`FrontendModelInfo`), so this process imports no torch. The engine core (scheduler, KV cache,
 model) runs in a child process (`core_client.MPClient`); a receiver thread hands each step's outputs
-to the event loop, where they become RequestOutputs on per-request queues. If the core process dies,
+to the event loop, where they become RequestOutputs handed to each request's sink (a queue for
+`generate`, the HTTP request's group for the server). If the core process dies,
 every request in flight fails at once with an error, `errored` turns true (so /health answers 503)
 and the server exits non-zero for its supervisor to restart it.
 
