@@ -87,6 +87,30 @@ def test_prompt_list_and_n_index_choices_prompt_major(openai_client, model_name,
     assert texts == {c.index: c.text for c in full.choices}
 
 
+def test_best_of_returns_the_n_most_likely_of_its_samples(openai_client, model_name):
+    """best_of=4, n=2 generates the four samples n=4 would (same seed) and returns the two with the highest
+    cumulative logprob, best first; usage counts all four; no logprobs unless asked for."""
+    kwargs = dict(model=model_name, prompt=PROMPT, max_tokens=4, temperature=1.0, seed=99,
+                  extra_body={"ignore_eos": True})
+    samples = openai_client.completions.create(**kwargs, n=4, logprobs=0).choices
+    ranked = sorted(samples, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert len({c.text for c in samples}) > 2  # the ranking has something to choose
+    best = openai_client.completions.create(**kwargs, n=2, best_of=4)
+    assert [c.index for c in best.choices] == [0, 1]
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert all(c.logprobs is None for c in best.choices)
+    assert best.usage.completion_tokens == 4 * 4
+
+
+@pytest.mark.parametrize("extra, message", [({"n": 3, "best_of": 2}, "greater than or equal to n"),
+                                            ({"best_of": 3, "stream": True}, "stream")])
+def test_best_of_refusals(http, model_name, extra, message):
+    response = http.post("/v1/completions", json={"model": model_name, "prompt": PROMPT, "max_tokens": 2, **extra})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "best_of" and message in error["message"]
+
+
 def test_token_id_prompts(openai_client, model_name, smollm2_tokenizer):
     first, second = smollm2_tokenizer.encode(PROMPT), smollm2_tokenizer.encode(OTHER_PROMPT)
     response = openai_client.completions.create(model=model_name, prompt=[first, second], max_tokens=1,

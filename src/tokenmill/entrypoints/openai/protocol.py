@@ -252,6 +252,9 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Optional[str] = None
+    # OpenAI's legacy completions: generate best_of samples per prompt, return the n with the highest
+    # cumulative logprob (vLLM V1 dropped it; older clients still send it).
+    best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
     return_tokens_as_token_ids: bool = False
     # vLLM's beam search extras: n beams are returned, best first.

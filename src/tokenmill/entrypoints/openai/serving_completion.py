@@ -56,8 +56,9 @@ class OpenAIServingCompletion(ServingBase):
         self.check_request(body.model)
         if body.suffix is not None:
             raise InvalidRequestError("suffix is not supported", "suffix")
+        best_of = self._best_of(body)
         prompts = body.prompts()
-        if len(prompts) * body.n > MAX_CHOICES:
+        if len(prompts) * best_of > MAX_CHOICES:
             raise InvalidRequestError(f"a request may ask for at most {MAX_CHOICES} choices (prompts x n)", "n")
         processor = self.engine.input_processor
         processed = [processor.process_prompt(p, "prompt") for p in prompts]
@@ -68,6 +69,8 @@ class OpenAIServingCompletion(ServingBase):
             return await self._beam_search(body, processed, base_request_id(raw))
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs,
                                       prompt_logprobs=prompt_logprobs, vocab_size=processor.vocab_size)
+        if best_of > body.n:  # the candidates' cumulative logprobs rank them, so each token's is kept
+            params = params.clone(n=best_of, logprobs=body.logprobs or 0)
         request_id = base_request_id(raw)
         response_id = f"cmpl-{request_id}"
         jobs = [GenerationJob(engine_request_id(response_id, i), p, params) for i, p in enumerate(processed)]
@@ -77,6 +80,18 @@ class OpenAIServingCompletion(ServingBase):
         if body.stream:
             return await self._stream(body, group, processed, response_id)
         return await self._full(body, group, processed, response_id)
+
+    @staticmethod
+    def _best_of(body: CompletionRequest) -> int:
+        """Samples generated per prompt: best_of (at least n; the n best are returned), or n."""
+        if body.best_of is None or body.use_beam_search:
+            return body.n
+        if body.best_of < body.n:
+            raise InvalidRequestError(f"best_of ({body.best_of}) must be greater than or equal to n ({body.n})",
+                                      "best_of")
+        if body.stream and body.best_of > body.n:
+            raise InvalidRequestError("best_of greater than n cannot be used with stream", "best_of")
+        return body.best_of
 
     # ---- beam search ---------------------------------------------------------------------
     async def _beam_search(self, body: CompletionRequest, prompts: list[ProcessedPrompt],
@@ -123,12 +138,12 @@ class OpenAIServingCompletion(ServingBase):
         choices = []
         for prompt_index, out in enumerate(outputs):
             prompt_text = self._prompt_text(prompts[prompt_index]) if body.echo else ""
-            for comp in out.outputs:
+            for rank, comp in enumerate(_best(out.outputs, body.n)):
                 logprobs = None
                 if body.logprobs is not None:
                     logprobs, _ = self._logprobs(body, out, comp, prompt_text, 0, 0, echo=body.echo)
                 choices.append(CompletionResponseChoice(
-                    index=prompt_index * body.n + comp.index, text=prompt_text + comp.text, logprobs=logprobs,
+                    index=prompt_index * body.n + rank, text=prompt_text + comp.text, logprobs=logprobs,
                     finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
                     prompt_logprobs=_prompt_logprobs(out) if body.prompt_logprobs is not None else None))
         choices.sort(key=lambda c: c.index)
@@ -222,6 +237,15 @@ class OpenAIServingCompletion(ServingBase):
                     top[token_text(tokenizer, other_id, lp, as_ids)] = safe_logprob(lp.logprob)
             result.top_logprobs.append(top)
         return offset
+
+
+def _best(completions: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """The n completions to return, in index order; with best_of > n, the n of highest cumulative
+    logprob, best first (usage still counts every candidate's tokens, as OpenAI bills them)."""
+    ordered = sorted(completions, key=lambda c: c.index)
+    if len(ordered) <= n:
+        return ordered
+    return sorted(ordered, key=lambda c: -(c.cumulative_logprob or 0.0))[:n]
 
 
 def _prompt_logprobs(out: RequestOutput) -> Optional[list[Optional[dict[str, PromptLogprobEntry]]]]:
