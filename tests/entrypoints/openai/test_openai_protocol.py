@@ -83,3 +83,16 @@ def test_validation_errors_name_the_field_path():
     error = _error_for([{"type": "json_invalid", "loc": ("body", 3), "msg": "JSON decode error",
                          "ctx": {"error": "Expecting value"}}])
     assert error["param"] is None and error["code"] == "invalid_json"
+
+
+@pytest.mark.parametrize("cls, required", [(ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]}),
+                                           (CompletionRequest, {"prompt": "hi"})])
+def test_null_fields_take_their_defaults(cls, required):
+    """Clients that serialize every field send OpenAI's nullable ones as null ("n": null, "stream": null):
+    each reads as its default, never as a 400."""
+    defaults = cls(**required)
+    for name in cls.model_fields:
+        if name not in required:
+            assert getattr(cls(**required, **{name: None}), name) == getattr(defaults, name), name
+    with pytest.raises(ValidationError):  # a required field stays required
+        cls(**{key: None for key in required})

@@ -38,7 +38,19 @@ class RequestModel(OpenAIModel):
             param, problem = bad
             # `param` travels in ctx: the error handler uses it as the OpenAI error's `param`.
             raise PydanticCustomError("invalid_text", "'{param}' {problem}", {"param": param, "problem": problem})
+        return _nulls_as_defaults(cls, data) if isinstance(data, dict) else data
+
+
+def _nulls_as_defaults(cls: type[BaseModel], data: dict[str, Any]) -> dict[str, Any]:
+    """A top-level null for a field with a non-null default means that default, as OpenAI's API reads
+    `"n": null`, `"stream": null` or `"presence_penalty": null` (clients that serialize every field send
+    them). Fields whose default is null take the null as it is."""
+    fields = cls.model_fields
+    nulls = [key for key, value in data.items()
+             if value is None and key in fields and fields[key].default is not None and not fields[key].is_required()]
+    if not nulls:
         return data
+    return {key: value for key, value in data.items() if key not in nulls}
 
 
 # ---- errors ------------------------------------------------------------------------------------
