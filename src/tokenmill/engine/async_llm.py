@@ -120,6 +120,9 @@ class AsyncLLM:
         return not self.errored and not self._stopped
 
     async def check_health(self) -> None:
+        self._raise_if_dead()
+
+    def _raise_if_dead(self) -> None:
         if self.errored:
             raise EngineDeadError(f"the engine has stopped: {self._dead}")
 
@@ -150,8 +153,7 @@ class AsyncLLM:
         that ends it, go to `sink.put_nowait` on the event loop, straight from the step's callback.
         The caller aborts it (`abort`) if it stops listening before a finished output.
         validated: the caller already ran input_processor.validate on these parameters."""
-        if self.errored:
-            raise EngineDeadError(f"the engine has stopped: {self._dead}")
+        self._raise_if_dead()
         self._ensure_receiving()
         message = self.frontend.admit(request_id, prompt, sampling_params, priority=priority, user=user,
                                       queue=sink, validated=validated)

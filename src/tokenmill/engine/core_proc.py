@@ -22,9 +22,9 @@ import msgspec
 import zmq
 
 from tokenmill.child_process import start_child_process
-from tokenmill.runner.host_memory import freeze_startup_heap
 from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFailure, EngineCoreFork, EngineCoreOutputs,
                                        EngineCoreRequest, EngineCoreShutdown, decode_input, encode)
+from tokenmill.runner.host_memory import freeze_startup_heap
 
 logger = logging.getLogger("tokenmill")
 

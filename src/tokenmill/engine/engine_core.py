@@ -72,7 +72,8 @@ def check_tensor_parallel(config: EngineConfig, hf_config) -> None:
 
     heads = hf_config.num_attention_heads
     # Experts split by their features on every rank (model/layers/parallel.py).
-    moe_features = getattr(hf_config, "moe_intermediate_size", None) if getattr(hf_config, "num_experts", None) else 0
+    is_moe = bool(getattr(hf_config, "num_experts", None))
+    moe_features = getattr(hf_config, "moe_intermediate_size", None) if is_moe else None
     try:
         check_divisible(heads, getattr(hf_config, "num_key_value_heads", None) or heads,
                         hf_config.intermediate_size, size, moe_features or 0)

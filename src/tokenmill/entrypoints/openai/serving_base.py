@@ -266,7 +266,7 @@ class GenerationGroup:
         log.tenant = self._user
         self._pending: dict[int, RequestOutput] = {}
         self._ended = [False] * len(jobs)
-        self._submitted = [False] * len(jobs)
+        self._num_submitted = 0  # jobs sent to the engine (in order; one refused stops the rest)
         self._error: Optional[BaseException] = None
         self._disconnected = False
         self._closed = False
@@ -287,7 +287,7 @@ class GenerationGroup:
             except Exception as exc:  # handed to the reader, which maps it to an error response
                 self._error = exc
                 break
-            self._submitted[index] = True
+            self._num_submitted += 1
         if self._request is not None:
             self._watcher = asyncio.ensure_future(self._watch_disconnect(self._request))
 
@@ -360,9 +360,9 @@ class GenerationGroup:
         current = asyncio.current_task()
         if self._watcher is not None and self._watcher is not current:
             self._watcher.cancel()
-        for index, job in enumerate(self.jobs):
+        for index, job in enumerate(self.jobs[:self._num_submitted]):
             out = self.latest.get(index)
-            if self._submitted[index] and (out is None or not out.finished):
+            if out is None or not out.finished:
                 spawn(self._abort(job.request_id))
         self.log.emit(self._status(), self.final_outputs())
 
