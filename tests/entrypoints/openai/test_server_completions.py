@@ -103,7 +103,8 @@ def test_best_of_returns_the_n_most_likely_of_its_samples(openai_client, model_n
 
 
 @pytest.mark.parametrize("extra, message", [({"n": 3, "best_of": 2}, "greater than or equal to n"),
-                                            ({"best_of": 3, "stream": True}, "stream")])
+                                            ({"best_of": 3, "stream": True}, "stream"),
+                                            ({"prompt": [PROMPT] * 9, "best_of": 128}, "(prompts x best_of)")])
 def test_best_of_refusals(http, model_name, extra, message):
     response = http.post("/v1/completions", json={"model": model_name, "prompt": PROMPT, "max_tokens": 2, **extra})
     assert response.status_code == 400

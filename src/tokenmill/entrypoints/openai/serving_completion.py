@@ -59,7 +59,9 @@ class OpenAIServingCompletion(ServingBase):
         best_of = self._best_of(body)
         prompts = body.prompts()
         if len(prompts) * best_of > MAX_CHOICES:
-            raise InvalidRequestError(f"a request may ask for at most {MAX_CHOICES} choices (prompts x n)", "n")
+            per_prompt = "best_of" if best_of > body.n else "n"
+            raise InvalidRequestError(f"a request may ask for at most {MAX_CHOICES} choices (prompts x {per_prompt})",
+                                      per_prompt)
         processor = self.engine.input_processor
         processed = [processor.process_prompt(p, "prompt") for p in prompts]
         prompt_logprobs = body.prompt_logprobs
