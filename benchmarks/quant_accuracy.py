@@ -1,9 +1,9 @@
 """What a weight format costs in accuracy: perplexity and per-token logprob deltas on a fixed text.
 
-    python -m benchmarks.quant_accuracy [--quantization q8_0] [--text FILE]
+    python -m benchmarks.quant_accuracy [--quantization q8_0|gguf] [--block-matmul int8] [--text FILE]
 
 Scores the same token ids twice through `prompt_logprobs` (exact float32 weights, then the chosen
-format) and reports perplexity for both, the mean and max |delta logprob| per token, and how many
+format, its matmuls in `--block-matmul`'s arithmetic) and reports perplexity for both, the mean and max |delta logprob| per token, and how many
 positions change their top-1 token. The default text is tokenmill's README.
 """
 from __future__ import annotations
@@ -51,6 +51,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--quantization", default="q8_0", choices=["q8_0", "gguf"])
+    parser.add_argument("--block-matmul", default="float32", choices=["float32", "int8"],
+                        help="the candidate's block matmul arithmetic (the reference is always float32)")
     parser.add_argument("--text", default=None, help="text file to score (default: README.md)")
     parser.add_argument("--max-tokens", type=int, default=1024, help="score at most this many tokens")
     parser.add_argument("--json", default=None)
@@ -61,14 +63,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     results: list[tuple[list[float], list[int]]] = []
     token_ids: list[int] = []
     for quantization in ("none", args.quantization):  # dense float32 is the reference
-        llm = LLM(args.model, quantization=quantization, max_model_len=args.max_tokens + 8,
-                  enable_prefix_caching=False)
+        block_matmul = "float32" if quantization == "none" else args.block_matmul
+        llm = LLM(args.model, quantization=quantization, block_matmul=block_matmul,
+                  max_model_len=args.max_tokens + 8, enable_prefix_caching=False)
         if not token_ids:
             token_ids = llm.get_tokenizer().encode(text)[:args.max_tokens]
         results.append(token_logprobs(llm, token_ids))
         del llm
         gc.collect()
-    summary = {"text": str(text_path), "quantization": args.quantization, **compare(results[0], results[1])}
+    summary = {"text": str(text_path), "quantization": args.quantization,
+               "block_matmul": args.block_matmul, **compare(results[0], results[1])}
     print(json.dumps(summary, indent=2))
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=2) + "\n")

@@ -160,7 +160,8 @@ class DecoderForCausalLM(nn.Module):
         return kernels.llama_decode_int8(
             self.embed(input_ids), positions, meta.slot_mapping, meta.decode_block_tables,
             meta.decode_context_lens, kv_caches, params, self.norm.weight, attn.rotary.cos, attn.rotary.sin,
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norm.eps, attn.scale)
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norm.eps, attn.scale,
+            getattr(kernels, "int8_activations", False))
 
     # ---- runner hooks for linear layers ----------------------------------------------------
     def convert_linear_layers(self, make: LinearFactory) -> None:

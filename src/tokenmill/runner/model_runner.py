@@ -16,8 +16,9 @@ from tokenmill.model.layers.attention import TorchAttentionBackend, get_attentio
 from tokenmill.model.layers.decoder import DecoderAttention
 from tokenmill.model.layers.basic import keep_rotary_tables_float, use_cpu_kernels
 from tokenmill.distributed.parallel_state import TensorParallelGroup
-from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, QUANT_BLOCK, BlockQuantLinear, Int8Blocks,
-                                          PackedLinear, dense_linear, onednn_packing_supported, skip_weight_init)
+from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, QUANT_BLOCK, BlockQuantLinear, Int8ActivationKernels,
+                                          Int8Blocks, PackedLinear, dense_linear, onednn_packing_supported,
+                                          skip_weight_init)
 from tokenmill.model.layers.parallel import fused_qkv_rows, shard_int8_blocks, shard_weights
 from tokenmill.model.registry import get_model_class
 from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, release_freed_memory
@@ -131,6 +132,8 @@ class ModelRunner:
         self.linear_layers = ""  # how the projections run, once loaded (logged; reported by benchmarks)
         self.num_gguf_layers_kept = 0  # linear layers holding a GGUF's own blocks
         self.quantization = config.quantization
+        self.block_matmul = config.block_matmul
+        self._int8_activation_kernels = None
 
     def _check_attention_kernels(self) -> None:
         """The triton kernels on this model's attention shapes, once per distinct (window, soft-cap) kind of
@@ -151,6 +154,16 @@ class ModelRunner:
         kernels = getattr(self.attention_backend, "kernels", None)
         if kernels is None or self.dtype != torch.float32 or not hasattr(self.model, "convert_linear_layers"):
             return None
+        if self.block_matmul == "int8":
+            if getattr(kernels, "int8_dot", None) != "avx512_vnni":
+                if self._int8_activation_kernels is None:
+                    logger.warning("--block-matmul int8 needs a CPU with AVX-512 VNNI and VBMI; block-quantized "
+                                   "layers multiply in float32")
+                    self._int8_activation_kernels = kernels
+                return kernels
+            if self._int8_activation_kernels is None:
+                self._int8_activation_kernels = Int8ActivationKernels(kernels)
+            return self._int8_activation_kernels
         return kernels
 
     @cached_property
@@ -245,6 +258,10 @@ class ModelRunner:
             kept = ", ".join(f"{count} at {bits} bits" for bits, count in sorted(widths.items()))
             return (f"GGUF weights kept quantized in {self.num_gguf_layers_kept} layers ({kept}{embedding}; "
                     + self._block_kernel_paths(kernels) + self._enable_int8_decode(kernels))
+        if self.block_matmul == "int8":
+            logger.warning("--block-matmul int8 applies to block-quantized weights (a GGUF's kept blocks, "
+                           "--quantization q8_0); this model's projections multiply in %s",
+                           str(self.dtype).removeprefix("torch."))
         if self.quantization == "gguf":
             raise ModelLoadError("--quantization gguf: the file has no matrices in a type kept quantized "
                                  "(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K)")
@@ -258,6 +275,8 @@ class ModelRunner:
     def _block_kernel_paths(self, kernels) -> str:
         if not self._runs_cpu_kernels(kernels):
             return f"triton dequantize-and-matmul on {self.device}, no float copy"
+        if getattr(kernels, "int8_activations", False):
+            return "activations rounded to int8 per block of 32, AVX-512 VNNI integer dot products, no float copy"
         return (f"row kernel for steps of up to {BLOCK_KERNEL_MAX_ROWS} rows, dequantized tiles through sgemm "
                 "above, no float copy")
 

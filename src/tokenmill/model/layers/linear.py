@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -262,6 +262,23 @@ class BlockQuantLinear(nn.Module):
     def extra_repr(self) -> str:
         kind = f"{self.bits}-bit blocks" + (" with mins" if self.mins is not None else "")
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
+
+
+class Int8ActivationKernels:
+    """tokenmill's C++ kernels with every block-quantized matmul taking integer dot products
+    (`--block-matmul int8`): `block_linear` is `block_linear_q8`, which rounds each row of x to int8 per
+    block of 32 inputs (scale max|x| / 127, as llama.cpp rounds activations for its quantized matmuls)
+    and multiplies the weight's integers with AVX-512 VNNI; the fused decode stack does the same. The
+    weights are unchanged; the outputs differ from the float32 path by that rounding of x."""
+
+    int8_activations = True
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+        self.block_linear = module.block_linear_q8
+
+    def __getattr__(self, name: str) -> Any:  # every other kernel is the module's own
+        return getattr(self._module, name)
 
 
 class BlockQuantEmbedding(nn.Module):

@@ -19,11 +19,14 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
+#include <cstring>
 #include <cmath>
 #include <limits>
 #include <numeric>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 // TOKENMILL_PORTABLE / TOKENMILL_NO_AVX512 build the narrower paths on a wider CPU (their tests).
@@ -1086,6 +1089,244 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale
   return y;
 }
 
+// ---- Integer dot products on the kept blocks (`--block-matmul int8`) ---------------------------
+// Each row of x is rounded per block of 32 inputs to int8 (scale = max|x| / 127, nearest-even), as
+// llama.cpp rounds activations for its quantized matmuls; a (row, block) product is then an exact
+// integer dot product of the weight's integers with x's, scaled once:
+//   y[r][n] = sum_b  sw[n][b] * sx[r][b] * (sum_k a[n][k] * xq[r][k] - zero * sum_k xq[r][k])
+//                    + mins[n][b] * xsum[r][b]  (+ bias[n])
+// where a is the weight's integer as an unsigned byte: the nibble (0..15; Q4_0's carry + 8, zero = 8)
+// or the int8 value + 128 (zero = 128). xsum is the float sum of the block's x (the min term is not
+// rounded). VPDPBUSD multiplies 4 unsigned bytes by 4 signed ones and adds them into one int32 lane,
+// so the weight's panel is repacked, once per work item into an L1-sized buffer, from pack_blocks's
+// layout (one input's 16 features per row) to 16 features x 4 consecutive inputs per 64 bytes.
+// The arithmetic is the same on every path: the per-block float update is
+//   acc = fma(float(idot), sw * sx, acc); acc = fma(mins, xsum, acc)
+// so the portable loop and the AVX-512 VNNI kernel give the same bits.
+namespace {
+#if defined(TOKENMILL_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define TOKENMILL_VNNI 1
+#endif
+
+constexpr int64_t kDotGroupBytes = 64;                          // 16 features x 4 inputs
+constexpr int64_t kDotBlockBytes = kQ8Block / 4 * kDotGroupBytes;  // 512 per (panel, block)
+constexpr int64_t kDotRowChunk = 64;
+constexpr int kDotTileRows = 8;
+
+// x rounded per block: xq [rows][K] int8, scale and integer sum per (row, block), float sums for mins.
+struct QuantizedRows {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> qsum;
+  std::vector<float> sum;
+};
+
+void quantize_rows(const float* x, int64_t rows, int64_t in_features, bool with_sums, QuantizedRows& out) {
+  const int64_t blocks = in_features / kQ8Block;
+  out.q.resize(rows * in_features);
+  out.scale.resize(rows * blocks);
+  out.qsum.resize(rows * blocks);
+  if (with_sums) {
+    out.sum.resize(rows * blocks);
+    block_sums(x, rows, in_features, out.sum.data());
+  }
+  at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) {
+      const float* xb = x + i * kQ8Block;  // (row, block) i: rows are contiguous blocks of 32
+      int8_t* qb = out.q.data() + i * kQ8Block;
+      float amax = 0.0f;
+      for (int64_t k = 0; k < kQ8Block; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+      int32_t s = 0;
+      for (int64_t k = 0; k < kQ8Block; ++k) {
+        const float v = std::nearbyint(xb[k] * inv);  // nearest-even, as cvtps2dq rounds
+        const int32_t iv = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
+        qb[k] = static_cast<int8_t>(iv);
+        s += iv;
+      }
+      out.scale[i] = d;
+      out.qsum[i] = s;
+    }
+  });
+}
+
+// One panel (all its blocks) repacked: out[b][g][f][j] = a(feature f, input 4g + j of block b).
+template <int Bits>
+void repack_panel_for_dot(const uint8_t* qp, int64_t blocks, uint8_t* out) {
+  constexpr int64_t row_bytes = PanelRow<Bits>::kBytes;
+#if defined(TOKENMILL_VNNI)
+  if constexpr (Bits == 4) {
+    // 8 inputs' rows (64 bytes) at a time: low nibbles hold features 0-7, high ones 8-15.
+    alignas(64) uint8_t idx[64];
+    for (int f = 0; f < 16; ++f)
+      for (int j = 0; j < 4; ++j) idx[f * 4 + j] = static_cast<uint8_t>(f < 8 ? j * 8 + f : 64 + j * 8 + f - 8);
+    const __m512i idx0 = _mm512_load_si512(idx), idx1 = _mm512_add_epi8(idx0, _mm512_set1_epi8(32));
+    const __m512i low4 = _mm512_set1_epi8(0x0F);
+    for (int64_t i = 0; i < blocks * kQ8Block / 8; ++i) {
+      const __m512i v = _mm512_loadu_si512(qp + i * 64);
+      const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      _mm512_storeu_si512(out + i * 128, _mm512_permutex2var_epi8(lo, idx0, hi));
+      _mm512_storeu_si512(out + i * 128 + 64, _mm512_permutex2var_epi8(lo, idx1, hi));
+    }
+  } else {
+    alignas(64) uint8_t idx[64];
+    for (int f = 0; f < 16; ++f)
+      for (int j = 0; j < 4; ++j) idx[f * 4 + j] = static_cast<uint8_t>(j * 16 + f);
+    const __m512i perm = _mm512_load_si512(idx), bias = _mm512_set1_epi8(static_cast<char>(0x80));
+    for (int64_t i = 0; i < blocks * kQ8Block / 4; ++i) {
+      const __m512i v = _mm512_loadu_si512(qp + i * 64);
+      _mm512_storeu_si512(out + i * 64, _mm512_xor_si512(_mm512_permutexvar_epi8(perm, v), bias));
+    }
+  }
+#else
+  for (int64_t k = 0; k < blocks * kQ8Block; ++k) {
+    const uint8_t* row = qp + k * row_bytes;
+    uint8_t* group = out + (k / 4) * kDotGroupBytes + k % 4;
+    for (int64_t f = 0; f < kQ8Panel; ++f) {
+      const int a = Bits == 4 ? (f < 8 ? row[f] & 0x0F : row[f - 8] >> 4) : (row[f] ^ 0x80);
+      group[f * 4] = static_cast<uint8_t>(a);
+    }
+  }
+#endif
+}
+
+// Rows [r0, r0 + R) of the quantized x against one repacked panel.
+template <int R>
+void dot_panel_tile(const QuantizedRows& xq, int64_t r0, int64_t in_features, const uint8_t* wa, const float* sp,
+                    const float* mp, int zero, int64_t width, const float* bias, float* y, int64_t y_stride) {
+  const int64_t blocks = in_features / kQ8Block;
+  const int8_t* xrow = xq.q.data() + r0 * in_features;
+  const float* xd = xq.scale.data() + r0 * blocks;
+  const int32_t* xs = xq.qsum.data() + r0 * blocks;
+  const float* xf = mp == nullptr ? nullptr : xq.sum.data() + r0 * blocks;
+#if defined(TOKENMILL_VNNI)
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = wa + b * kDotBlockBytes;
+    const int8_t* xb = xrow + b * kQ8Block;
+    __m512i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int g = 0; g < kQ8Block / 4; ++g) {
+      const __m512i w = _mm512_loadu_si512(wb + g * kDotGroupBytes);
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xb + r * in_features + g * 4, 4);
+        dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(four));
+      }
+    }
+    const __m512 scale = _mm512_loadu_ps(sp + b * kQ8Panel);
+    const __m512 offset = mp == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(mp + b * kQ8Panel);
+    for (int r = 0; r < R; ++r) {
+      __m512i d = dot[r];
+      if (zero != 0) d = _mm512_sub_epi32(d, _mm512_set1_epi32(zero * xs[r * blocks + b]));
+      const __m512 factor = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r * blocks + b]));
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), factor, acc[r]);
+      if (mp != nullptr) acc[r] = _mm512_fmadd_ps(offset, _mm512_set1_ps(xf[r * blocks + b]), acc[r]);
+    }
+  }
+  const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
+  const __m512 bias_v = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride, mask, _mm512_add_ps(acc[r], bias_v));
+#else
+  for (int r = 0; r < R; ++r) {
+    float acc[kQ8Panel] = {};
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* wb = wa + b * kDotBlockBytes;
+      const int8_t* xb = xrow + r * in_features + b * kQ8Block;
+      for (int64_t f = 0; f < kQ8Panel; ++f) {
+        int32_t dot = 0;
+        for (int64_t k = 0; k < kQ8Block; ++k) dot += static_cast<int32_t>(wb[(k / 4) * kDotGroupBytes + f * 4 + k % 4]) * xb[k];
+        dot -= zero * xs[r * blocks + b];
+        const float factor = sp[b * kQ8Panel + f] * xd[r * blocks + b];
+        acc[f] = std::fma(static_cast<float>(dot), factor, acc[f]);
+        if (mp != nullptr) acc[f] = std::fma(mp[b * kQ8Panel + f], xf[r * blocks + b], acc[f]);
+      }
+    }
+    for (int64_t f = 0; f < width; ++f) y[r * y_stride + f] = acc[f] + (bias == nullptr ? 0.0f : bias[f]);
+  }
+#endif
+}
+
+template <int... Rs>
+constexpr auto make_dot_tiles(std::integer_sequence<int, Rs...>) {
+  using Fn = void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, const float*, const float*, int, int64_t,
+                      const float*, float*, int64_t);
+  return std::array<Fn, sizeof...(Rs)>{dot_panel_tile<Rs + 1>...};
+}
+constexpr auto kDotTileByRows = make_dot_tiles(std::make_integer_sequence<int, kDotTileRows>{});
+
+template <int Bits>
+void block_linear_dot(const float* x, int64_t rows, int64_t in_features, const uint8_t* q, int zero,
+                      const float* scales, const float* mins, int64_t out_features, const float* bias, float* y) {
+  if (rows == 0) return;
+  const int64_t blocks = in_features / kQ8Block;
+  const int64_t panel_bytes = blocks * kQ8Block * PanelRow<Bits>::kBytes;
+  const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel;
+  const int64_t chunks = (rows + kDotRowChunk - 1) / kDotRowChunk;
+  QuantizedRows xq;
+  quantize_rows(x, rows, in_features, mins != nullptr, xq);
+  const int a_zero = Bits == 8 ? 128 : zero;
+  // Work item = (row chunk, panel), panels innermost so a thread's consecutive items share x.
+  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+    thread_local std::vector<uint8_t> repacked;
+    if (static_cast<int64_t>(repacked.size()) < blocks * kDotBlockBytes) repacked.resize(blocks * kDotBlockBytes);
+    int64_t repacked_panel = -1;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t p = item % panels, chunk = item / panels;
+      if (p != repacked_panel) {
+        repack_panel_for_dot<Bits>(q + p * panel_bytes, blocks, repacked.data());
+        repacked_panel = p;
+      }
+      const int64_t n0 = p * kQ8Panel, width = std::min(kQ8Panel, out_features - n0);
+      const float* sp = scales + p * blocks * kQ8Panel;
+      const float* mp = mins == nullptr ? nullptr : mins + p * blocks * kQ8Panel;
+      const float* bp = bias == nullptr ? nullptr : bias + n0;
+      const int64_t r_end = std::min(rows, (chunk + 1) * kDotRowChunk);
+      for (int64_t r0 = chunk * kDotRowChunk; r0 < r_end; r0 += kDotTileRows) {
+        const int64_t tile = std::min<int64_t>(kDotTileRows, r_end - r0);
+        kDotTileByRows[tile - 1](xq, r0, in_features, repacked.data(), sp, mp, a_zero, width, bp,
+                                 y + r0 * out_features + n0, out_features);
+      }
+    }
+  });
+}
+}  // namespace
+
+torch::Tensor block_linear_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                              c10::optional<torch::Tensor> bias, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: contiguous float32 [rows, K]");
+  TORCH_CHECK(x.size(1) % kQ8Block == 0, "K must be a multiple of 32");
+  TORCH_CHECK(q.scalar_type() == torch::kChar || q.scalar_type() == torch::kByte,
+              "q: int8 (8-bit blocks) or uint8 (4-bit blocks, two per byte)");
+  const int bits = q.scalar_type() == torch::kChar ? 8 : 4;
+  const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel, blocks = x.size(1) / kQ8Block;
+  TORCH_CHECK(out_features > 0 && q.is_contiguous() &&
+              q.numel() == panels * blocks * kQ8Block * kQ8Panel * bits / 8,
+              "q: contiguous, in pack_blocks's layout [panels, K / 32, 32, 16 * bits / 8] matching x and out_features");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat &&
+              scales.numel() == panels * blocks * kQ8Panel, "scales: contiguous float32 [panels, K / 32, 16]");
+  const float* mins_ptr = nullptr;
+  if (mins.has_value() && mins->defined() && mins->numel() > 0) {
+    TORCH_CHECK(mins->is_contiguous() && mins->scalar_type() == torch::kFloat && mins->numel() == scales.numel(),
+                "mins: contiguous float32 shaped like scales");
+    mins_ptr = mins->data_ptr<float>();
+  }
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined() && bias->numel() > 0) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == out_features,
+                "bias: float32 [N]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  const int zero = bits == 4 && mins_ptr == nullptr ? 8 : 0;
+  auto y = torch::empty({x.size(0), out_features}, x.options());
+  const auto run = bits == 8 ? block_linear_dot<8> : block_linear_dot<4>;
+  run(x.data_ptr<float>(), x.size(0), x.size(1), static_cast<const uint8_t*>(q.data_ptr()), zero,
+      scales.data_ptr<float>(), mins_ptr, out_features, bias_ptr, y.data_ptr<float>());
+  return y;
+}
+
 // ---- A whole Llama decoder stack for a decode-only step with block-quantized weights ----------
 // The same kernels, in the same order, as the Python layers (so the result is bit-identical), called
 // from one C++ loop: a decode step of a few rows spends most of its non-matmul time in Python and in
@@ -1093,7 +1334,8 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale
 //
 // layer_params holds kInt8LayerParams tensors per layer: input norm weight; qkv q, scales, mins, bias;
 // o q, scales, mins, bias; post-attention norm weight; gate_up q, scales, mins, bias; down q, scales,
-// mins, bias. An empty (or undefined) mins or bias tensor means none. Returns the final norm of the residual stream, [rows, hidden].
+// mins, bias. An empty (or undefined) mins or bias tensor means none. int8_activations: every projection
+// through block_linear_q8 (--block-matmul int8) instead of block_linear. Returns the final norm of the residual stream, [rows, hidden].
 namespace {
 constexpr size_t kInt8LayerParams = 18;
 
@@ -1102,8 +1344,9 @@ c10::optional<torch::Tensor> optional_tensor(const torch::Tensor& t) {
 }
 
 // One projection of the stack: w points at its (q, scales, mins, bias).
-torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor* w, int64_t out_features) {
-  return block_linear(x, w[0], w[1], optional_tensor(w[2]), optional_tensor(w[3]), out_features);
+torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor* w, int64_t out_features, bool int8_activations) {
+  const auto linear = int8_activations ? block_linear_q8 : block_linear;
+  return linear(x, w[0], w[1], optional_tensor(w[2]), optional_tensor(w[3]), out_features);
 }
 
 // K and V of each new token into its cache slot (the Python backend's index_copy_).
@@ -1140,7 +1383,8 @@ torch::Tensor llama_decode_int8(torch::Tensor hidden, torch::Tensor positions, t
                                 torch::Tensor block_tables, torch::Tensor context_lens,
                                 std::vector<torch::Tensor> kv_caches, std::vector<torch::Tensor> layer_params,
                                 torch::Tensor final_norm, torch::Tensor cos, torch::Tensor sin, int64_t num_heads,
-                                int64_t num_kv_heads, int64_t head_dim, double eps, double scale) {
+                                int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                                bool int8_activations) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == torch::kFloat,
               "hidden: contiguous float32 [rows, hidden]");
   TORCH_CHECK(layer_params.size() == kv_caches.size() * kInt8LayerParams, "18 parameters per layer");
@@ -1165,16 +1409,16 @@ torch::Tensor llama_decode_int8(torch::Tensor hidden, torch::Tensor positions, t
     } else {
       h = rms_norm(x, residual, w[0], eps);  // residual += x, in place
     }
-    torch::Tensor qkv = stack_linear(h, w + 1, q_size + 2 * kv_size);
+    torch::Tensor qkv = stack_linear(h, w + 1, q_size + 2 * kv_size, int8_activations);
     rotary_inplace(qkv, positions, cos, sin, num_heads + num_kv_heads, head_dim);
     write_kv(qkv, q_size, kv_size, cache, slots);
     torch::Tensor query = qkv.narrow(1, 0, q_size).contiguous().view({rows, num_heads, head_dim});
     torch::Tensor attn = paged_decode_attention(query, cache, block_tables, context_lens, scale, 0.0);
-    h = stack_linear(attn.view({rows, q_size}), w + 5, hidden_size);
+    h = stack_linear(attn.view({rows, q_size}), w + 5, hidden_size, int8_activations);
     h = rms_norm(h, residual, w[9], eps);
     const int64_t intermediate_size = w[14].size(1) * kQ8Block;  // down's inputs ([panels, K / 32, 32, 16 or 8])
-    h = silu_and_mul(stack_linear(h, w + 10, 2 * intermediate_size));
-    x = stack_linear(h, w + 14, hidden_size);
+    h = silu_and_mul(stack_linear(h, w + 10, 2 * intermediate_size, int8_activations));
+    x = stack_linear(h, w + 14, hidden_size, int8_activations);
   }
   return rms_norm(x, residual, final_norm, eps);
 }
@@ -1187,11 +1431,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("simd") = "portable";
 #endif
+#if defined(TOKENMILL_VNNI)
+  m.attr("int8_dot") = "avx512_vnni";
+#else
+  m.attr("int8_dot") = "portable";
+#endif
   // Every kernel runs without the GIL (arguments are converted before, results after), so the
   // server's HTTP thread can stream and tokenize while the engine thread is inside one.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("block_linear", &block_linear,
         "x @ dequant(block-quantized weights)^T + bias for float32 x (weights in pack_blocks's layout)",
+        py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("out_features"),
+        nogil);
+  m.def("block_linear_q8", &block_linear_q8,
+        "block_linear with x rounded per block of 32 to int8 and integer dot products (--block-matmul int8)",
         py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("out_features"),
         nogil);
   m.def("paged_decode_attention", &paged_decode_attention,

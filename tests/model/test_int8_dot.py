@@ -1,0 +1,150 @@
+"""`--block-matmul int8`: activations rounded to int8 per block of 32 inputs and integer dot products
+with the kept blocks (`block_linear_q8`). Per GGUF block type and row count against a float64
+computation of the same rounding; the AVX-512 VNNI kernel against the portable C++ loop, bit for bit;
+and the engine's greedy tokens against HF transformers whose linear layers round their inputs the
+same way."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_factory import hf_greedy
+from test_block_kernels import ROWS, file_blocks
+from test_gguf_int8 import PROMPTS, hf_on_file_weights
+from tokenmill import LLM, SamplingParams
+from tokenmill.model.gguf_loader import INT8_BLOCK_TYPES
+from tokenmill.model.layers.linear import BlockQuantLinear, Int8ActivationKernels, pack_blocks
+
+
+def round_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [rows, K] per block of 32: the int8 values (as float) and their scales max|x| / 127."""
+    blocks = x.float().reshape(x.shape[0], -1, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    # 127 / amax by true division (torch's scalar / tensor multiplies by a reciprocal instead)
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    return torch.round(blocks * inverse).clamp(-127, 127), amax / 127.0
+
+
+def expected_q8(x: torch.Tensor, blocks, bias: torch.Tensor) -> torch.Tensor:
+    """The kernel's arithmetic in float64: integer dot products scaled by both scales, the min term on
+    the unrounded block sums of x."""
+    xq, xd = round_activations(x)
+    w = blocks.q.double().reshape(blocks.q.shape[0], -1, 32)
+    dots = torch.einsum("rbk,nbk->rnb", xq.double(), w)
+    y = (dots * blocks.scales.double().unsqueeze(0) * xd.double().squeeze(-1).unsqueeze(1)).sum(-1)
+    if blocks.mins is not None:
+        y = y + x.double().reshape(x.shape[0], -1, 32).sum(-1) @ blocks.mins.double().T
+    return y + bias.double()
+
+
+@pytest.fixture(scope="module")
+def vnni(kernels):
+    if kernels.int8_dot != "avx512_vnni":
+        pytest.skip("this CPU has no AVX-512 VNNI + VBMI")
+    return kernels
+
+
+@pytest.mark.parametrize("type_name", sorted(INT8_BLOCK_TYPES))
+def test_int8_dot_kernel_per_block_type(vnni, type_name):
+    blocks, dense = file_blocks(type_name, seed=len(type_name) + 1)
+    gen = torch.Generator().manual_seed(11)
+    bias = torch.randn(37, generator=gen)
+    packed = pack_blocks(blocks)
+    for rows in ROWS:
+        x = torch.randn(rows, dense.shape[1], generator=gen)
+        x[0, :32] = 0.0  # an all-zero block: scale 0, no division by zero
+        y = vnni.block_linear_q8(x, *packed, bias, 37)
+        expected = expected_q8(x, blocks, bias)
+        # float32 accumulation over the blocks: errors scale with the outputs' magnitude
+        torch.testing.assert_close(y.double(), expected, atol=2e-6 * expected.abs().max().item(), rtol=1e-5,
+                                   msg=f"{type_name} rows={rows}")
+        # and it is a matmul with these weights: within the activations' rounding of the float product
+        exact = x.double() @ dense.double().T + bias.double()
+        assert (y.double() - exact).abs().max() < 0.02 * exact.abs().max()
+        # a row's result does not depend on the rows around it
+        assert torch.equal(y[-1:], vnni.block_linear_q8(x[-1:].contiguous(), *packed, bias, 37))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q8_0", "Q5_1"])
+def test_vnni_kernel_equals_the_portable_loop(vnni, type_name):
+    """The AVX-512 VNNI kernel and the portable C++ loop run the same float operations per block."""
+    from tokenmill.model.layers import cpu_kernels
+
+    portable = cpu_kernels.load_variant("portable")
+    assert portable.int8_dot == "portable"
+    blocks, _ = file_blocks(type_name, seed=4)
+    packed = pack_blocks(blocks)
+    gen = torch.Generator().manual_seed(2)
+    bias = torch.randn(37, generator=gen)
+    for rows in (1, 9, 70):
+        x = torch.randn(rows, blocks.q.shape[1], generator=gen)
+        assert torch.equal(vnni.block_linear_q8(x, *packed, bias, 37), portable.block_linear_q8(x, *packed, bias, 37))
+
+
+class RoundedInputLinear(torch.nn.Module):
+    """HF's nn.Linear with its input rounded as block_linear_q8 rounds it: the product of the rounded
+    input with the weights, plus the kernel's min term on the unrounded block sums (the weights' mins
+    [out, K / 32] as the engine's layer holds them)."""
+
+    def __init__(self, linear: torch.nn.Linear, mins) -> None:
+        super().__init__()
+        self.linear, self.mins = linear, mins
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        xq, xd = round_activations(rows)
+        rounded = xq * xd
+        y = torch.nn.functional.linear(rounded.reshape(rows.shape), self.linear.weight, self.linear.bias)
+        if self.mins is not None:
+            y = y + (rows.reshape(rounded.shape).sum(-1) - rounded.sum(-1)) @ self.mins.T
+        return y.reshape(*x.shape[:-1], -1)
+
+
+def round_hf_linear_inputs(hf: torch.nn.Module, engine_model) -> None:
+    """Every nn.Linear of `hf` as a RoundedInputLinear, with the mins of the engine's (fused) layer rows."""
+    mins_by_name = {}
+    for name, module in engine_model.named_modules():
+        if isinstance(module, BlockQuantLinear):
+            mins = module.blocks().mins
+            if name.endswith("embed_tokens.table"):
+                continue
+            offset = 0
+            for part, rows in zip(engine_model.checkpoint_weight_names(name), engine_model.checkpoint_part_rows(name)):
+                mins_by_name[part.removesuffix(".weight")] = None if mins is None else mins[offset:offset + rows]
+                offset += rows
+    if "lm_head" not in mins_by_name and "model.embed_tokens" in mins_by_name:
+        mins_by_name["lm_head"] = mins_by_name["model.embed_tokens"]
+    for name, module in list(hf.named_modules()):
+        if isinstance(module, torch.nn.Linear):
+            parent, _, leaf = name.rpartition(".")
+            setattr(hf.get_submodule(parent) if parent else hf, leaf, RoundedInputLinear(module, mins_by_name[name]))
+
+
+def test_engine_int8_matmul_matches_hf_with_rounded_activations(vnni, tiny_gguf_path, tiny_llama_dir,
+                                                                smollm2_tokenizer):
+    """Every kept layer (the head too) and the fused decode stack take the integer path; greedy tokens
+    equal HF's on the file's weights with each linear layer's input rounded to int8 per block of 32."""
+    llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64,
+              max_model_len=512, block_matmul="int8")
+    runner = llm.llm_engine.core.core.runner
+    linears = [m for m in runner.model.modules() if isinstance(m, BlockQuantLinear)]
+    assert linears and all(isinstance(m.kernels, Int8ActivationKernels) for m in linears)
+    assert runner.model._int8_decode is not None and runner.model._int8_decode[0].int8_activations
+    assert "int8" in runner.linear_layers
+    hf = hf_on_file_weights(tiny_gguf_path, tiny_llama_dir)
+    round_hf_linear_inputs(hf, runner.model)
+    lengths = [12, 20, 7, 16]
+    ids = [smollm2_tokenizer.encode(p) for p in PROMPTS]
+    outputs = llm.generate([{"prompt_token_ids": i} for i in ids],
+                           [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in lengths],
+                           use_tqdm=False)
+    for prompt, m, out in zip(ids, lengths, outputs):
+        assert out.outputs[0].token_ids == hf_greedy(hf, prompt, m)
+
+
+def test_int8_matmul_option_is_validated():
+    from tokenmill.errors import TokenmillError
+
+    with pytest.raises(TokenmillError, match="block_matmul"):
+        LLM(block_matmul="int4")
