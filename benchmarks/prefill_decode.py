@@ -1,6 +1,6 @@
 """Offline prefill speed and single-stream decode time of the embedded model (or --model).
 
-    python -m benchmarks.prefill_decode [--model PATH] [--label NAME]
+    python -m benchmarks.prefill_decode [--model PATH] [--label NAME] [--block-matmul int8]
 
 Prefill: 8 random 512-token prompts with max_tokens=1, best of 3, in tokens per second. Decode: one
 32-token prompt generating 129 tokens minus the same prompt generating 1 (so the prefill cancels), per
@@ -21,8 +21,10 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--label", default="tokenmill")
+    parser.add_argument("--block-matmul", default="float32", choices=["float32", "int8"])
     args = parser.parse_args(argv)
-    llm = LLM(args.model, kv_cache_memory_bytes=512 * 2**20, enable_prefix_caching=False)
+    llm = LLM(args.model, kv_cache_memory_bytes=512 * 2**20, enable_prefix_caching=False,
+              block_matmul=args.block_matmul)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 40000) for _ in range(512)] for _ in range(8)]
 

@@ -156,7 +156,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     from benchmarks.engine_options import effective, given
     from benchmarks.paths import default_workload_path
     from tokenmill.benchmarks.workloads import load_workload
-    from tokenmill.config import KV_CACHE_DTYPES, EngineConfig
+    from tokenmill.config import BLOCK_MATMULS, KV_CACHE_DTYPES, EngineConfig
     from tokenmill.entrypoints.llm import LLM
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -173,6 +173,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--no-packed-linear", dest="packed_linear", action="store_false", default=None)
     parser.add_argument("--quantization", default=None, choices=["gguf", "q8_0", "none"])
     parser.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES)
+    parser.add_argument("--block-matmul", default=None, choices=BLOCK_MATMULS)
     parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N requests")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
@@ -180,7 +181,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     config = EngineConfig(model=args.model, **given(
         dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         attention_backend=args.attention_backend, packed_linear=args.packed_linear,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype))
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, block_matmul=args.block_matmul))
     llm = LLM.from_config(config)
     requests = load_workload(args.workload or default_workload_path(), args.num_prompts)
     out = run(llm, requests)

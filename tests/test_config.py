@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from tokenmill.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES, QUANTIZATIONS,
-                              SCHEDULING_POLICIES, EngineConfig, engine_options)
+from tokenmill.config import (ATTENTION_BACKENDS, BLOCK_MATMULS, DEVICES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
+                              QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig, engine_options)
 from tokenmill.core.policy import POLICIES
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.errors import InvalidRequestError
@@ -58,6 +58,7 @@ def test_choices_come_from_the_module_constants():
     assert actions["scheduling_policy"].choices is SCHEDULING_POLICIES and SCHEDULING_POLICIES is POLICIES
     assert actions["attention_backend"].choices is ATTENTION_BACKENDS
     assert actions["quantization"].choices is QUANTIZATIONS
+    assert actions["block_matmul"].choices is BLOCK_MATMULS
     assert actions["kv_cache_dtype"].choices is KV_CACHE_DTYPES
     assert actions["preemption_mode"].choices is PREEMPTION_MODES
 
@@ -79,7 +80,8 @@ def test_no_flags_give_the_defaults():
         "lpm_max_wait": 5.0, "max_preemptions": 4, "max_num_queued_requests": None, "max_queue_time": None,
         "max_prompt_tokens": None, "long_prefill_token_threshold": None, "max_long_partial_prefills": 1,
         "swap_space": 0.0, "preemption_mode": None, "seed": 0, "max_logprobs": 20, "num_threads": None,
-        "attention_backend": "auto", "packed_linear": True, "quantization": None, "kv_cache_dtype": "auto",
+        "attention_backend": "auto", "packed_linear": True, "quantization": None, "block_matmul": "float32",
+        "kv_cache_dtype": "auto",
         "structured_outputs_fast_forward": True, "data_parallel_size": 1, "data_parallel_routing": "prefix",
         "tensor_parallel_size": 1, "speculative_config": None}
 
@@ -195,7 +197,7 @@ def test_validation_keeps_every_value_as_given():
                   max_num_queued_requests=5, max_queue_time=1.5, max_prompt_tokens=50,
                   long_prefill_token_threshold=20, max_long_partial_prefills=2, swap_space=0.5,
                   preemption_mode=None, seed=3, max_logprobs=0, num_threads=1, attention_backend="cpu",
-                  packed_linear=False, quantization="q8_0", kv_cache_dtype="bfloat16",
+                  packed_linear=False, quantization="q8_0", block_matmul="int8", kv_cache_dtype="bfloat16",
                   structured_outputs_fast_forward=False, data_parallel_size=2, data_parallel_routing="round_robin",
                   tensor_parallel_size=2, speculative_config=None)
     assert set(values) == {f.name for f in engine_options()}
