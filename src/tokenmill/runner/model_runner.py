@@ -133,7 +133,7 @@ class ModelRunner:
         self.num_gguf_layers_kept = 0  # linear layers holding a GGUF's own blocks
         self.quantization = config.quantization
         self.block_matmul = config.block_matmul
-        self._int8_activation_kernels = None
+        self._block_matmul_kernels = None  # what --block-matmul int8 runs the block layers with
 
     def _check_attention_kernels(self) -> None:
         """The triton kernels on this model's attention shapes, once per distinct (window, soft-cap) kind of
@@ -150,21 +150,21 @@ class ModelRunner:
                 return
 
     def _int8_kernels(self):
-        """tokenmill's C++ kernels when block-int8 layers can run here (CPU backend, float32), else None."""
+        """tokenmill's C++ kernels when block-int8 layers can run here (CPU backend, float32), else None;
+        under `--block-matmul int8` wrapped so every block matmul takes integer dot products."""
         kernels = getattr(self.attention_backend, "kernels", None)
         if kernels is None or self.dtype != torch.float32 or not hasattr(self.model, "convert_linear_layers"):
             return None
-        if self.block_matmul == "int8":
-            if getattr(kernels, "int8_dot", None) != "avx512_vnni":
-                if self._int8_activation_kernels is None:
-                    logger.warning("--block-matmul int8 needs a CPU with AVX-512 VNNI and VBMI; block-quantized "
-                                   "layers multiply in float32")
-                    self._int8_activation_kernels = kernels
-                return kernels
-            if self._int8_activation_kernels is None:
-                self._int8_activation_kernels = Int8ActivationKernels(kernels)
-            return self._int8_activation_kernels
-        return kernels
+        if self.block_matmul != "int8":
+            return kernels
+        if self._block_matmul_kernels is None:  # decided (and warned about) once
+            if getattr(kernels, "int8_dot", None) == "avx512_vnni":
+                self._block_matmul_kernels = Int8ActivationKernels(kernels)
+            else:
+                logger.warning("--block-matmul int8 needs a CPU with AVX-512 VNNI and VBMI; block-quantized "
+                               "layers multiply in float32")
+                self._block_matmul_kernels = kernels
+        return self._block_matmul_kernels
 
     @cached_property
     def block_kernels(self):
@@ -173,6 +173,9 @@ class ModelRunner:
         model's dtype; elsewhere tokenmill's C++ kernels (`_int8_kernels`). Decided once; logged."""
         if self.device.type != "cuda":
             return self._int8_kernels()
+        if self.block_matmul == "int8":
+            logger.warning("--block-matmul int8 is a CPU option; on %s block-quantized layers run the triton "
+                           "kernel in %s", self.device, str(self.dtype).removeprefix("torch."))
         if not hasattr(self.model, "convert_linear_layers"):
             return None
         from tokenmill.model.layers.triton_quant_linear import load_triton_block_kernels
