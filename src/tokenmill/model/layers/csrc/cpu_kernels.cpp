@@ -1052,8 +1052,20 @@ void block_linear_tiled(const float* x, int64_t rows, int64_t in_features, const
 
 }  // namespace
 
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales, c10::optional<torch::Tensor> mins,
-                           c10::optional<torch::Tensor> bias, int64_t out_features) {
+namespace {
+// A block-quantized matmul's arguments, checked: the storage width, the nibble offset and raw pointers.
+struct BlockLinearArgs {
+  int bits;
+  int zero;  // 4-bit blocks without mins (Q4_0) store q + 8 in each nibble
+  const uint8_t* q;
+  const float* scales;
+  const float* mins;  // null without
+  const float* bias;  // null without
+};
+
+BlockLinearArgs check_block_linear_args(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
+                                        const c10::optional<torch::Tensor>& mins,
+                                        const c10::optional<torch::Tensor>& bias, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: contiguous float32 [rows, K]");
   TORCH_CHECK(x.size(1) % kQ8Block == 0, "K must be a multiple of 32");
   TORCH_CHECK(q.scalar_type() == torch::kChar || q.scalar_type() == torch::kByte,
@@ -1077,15 +1089,19 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale
                 "bias: float32 [N]");
     bias_ptr = bias->data_ptr<float>();
   }
-  // 4-bit blocks without mins (Q4_0) store q + 8 in each nibble.
   const int zero = bits == 4 && mins_ptr == nullptr ? 8 : 0;
+  return {bits, zero, static_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr<float>(), mins_ptr, bias_ptr};
+}
+}  // namespace
+
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                           c10::optional<torch::Tensor> bias, int64_t out_features) {
+  const BlockLinearArgs a = check_block_linear_args(x, q, scales, mins, bias, out_features);
   const int64_t rows = x.size(0);
   auto y = torch::empty({rows, out_features}, x.options());
-  const uint8_t* q_ptr = static_cast<const uint8_t*>(q.data_ptr());
-  const auto run = rows <= kRowKernelMaxRows ? (bits == 8 ? block_linear_rows<8> : block_linear_rows<4>)
-                                             : (bits == 8 ? block_linear_tiled<8> : block_linear_tiled<4>);
-  run(x.data_ptr<float>(), rows, x.size(1), q_ptr, zero, scales.data_ptr<float>(), mins_ptr, out_features, bias_ptr,
-      y.data_ptr<float>());
+  const auto run = rows <= kRowKernelMaxRows ? (a.bits == 8 ? block_linear_rows<8> : block_linear_rows<4>)
+                                             : (a.bits == 8 ? block_linear_tiled<8> : block_linear_tiled<4>);
+  run(x.data_ptr<float>(), rows, x.size(1), a.q, a.zero, a.scales, a.mins, out_features, a.bias, y.data_ptr<float>());
   return y;
 }
 
@@ -1296,34 +1312,11 @@ void block_linear_dot(const float* x, int64_t rows, int64_t in_features, const u
 
 torch::Tensor block_linear_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                               c10::optional<torch::Tensor> bias, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: contiguous float32 [rows, K]");
-  TORCH_CHECK(x.size(1) % kQ8Block == 0, "K must be a multiple of 32");
-  TORCH_CHECK(q.scalar_type() == torch::kChar || q.scalar_type() == torch::kByte,
-              "q: int8 (8-bit blocks) or uint8 (4-bit blocks, two per byte)");
-  const int bits = q.scalar_type() == torch::kChar ? 8 : 4;
-  const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel, blocks = x.size(1) / kQ8Block;
-  TORCH_CHECK(out_features > 0 && q.is_contiguous() &&
-              q.numel() == panels * blocks * kQ8Block * kQ8Panel * bits / 8,
-              "q: contiguous, in pack_blocks's layout [panels, K / 32, 32, 16 * bits / 8] matching x and out_features");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat &&
-              scales.numel() == panels * blocks * kQ8Panel, "scales: contiguous float32 [panels, K / 32, 16]");
-  const float* mins_ptr = nullptr;
-  if (mins.has_value() && mins->defined() && mins->numel() > 0) {
-    TORCH_CHECK(mins->is_contiguous() && mins->scalar_type() == torch::kFloat && mins->numel() == scales.numel(),
-                "mins: contiguous float32 shaped like scales");
-    mins_ptr = mins->data_ptr<float>();
-  }
-  const float* bias_ptr = nullptr;
-  if (bias.has_value() && bias->defined() && bias->numel() > 0) {
-    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == out_features,
-                "bias: float32 [N]");
-    bias_ptr = bias->data_ptr<float>();
-  }
-  const int zero = bits == 4 && mins_ptr == nullptr ? 8 : 0;
+  const BlockLinearArgs a = check_block_linear_args(x, q, scales, mins, bias, out_features);
   auto y = torch::empty({x.size(0), out_features}, x.options());
-  const auto run = bits == 8 ? block_linear_dot<8> : block_linear_dot<4>;
-  run(x.data_ptr<float>(), x.size(0), x.size(1), static_cast<const uint8_t*>(q.data_ptr()), zero,
-      scales.data_ptr<float>(), mins_ptr, out_features, bias_ptr, y.data_ptr<float>());
+  const auto run = a.bits == 8 ? block_linear_dot<8> : block_linear_dot<4>;
+  run(x.data_ptr<float>(), x.size(0), x.size(1), a.q, a.zero, a.scales, a.mins, out_features, a.bias,
+      y.data_ptr<float>());
   return y;
 }
 
