@@ -15,13 +15,14 @@ import random
 import time
 
 from tokenmill import LLM, SamplingParams
+from tokenmill.config import BLOCK_MATMULS
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--label", default="tokenmill")
-    parser.add_argument("--block-matmul", default="float32", choices=["float32", "int8"])
+    parser.add_argument("--block-matmul", default="float32", choices=BLOCK_MATMULS)
     args = parser.parse_args(argv)
     llm = LLM(args.model, kv_cache_memory_bytes=512 * 2**20, enable_prefix_caching=False,
               block_matmul=args.block_matmul)

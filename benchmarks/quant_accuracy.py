@@ -3,8 +3,9 @@
     python -m benchmarks.quant_accuracy [--quantization q8_0|gguf] [--block-matmul int8] [--text FILE]
 
 Scores the same token ids twice through `prompt_logprobs` (exact float32 weights, then the chosen
-format, its matmuls in `--block-matmul`'s arithmetic) and reports perplexity for both, the mean and max |delta logprob| per token, and how many
-positions change their top-1 token. The default text is tokenmill's README.
+format, its matmuls in `--block-matmul`'s arithmetic) and reports perplexity for both, the mean and
+max |delta logprob| per token, and how many positions change their top-1 token. The default text is
+tokenmill's README.
 """
 from __future__ import annotations
 
@@ -47,11 +48,12 @@ def compare(reference: tuple[list[float], list[int]], candidate: tuple[list[floa
 
 def main(argv: Optional[list[str]] = None) -> None:
     from tokenmill import LLM
+    from tokenmill.config import BLOCK_MATMULS
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None)
     parser.add_argument("--quantization", default="q8_0", choices=["q8_0", "gguf"])
-    parser.add_argument("--block-matmul", default="float32", choices=["float32", "int8"],
+    parser.add_argument("--block-matmul", default="float32", choices=BLOCK_MATMULS,
                         help="the candidate's block matmul arithmetic (the reference is always float32)")
     parser.add_argument("--text", default=None, help="text file to score (default: README.md)")
     parser.add_argument("--max-tokens", type=int, default=1024, help="score at most this many tokens")

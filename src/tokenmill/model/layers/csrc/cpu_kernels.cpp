@@ -1169,7 +1169,6 @@ void quantize_rows(const float* x, int64_t rows, int64_t in_features, bool with_
 // One panel (all its blocks) repacked: out[b][g][f][j] = a(feature f, input 4g + j of block b).
 template <int Bits>
 void repack_panel_for_dot(const uint8_t* qp, int64_t blocks, uint8_t* out) {
-  constexpr int64_t row_bytes = PanelRow<Bits>::kBytes;
 #if defined(TOKENMILL_VNNI)
   if constexpr (Bits == 4) {
     // 8 inputs' rows (64 bytes) at a time: low nibbles hold features 0-7, high ones 8-15.
@@ -1195,6 +1194,7 @@ void repack_panel_for_dot(const uint8_t* qp, int64_t blocks, uint8_t* out) {
     }
   }
 #else
+  constexpr int64_t row_bytes = PanelRow<Bits>::kBytes;
   for (int64_t k = 0; k < blocks * kQ8Block; ++k) {
     const uint8_t* row = qp + k * row_bytes;
     uint8_t* group = out + (k / 4) * kDotGroupBytes + k % 4;
