@@ -437,6 +437,411 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   return out;
 }
 
+// ---- paged prefill attention ----------------------------------------------------------------
+// paged_prefill_attention: the queries of a step's prefill chunks attend causally to their requests'
+// context straight from the paged KV cache (the chunk's own K/V already written). Each chunk's
+// queries sit at the last n positions of its context of ctx_len tokens; query i sees keys
+// max(0, p - window + 1) <= k <= p (no window: 0 <= k <= p).
+//
+//   query          [T, num_heads, head_dim] (rows `q_row_stride` elements apart; heads contiguous)
+//   block_tables   [chunks, max_blocks] int32
+//   query_ranges   [chunks, 2] int32: chunk c's queries are rows [query_ranges[c][0], query_ranges[c][1])
+//   context_lens   [chunks] int32 (including the chunk)
+//
+// SDPA on the gathered context multiplies every (query, key) pair and masks half of them away; this
+// visits, per tile of queries, only the key tiles some query of it can see, so a causal prompt costs
+// half a square. Flash-style: per work item (chunk, KV head, a tile of positions x the `group` query
+// heads of that KV head) the scores of 8 keys at a time, an online softmax, the weighted V rows
+// accumulated in fp32. K/V rows are read in place through the block table (no gather copy).
+namespace {
+
+constexpr int64_t kPrefillTileRows = 48;  // query rows (positions x group) per work item
+
+// out[i][d] = rows[i * stride + d] for i < n; rows n..KT-1 are zero (past the context: their
+// probabilities are 0, and 0 * garbage could be NaN).
+template <int64_t KT, typename T>
+inline void load_rows_float(const T* rows, int64_t n, int64_t stride, int64_t head_dim, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const T* row = rows + i * stride;
+    int64_t d = 0;
+#ifdef TOKENMILL_AVX2
+    if constexpr (kVectorCache<T>)
+      for (; d + 8 <= head_dim; d += 8) _mm256_storeu_ps(out + i * head_dim + d, load8(row + d));
+#endif
+    for (; d < head_dim; ++d) out[i * head_dim + d] = to_float(row[d]);
+  }
+  std::fill(out + n * head_dim, out + KT * head_dim, 0.0f);
+}
+
+// kt[d][j] = k[j][d] for the KT rows of a key tile (k as [KT][head_dim] floats), 8x8 at a time.
+template <int64_t KT>
+inline void transpose_key_tile(const float* k, int64_t head_dim, float* kt) {
+  int64_t d = 0;
+#ifdef TOKENMILL_AVX2
+  for (; d + 8 <= head_dim; d += 8)
+    for (int64_t j0 = 0; j0 < KT; j0 += 8) {
+      __m256 r[8], t[8], u[8];
+      for (int j = 0; j < 8; ++j) r[j] = _mm256_loadu_ps(k + (j0 + j) * head_dim + d);
+      for (int j = 0; j < 8; j += 2) {  // unpack pairs, then 64-bit pairs, then 128-bit halves
+        t[j] = _mm256_unpacklo_ps(r[j], r[j + 1]);
+        t[j + 1] = _mm256_unpackhi_ps(r[j], r[j + 1]);
+      }
+      for (int j = 0; j < 8; j += 4) {
+        u[j] = _mm256_shuffle_ps(t[j], t[j + 2], 0x44);
+        u[j + 1] = _mm256_shuffle_ps(t[j], t[j + 2], 0xEE);
+        u[j + 2] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0x44);
+        u[j + 3] = _mm256_shuffle_ps(t[j + 1], t[j + 3], 0xEE);
+      }
+      for (int j = 0; j < 4; ++j) {
+        _mm256_storeu_ps(kt + (d + j) * KT + j0, _mm256_permute2f128_ps(u[j], u[j + 4], 0x20));
+        _mm256_storeu_ps(kt + (d + j + 4) * KT + j0, _mm256_permute2f128_ps(u[j], u[j + 4], 0x31));
+      }
+    }
+#endif
+  for (; d < head_dim; ++d)
+    for (int64_t j = 0; j < KT; ++j) kt[d * KT + j] = k[j * head_dim + d];
+}
+
+#ifdef TOKENMILL_AVX512
+// exp256's argument reduction and polynomial on 16 lanes.
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.3762626647949f)), _mm512_set1_ps(-88.3762626647949f));
+  __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)),
+                                  _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
+// s[m][j] = qf[m] . k_j for R rows from m: each load of a transposed key row serves R rows.
+template <int64_t KT, int R>
+inline void score_key_tile_rows(const float* qf, int64_t m, int64_t head_dim, const float* kt, float* s) {
+#ifdef TOKENMILL_AVX512
+  if constexpr (KT == 16) {
+    __m512 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const __m512 kv = _mm512_loadu_ps(kt + d * 16);
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(qf[(m + r) * head_dim + d]), kv, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + (m + r) * 16, acc[r]);
+    return;
+  }
+#endif
+#ifdef TOKENMILL_AVX2
+  if constexpr (KT == 8) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < head_dim; ++d) {
+      const __m256 kv = _mm256_loadu_ps(kt + d * 8);
+      for (int r = 0; r < R; ++r)
+        acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(qf + (m + r) * head_dim + d), kv, acc[r]);
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(s + (m + r) * 8, acc[r]);
+    return;
+  }
+#endif
+  for (int r = 0; r < R; ++r)
+    for (int64_t j = 0; j < KT; ++j) {
+      float dot = 0.0f;
+      for (int64_t d = 0; d < head_dim; ++d) dot += qf[(m + r) * head_dim + d] * kt[d * KT + j];
+      s[(m + r) * KT + j] = dot;
+    }
+}
+
+template <int64_t KT>
+inline void score_key_tile(const float* qf, int64_t m0, int64_t m1, int64_t head_dim, const float* kt, float* s) {
+  int64_t m = m0;
+  for (; m + 8 <= m1; m += 8) score_key_tile_rows<KT, 8>(qf, m, head_dim, kt, s);
+  for (; m + 4 <= m1; m += 4) score_key_tile_rows<KT, 4>(qf, m, head_dim, kt, s);
+  for (; m < m1; ++m) score_key_tile_rows<KT, 1>(qf, m, head_dim, kt, s);
+}
+
+template <int64_t KT>
+inline float tile_max_of(const float* s) {
+#ifdef TOKENMILL_AVX512
+  if constexpr (KT == 16) return _mm512_reduce_max_ps(_mm512_loadu_ps(s));
+#endif
+  return max_of(s, KT);
+}
+
+// p[j] = exp(s[j] - max) (0 where s[j] is -inf, a masked key); returns their sum.
+template <int64_t KT>
+inline float exp_tile(const float* s, float max_score, float* p) {
+  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+  // exp256/exp512 clamp their argument, so a masked score would come out tiny, not 0: it is zeroed.
+#ifdef TOKENMILL_AVX512
+  if constexpr (KT == 16) {
+    const __m512 sv = _mm512_loadu_ps(s);
+    const __mmask16 live = _mm512_cmp_ps_mask(sv, _mm512_set1_ps(neg_inf), _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp512(_mm512_sub_ps(sv, _mm512_set1_ps(max_score))));
+    _mm512_storeu_ps(p, e);
+    return _mm512_reduce_add_ps(e);
+  }
+#endif
+#ifdef TOKENMILL_AVX2
+  if constexpr (KT == 8) {
+    const __m256 sv = _mm256_loadu_ps(s);
+    const __m256 live = _mm256_cmp_ps(sv, _mm256_set1_ps(neg_inf), _CMP_NEQ_OQ);
+    const __m256 e = _mm256_and_ps(exp256(_mm256_sub_ps(sv, _mm256_set1_ps(max_score))), live);
+    _mm256_storeu_ps(p, e);
+    return hsum256(e);
+  }
+#endif
+  float sum = 0.0f;
+  for (int64_t j = 0; j < KT; ++j) {
+    p[j] = s[j] == neg_inf ? 0.0f : std::exp(s[j] - max_score);
+    sum += p[j];
+  }
+  return sum;
+}
+
+// For each of `rows` rows r: acc[r][d] = acc[r][d] * corr[r] + sum_j p[r][j] * v[j][d] over the tile's KT
+// V rows ([KT][head_dim] floats). Two rows at a time share every load of V.
+template <int64_t KT>
+inline void accumulate_value_tile(const float* p, const float* corr, int64_t rows, const float* v, int64_t head_dim,
+                                  float* acc) {
+  int64_t r = 0;
+#ifdef TOKENMILL_AVX512
+  if constexpr (KT == 16) {
+    if (head_dim % 64 == 0) {
+      for (; r + 2 <= rows; r += 2)
+        for (int64_t d = 0; d < head_dim; d += 64) {
+          float* a0p = acc + r * head_dim + d;
+          float* a1p = a0p + head_dim;
+          __m512 a0[4], a1[4];
+          const __m512 c0 = _mm512_set1_ps(corr[r]), c1 = _mm512_set1_ps(corr[r + 1]);
+          for (int k = 0; k < 4; ++k) {
+            a0[k] = _mm512_mul_ps(_mm512_loadu_ps(a0p + 16 * k), c0);
+            a1[k] = _mm512_mul_ps(_mm512_loadu_ps(a1p + 16 * k), c1);
+          }
+          for (int64_t j = 0; j < KT; ++j) {
+            const __m512 w0 = _mm512_set1_ps(p[r * KT + j]), w1 = _mm512_set1_ps(p[(r + 1) * KT + j]);
+            for (int k = 0; k < 4; ++k) {
+              const __m512 vv = _mm512_loadu_ps(v + j * head_dim + d + 16 * k);
+              a0[k] = _mm512_fmadd_ps(w0, vv, a0[k]);
+              a1[k] = _mm512_fmadd_ps(w1, vv, a1[k]);
+            }
+          }
+          for (int k = 0; k < 4; ++k) {
+            _mm512_storeu_ps(a0p + 16 * k, a0[k]);
+            _mm512_storeu_ps(a1p + 16 * k, a1[k]);
+          }
+        }
+    }
+  }
+#endif
+  for (; r < rows; ++r) {
+    const float* pr = p + r * KT;
+    float* ar = acc + r * head_dim;
+    int64_t d = 0;
+#ifdef TOKENMILL_AVX2
+    const __m256 c8 = _mm256_set1_ps(corr[r]);
+    for (; d + 32 <= head_dim; d += 32) {
+      __m256 a[4];
+      for (int k = 0; k < 4; ++k) a[k] = _mm256_mul_ps(_mm256_loadu_ps(ar + d + 8 * k), c8);
+      for (int64_t j = 0; j < KT; ++j) {
+        const __m256 w = _mm256_set1_ps(pr[j]);
+        for (int k = 0; k < 4; ++k) a[k] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + j * head_dim + d + 8 * k), a[k]);
+      }
+      for (int k = 0; k < 4; ++k) _mm256_storeu_ps(ar + d + 8 * k, a[k]);
+    }
+#endif
+    for (; d < head_dim; ++d) {
+      float a = ar[d] * corr[r];
+      for (int64_t j = 0; j < KT; ++j) a += pr[j] * v[j * head_dim + d];
+      ar[d] = a;
+    }
+  }
+}
+
+struct PrefillItem {
+  int64_t chunk, kv_head, first, count;  // positions [first, first + count) of the chunk's queries
+  int64_t cost;                          // keys seen x positions, to take the longest first
+};
+
+struct PrefillScratch {
+  std::vector<float> qf, acc, row_max, row_sum, s, k, kt, v, p, corr;
+};
+
+template <int64_t KT, typename q_t, typename cache_t>
+void prefill_item(const PrefillItem& item, const q_t* q_base, int64_t q_row_stride, const cache_t* k_cache,
+                  const cache_t* v_cache, const int32_t* blocks, int64_t query_start, int64_t ctx_len,
+                  int64_t num_q, int64_t block_size, int64_t token_stride, int64_t group, int64_t head_dim,
+                  float scale, float softcap, int64_t window, q_t* out_base, int64_t out_row_stride,
+                  PrefillScratch& w) {
+  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t rows = item.count * group;
+  const int64_t pos0 = ctx_len - num_q + item.first;  // position of the item's first query
+  const int64_t h = item.kv_head;
+  w.qf.resize(rows * head_dim);
+  w.acc.assign(rows * head_dim, 0.0f);
+  w.row_max.assign(rows, neg_inf);
+  w.row_sum.assign(rows, 0.0f);
+  w.s.resize(rows * KT);
+  w.k.resize(KT * head_dim);
+  w.kt.resize(KT * head_dim);
+  w.v.resize(KT * head_dim);
+  w.p.resize(rows * KT);
+  w.corr.resize(rows);
+  // Row m = (position i, head g): query head h * group + g at position pos0 + i.
+  for (int64_t i = 0; i < item.count; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      const q_t* src = q_base + (query_start + item.first + i) * q_row_stride + (h * group + g) * head_dim;
+      float* dst = w.qf.data() + (i * group + g) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = to_float(src[d]) * scale;
+    }
+  const int64_t last_pos = pos0 + item.count - 1;
+  const int64_t key_lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+  for (int64_t t0 = key_lo / KT * KT; t0 <= last_pos; t0 += KT) {
+    const int64_t n = std::min(KT, ctx_len - t0);
+    const int64_t offset = (blocks[t0 / block_size] * block_size + t0 % block_size) * token_stride + h * head_dim;
+    // The rows that see a key of this tile: position >= t0 and (windowed) position - window < t0 + KT - 1.
+    const int64_t first_pos = std::max(pos0, t0);
+    const int64_t end_pos = window > 0 ? std::min(last_pos + 1, t0 + KT - 1 + window) : last_pos + 1;
+    if (first_pos >= end_pos) continue;
+    const int64_t m0 = (first_pos - pos0) * group, m1 = (end_pos - pos0) * group;
+    load_rows_float<KT>(k_cache + offset, n, token_stride, head_dim, w.k.data());
+    transpose_key_tile<KT>(w.k.data(), head_dim, w.kt.data());
+    score_key_tile<KT>(w.qf.data(), m0, m1, head_dim, w.kt.data(), w.s.data());
+    load_rows_float<KT>(v_cache + offset, n, token_stride, head_dim, w.v.data());
+    for (int64_t m = m0; m < m1; ++m) {
+      const int64_t pos = pos0 + m / group;
+      float* s = w.s.data() + m * KT;
+      // Most tiles are wholly visible to a row; only the diagonal one and a window's edge mask keys.
+      const bool all_visible = t0 + KT - 1 <= pos && (window <= 0 || t0 > pos - window);
+      if (softcap > 0.0f || !all_visible)
+        for (int64_t j = 0; j < KT; ++j) {
+          const int64_t key = t0 + j;
+          const bool visible = key <= pos && (window <= 0 || key > pos - window);
+          s[j] = !visible ? neg_inf : softcap > 0.0f ? std::tanh(s[j] / softcap) * softcap : s[j];
+        }
+      const float tile_max = tile_max_of<KT>(s);
+      float* p = w.p.data() + (m - m0) * KT;
+      if (tile_max == neg_inf) {  // no key of this tile is visible to the row: it adds nothing
+        std::fill(p, p + KT, 0.0f);
+        w.corr[m - m0] = 1.0f;
+        continue;
+      }
+      const float old_max = w.row_max[m];
+      const float new_max = std::max(old_max, tile_max);
+      const float corr = old_max == new_max ? 1.0f : old_max == neg_inf ? 0.0f : std::exp(old_max - new_max);
+      const float tile_sum = exp_tile<KT>(s, new_max, p);
+      w.row_max[m] = new_max;
+      w.row_sum[m] = w.row_sum[m] * corr + tile_sum;
+      w.corr[m - m0] = corr;
+    }
+    accumulate_value_tile<KT>(w.p.data(), w.corr.data(), m1 - m0, w.v.data(), head_dim, w.acc.data() + m0 * head_dim);
+  }
+  for (int64_t i = 0; i < item.count; ++i)
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t m = i * group + g;
+      const float inv = 1.0f / w.row_sum[m];
+      q_t* dst = out_base + (query_start + item.first + i) * out_row_stride + (h * group + g) * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<q_t>(w.acc[m * head_dim + d] * inv);
+    }
+}
+
+template <typename q_t, typename cache_t>
+void run_paged_prefill(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                       const torch::Tensor& query_ranges, const torch::Tensor& context_lens, double scale,
+                       double softcap, int64_t window, torch::Tensor& out) {
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads, chunks = context_lens.size(0);
+  const int64_t max_blocks = block_tables.size(1);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* ranges = query_ranges.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const cache_t* k_base = kv_cache.data_ptr<cache_t>();
+  const cache_t* v_base = k_base + num_blocks * block_size * token_stride;
+  const int64_t tile_positions = std::max<int64_t>(1, kPrefillTileRows / group);
+  std::vector<PrefillItem> items;
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t num_q = ranges[2 * c + 1] - ranges[2 * c], ctx_len = lens[c];
+    TORCH_CHECK(num_q > 0 && num_q <= ctx_len && ctx_len <= max_blocks * block_size,
+                "prefill chunk lengths out of range");
+    for (int64_t first = 0; first < num_q; first += tile_positions) {
+      const int64_t count = std::min(tile_positions, num_q - first);
+      const int64_t last = ctx_len - num_q + first + count;  // keys the tile's last query sees
+      const int64_t seen = window > 0 ? std::min(last, window + count) : last;
+      for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({c, h, first, count, seen * count});
+    }
+  }
+  // 16 keys per tile where the vectors hold 16 floats and a block holds whole tiles, else 8.
+  bool wide = false;
+#ifdef TOKENMILL_AVX512
+  wide = block_size % 16 == 0;
+#endif
+  const auto run_item = wide ? prefill_item<16, q_t, cache_t> : prefill_item<8, q_t, cache_t>;
+  // Costs differ by the causal triangle: threads take the next item from a shared counter, longest first.
+  std::stable_sort(items.begin(), items.end(), [](const PrefillItem& a, const PrefillItem& b) { return a.cost > b.cost; });
+  std::atomic<int64_t> next_item{0};
+  const int64_t num_items = static_cast<int64_t>(items.size());
+  at::parallel_for(0, std::min<int64_t>(num_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    PrefillScratch scratch;
+    for (int64_t i = next_item.fetch_add(1); i < num_items; i = next_item.fetch_add(1)) {
+      const PrefillItem& item = items[i];
+      const int64_t c = item.chunk;
+      run_item(item, query.data_ptr<q_t>(), query.stride(0), k_base, v_base, tables + c * max_blocks, ranges[2 * c],
+               lens[c], ranges[2 * c + 1] - ranges[2 * c], block_size, token_stride, group, head_dim,
+               static_cast<float>(scale), static_cast<float>(softcap), window, out.data_ptr<q_t>(), out.stride(0),
+               scratch);
+    }
+  });
+}
+}  // namespace
+
+// Writes the attention of every prefill query into `out` (same shape and row layout rules as query);
+// other rows of `out` are left as they are. dtypes as paged_decode_attention.
+void paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                             torch::Tensor query_ranges, torch::Tensor context_lens, double scale, double softcap,
+                             int64_t window, torch::Tensor out) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "query must be [tokens, heads, dim] with contiguous heads");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() && out.stride(2) == 1 &&
+              out.stride(1) == out.size(2), "out must match query");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-D");
+  TORCH_CHECK(kv_cache.size(2) % 8 == 0, "block_size must be a multiple of 8");
+  const auto cache_type = kv_cache.scalar_type();
+  const bool mixed = query.scalar_type() == torch::kFloat && (cache_type == torch::kHalf ||
+                                                              cache_type == torch::kBFloat16);
+  TORCH_CHECK(cache_type == query.scalar_type() || mixed,
+              "kv_cache must have the query's dtype, or be float16/bfloat16 under a float32 query");
+  TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(), "block_tables int32");
+  TORCH_CHECK(query_ranges.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32 &&
+              query_ranges.is_contiguous() && query_ranges.dim() == 2 && query_ranges.size(1) == 2 &&
+              query_ranges.size(0) == context_lens.numel() && block_tables.size(0) == context_lens.numel(),
+              "query_ranges [chunks, 2] / context_lens [chunks]: int32");
+  for (int64_t c = 0; c < query_ranges.size(0); ++c) {
+    const int32_t* r = query_ranges.data_ptr<int32_t>() + 2 * c;
+    TORCH_CHECK(0 <= r[0] && r[0] < r[1] && r[1] <= query.size(0), "query_ranges outside the query rows");
+  }
+  TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0, "head shapes do not match");
+  if (cache_type == torch::kHalf && mixed) {
+    run_paged_prefill<float, at::Half>(query, kv_cache, block_tables, query_ranges, context_lens, scale, softcap,
+                                       window, out);
+  } else if (mixed) {
+    run_paged_prefill<float, at::BFloat16>(query, kv_cache, block_tables, query_ranges, context_lens, scale, softcap,
+                                           window, out);
+  } else {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_prefill_attention", [&] {
+      run_paged_prefill<scalar_t, scalar_t>(query, kv_cache, block_tables, query_ranges, context_lens, scale, softcap,
+                                            window, out);
+    });
+  }
+}
+
 // ---- fused elementwise ops ---------------------------------------------------------------
 // Each replaces several torch ops (and as many passes over memory) with one pass per row. The
 // arithmetic is the reference's, operation for operation, in fp32 (built with -ffp-contract=off
@@ -1444,6 +1849,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over a paged KV cache (one query token per request); softcap > 0 caps the scores",
         py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("context_lens"), py::arg("scale"),
         py::arg("softcap") = 0.0, nogil);
+  m.def("paged_prefill_attention", &paged_prefill_attention,
+        "causal attention of prefill chunks over a paged KV cache, written into out; window > 0 limits each "
+        "query to its last `window` keys, softcap > 0 caps the scores",
+        py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("query_ranges"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("softcap"), py::arg("window"), py::arg("out"), nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:]", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (residual updated in place)", nogil);
   m.def("llama_decode_int8", &llama_decode_int8, "a Llama decoder stack (block-quantized weights) for a decode-only step",
