@@ -1542,31 +1542,71 @@ struct QuantizedRows {
   std::vector<float> sum;
 };
 
+// One (row, block) of 32 inputs rounded to int8 (nearest-even, clamped to +-127); returns the integer sum.
+inline int32_t quantize_block(const float* xb, float inv, int8_t* qb) {
+#ifdef TOKENMILL_AVX512
+  // The scalar loop's operations lane by lane (one multiply, round to nearest-even, clamp), so the same bits.
+  const __m512 vinv = _mm512_set1_ps(inv), lo = _mm512_set1_ps(-127.0f), hi = _mm512_set1_ps(127.0f);
+  __m512i total = _mm512_setzero_si512();
+  for (int64_t k = 0; k < kQ8Block; k += 16) {
+    const __m512 v = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(xb + k), vinv),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i iv = _mm512_cvttps_epi32(_mm512_min_ps(hi, _mm512_max_ps(lo, v)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(qb + k), _mm512_cvtepi32_epi8(iv));
+    total = _mm512_add_epi32(total, iv);
+  }
+  return _mm512_reduce_add_epi32(total);
+#else
+  int32_t s = 0;
+  for (int64_t k = 0; k < kQ8Block; ++k) {
+    const float v = std::nearbyint(xb[k] * inv);  // nearest-even, as cvtps2dq rounds
+    const int32_t iv = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
+    qb[k] = static_cast<int8_t>(iv);
+    s += iv;
+  }
+  return s;
+#endif
+}
+
+inline float block_amax(const float* xb) {
+#ifdef TOKENMILL_AVX512
+  const __m512 a = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb)), _mm512_abs_ps(_mm512_loadu_ps(xb + 16)));
+  return _mm512_reduce_max_ps(a);  // max is exact in any order
+#else
+  float amax = 0.0f;
+  for (int64_t k = 0; k < kQ8Block; ++k) amax = std::max(amax, std::fabs(xb[k]));
+  return amax;
+#endif
+}
+
 void quantize_rows(const float* x, int64_t rows, int64_t in_features, bool with_sums, QuantizedRows& out) {
   const int64_t blocks = in_features / kQ8Block;
   out.q.resize(rows * in_features);
   out.scale.resize(rows * blocks);
   out.qsum.resize(rows * blocks);
-  if (with_sums) {
-    out.sum.resize(rows * blocks);
-    block_sums(x, rows, in_features, out.sum.data());
-  }
+  if (with_sums) out.sum.resize(rows * blocks);
   at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {
       const float* xb = x + i * kQ8Block;  // (row, block) i: rows are contiguous blocks of 32
-      int8_t* qb = out.q.data() + i * kQ8Block;
-      float amax = 0.0f;
-      for (int64_t k = 0; k < kQ8Block; ++k) amax = std::max(amax, std::fabs(xb[k]));
+      const float amax = block_amax(xb);
       const float d = amax / 127.0f, inv = amax > 0.0f ? 127.0f / amax : 0.0f;
-      int32_t s = 0;
-      for (int64_t k = 0; k < kQ8Block; ++k) {
-        const float v = std::nearbyint(xb[k] * inv);  // nearest-even, as cvtps2dq rounds
-        const int32_t iv = static_cast<int32_t>(std::min(127.0f, std::max(-127.0f, v)));
-        qb[k] = static_cast<int8_t>(iv);
-        s += iv;
-      }
+      out.qsum[i] = quantize_block(xb, inv, out.q.data() + i * kQ8Block);
       out.scale[i] = d;
-      out.qsum[i] = s;
+    }
+    if (with_sums) {
+      // block_sums's sums (each block's inputs added in order), eight blocks' chains interleaved.
+      int64_t i = begin;
+      for (; i + 8 <= end; i += 8) {
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int64_t k = 0; k < kQ8Block; ++k)
+          for (int j = 0; j < 8; ++j) acc[j] += x[(i + j) * kQ8Block + k];
+        for (int j = 0; j < 8; ++j) out.sum[i + j] = acc[j];
+      }
+      for (; i < end; ++i) {
+        float acc = 0.0f;
+        for (int64_t k = 0; k < kQ8Block; ++k) acc += x[i * kQ8Block + k];
+        out.sum[i] = acc;
+      }
     }
   });
 }
