@@ -15,8 +15,10 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import TorchAttentionBackend, get_attention_backend
 from tokenmill.model.layers.decoder import DecoderAttention
 from tokenmill.model.layers.basic import keep_rotary_tables_float, use_cpu_kernels
+from tokenmill.model.layers.cpu_kernels import cpu_flags
 from tokenmill.distributed.parallel_state import TensorParallelGroup
-from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, QUANT_BLOCK, BlockQuantLinear, Int8ActivationKernels,
+from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, QUANT_BLOCK, Bf16TileKernels, BlockQuantLinear,
+                                           Int8ActivationKernels,
                                           Int8Blocks, PackedLinear, dense_linear, onednn_packing_supported,
                                           skip_weight_init)
 from tokenmill.model.layers.parallel import fused_qkv_rows, shard_int8_blocks, shard_weights
@@ -151,20 +153,30 @@ class ModelRunner:
 
     def _int8_kernels(self):
         """tokenmill's C++ kernels when block-int8 layers can run here (CPU backend, float32), else None;
-        under `--block-matmul int8` wrapped so every block matmul takes integer dot products."""
+        under `--block-matmul int8` / `bfloat16` wrapped so block matmuls take integer dot products / run
+        prefill-sized steps in bfloat16."""
         kernels = getattr(self.attention_backend, "kernels", None)
         if kernels is None or self.dtype != torch.float32 or not hasattr(self.model, "convert_linear_layers"):
             return None
-        if self.block_matmul != "int8":
+        if self.block_matmul == "float32":
             return kernels
         if self._block_matmul_kernels is None:  # decided (and warned about) once
-            if getattr(kernels, "int8_dot", None) == "avx512_vnni":
-                self._block_matmul_kernels = Int8ActivationKernels(kernels)
-            else:
-                logger.warning("--block-matmul int8 needs a CPU with AVX-512 VNNI and VBMI; block-quantized "
-                               "layers multiply in float32")
-                self._block_matmul_kernels = kernels
+            self._block_matmul_kernels = self._block_matmul_wrapper(kernels)
         return self._block_matmul_kernels
+
+    def _block_matmul_wrapper(self, kernels):
+        if self.block_matmul == "int8":
+            if getattr(kernels, "int8_dot", None) == "avx512_vnni":
+                return Int8ActivationKernels(kernels)
+            logger.warning("--block-matmul int8 needs a CPU with AVX-512 VNNI and VBMI; block-quantized "
+                           "layers multiply in float32")
+            return kernels
+        flags = cpu_flags()
+        if not kernels.bf16_gemm_available() or not {"avx512_bf16", "amx_bf16"} & flags:
+            logger.warning("--block-matmul bfloat16 needs MKL's bfloat16 GEMM and a CPU with AVX-512 BF16 or "
+                           "AMX-BF16; block-quantized layers multiply in float32")
+            return kernels
+        return Bf16TileKernels(kernels)
 
     @cached_property
     def block_kernels(self):
@@ -173,9 +185,9 @@ class ModelRunner:
         model's dtype; elsewhere tokenmill's C++ kernels (`_int8_kernels`). Decided once; logged."""
         if self.device.type != "cuda":
             return self._int8_kernels()
-        if self.block_matmul == "int8":
-            logger.warning("--block-matmul int8 is a CPU option; on %s block-quantized layers run the triton "
-                           "kernel in %s", self.device, str(self.dtype).removeprefix("torch."))
+        if self.block_matmul != "float32":
+            logger.warning("--block-matmul %s is a CPU option; on %s block-quantized layers run the triton "
+                           "kernel in %s", self.block_matmul, self.device, str(self.dtype).removeprefix("torch."))
         if not hasattr(self.model, "convert_linear_layers"):
             return None
         from tokenmill.model.layers.triton_quant_linear import load_triton_block_kernels
@@ -261,9 +273,9 @@ class ModelRunner:
             kept = ", ".join(f"{count} at {bits} bits" for bits, count in sorted(widths.items()))
             return (f"GGUF weights kept quantized in {self.num_gguf_layers_kept} layers ({kept}{embedding}; "
                     + self._block_kernel_paths(kernels) + self._enable_int8_decode(kernels))
-        if self.block_matmul == "int8":
-            logger.warning("--block-matmul int8 applies to block-quantized weights (a GGUF's kept blocks, "
-                           "--quantization q8_0); this model's projections multiply in %s",
+        if self.block_matmul != "float32":
+            logger.warning("--block-matmul %s applies to block-quantized weights (a GGUF's kept blocks, "
+                           "--quantization q8_0); this model's projections multiply in %s", self.block_matmul,
                            str(self.dtype).removeprefix("torch."))
         if self.quantization == "gguf":
             raise ModelLoadError("--quantization gguf: the file has no matrices in a type kept quantized "
@@ -280,6 +292,9 @@ class ModelRunner:
             return f"triton dequantize-and-matmul on {self.device}, no float copy"
         if getattr(kernels, "int8_activations", False):
             return "activations rounded to int8 per block of 32, AVX-512 VNNI integer dot products, no float copy"
+        if isinstance(kernels, Bf16TileKernels):
+            return (f"row kernel for steps of up to {BLOCK_KERNEL_MAX_ROWS} rows, tiles rounded to bfloat16 through "
+                    "MKL's bfloat16 GEMM above, no float copy")
         return (f"row kernel for steps of up to {BLOCK_KERNEL_MAX_ROWS} rows, dequantized tiles through sgemm "
                 "above, no float copy")
 

@@ -37,6 +37,12 @@ def _cpu_flags() -> str:
     return platform.processor() or platform.machine()
 
 
+def cpu_flags() -> set[str]:
+    """This CPU's instruction-set flags as /proc/cpuinfo lists them (empty where it does not)."""
+    line = _cpu_flags()
+    return set(line.split(":", 1)[1].split()) if line.startswith("flags") else set()
+
+
 def _extension_name(variant: str = "") -> str:
     digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
     return f"tokenmill_cpu_kernels_{variant + '_' if variant else ''}{digest}"

@@ -281,6 +281,21 @@ class Int8ActivationKernels:
         return getattr(self._module, name)
 
 
+class Bf16TileKernels:
+    """tokenmill's C++ kernels with block-quantized matmuls of more than 64 rows (prefill chunks) in
+    bfloat16 (`--block-matmul bfloat16`): `block_linear` is `block_linear_bf16`, which rounds x and each
+    dequantized tile of the weights to bfloat16 and multiplies them with MKL's bfloat16 GEMM (float32
+    accumulation; AMX tiles where the CPU has them). Steps of up to 64 rows, and the fused decode stack,
+    run the float32 kernels unchanged."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+        self.block_linear = module.block_linear_bf16
+
+    def __getattr__(self, name: str) -> Any:  # every other kernel is the module's own
+        return getattr(self._module, name)
+
+
 class BlockQuantEmbedding(nn.Module):
     """An embedding table read from a `BlockQuantLinear`'s packed blocks (the tied LM head's, or the
     file's own token embedding): each lookup dequantizes only the rows it needs (torch ops, on the

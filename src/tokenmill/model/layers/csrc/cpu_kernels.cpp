@@ -1402,6 +1402,10 @@ void dequantize_panels_transposed(const uint8_t* q, int zero, const float* scale
 extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
                        const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
                        const float* beta, float* c, const int* ldc) __attribute__((weak));
+// MKL's bfloat16 GEMM with float32 accumulation and output (AMX-BF16 or AVX512-BF16 where the CPU has them).
+extern "C" void gemm_bf16bf16f32_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                                  const float* alpha, const uint16_t* a, const int* lda, const uint16_t* b,
+                                  const int* ldb, const float* beta, float* c, const int* ldc) __attribute__((weak));
 namespace {
 
 // y[:, n0:n0 + width] = x @ wt (wt [in_features][width] row-major), on BLAS's own threads.
@@ -1449,6 +1453,80 @@ void block_linear_tiled(const float* x, int64_t rows, int64_t in_features, const
       for (int64_t r = 0; r < rows; ++r)
         std::copy(part.data() + r * padded, part.data() + r * padded + width, y + r * out_features + n0);
     }
+    if (bias != nullptr)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t j = 0; j < width; ++j) y[r * out_features + n0 + j] += bias[n0 + j];
+  }
+}
+
+// `--block-matmul bfloat16`, steps above the row kernel's rows: x rounded to bfloat16 once, each tile of
+// panels dequantized as block_linear_tiled does and rounded to bfloat16 (nearest-even, as torch's
+// .bfloat16()), then MKL's bfloat16 GEMM accumulating in float32. Where that GEMM is missing, the same
+// rounded values multiply in float32 through at::mm (the same products, another summation order).
+// 16 floats rounded to bfloat16, nearest-even (c10::BFloat16's rounding, for finite values).
+inline void round_to_bf16_16(const float* in, at::BFloat16* out) {
+#if defined(TOKENMILL_AVX512)
+  const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(in));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+#else
+  for (int j = 0; j < 16; ++j) out[j] = c10::BFloat16(in[j]);
+#endif
+}
+
+template <int Bits>
+void block_linear_tiled_bf16(const torch::Tensor& x_bf16, int64_t rows, int64_t in_features, const uint8_t* q,
+                             int zero, const float* scales, const float* mins, int64_t out_features,
+                             const float* bias, float* y) {
+  const int64_t blocks = in_features / kQ8Block;
+  const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel;
+  const int64_t panels_per_tile = std::max<int64_t>(1, std::min(panels, kTileElements / (in_features * kQ8Panel)));
+  const int64_t tile_width = panels_per_tile * kQ8Panel;
+  thread_local std::vector<float> buffer;
+  thread_local std::vector<at::BFloat16> rounded;
+  if (static_cast<int64_t>(buffer.size()) < in_features * tile_width) buffer.resize(in_features * tile_width);
+  if (static_cast<int64_t>(rounded.size()) < in_features * tile_width) rounded.resize(in_features * tile_width);
+  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x_bf16.data_ptr<at::BFloat16>());
+  for (int64_t p0 = 0; p0 < panels; p0 += panels_per_tile) {
+    const int64_t p1 = std::min(panels, p0 + panels_per_tile);
+    const int64_t n0 = p0 * kQ8Panel, padded = (p1 - p0) * kQ8Panel;
+    const int64_t width = std::min(out_features, p1 * kQ8Panel) - n0;
+    float* wt = buffer.data();
+    at::BFloat16* wb = rounded.data();
+    at::parallel_for(p0, p1, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t p = begin; p < end; ++p) {
+        dequantize_panels_transposed<Bits>(q, zero, scales, mins, blocks, p, p + 1, wt + (p - p0) * kQ8Panel, padded);
+        for (int64_t k = 0; k < in_features; ++k) {
+          const int64_t i = k * padded + (p - p0) * kQ8Panel;
+          round_to_bf16_16(wt + i, wb + i);
+        }
+      }
+    });
+    std::vector<float> part;
+    float* out = y + n0;
+    int64_t ld = out_features;
+    if (width != padded) {  // the zero-padded last panel: multiply its padded width, keep the valid columns
+      part.resize(rows * padded);
+      out = part.data();
+      ld = padded;
+    }
+    if (gemm_bf16bf16f32_ != nullptr) {
+      // Column-major: out^T (padded x rows) = wb^T (padded x K, ld padded) * x^T (K x rows, ld K).
+      const int m = static_cast<int>(padded), n = static_cast<int>(rows), k = static_cast<int>(in_features);
+      const int lda = m, ldb = k, ldc = static_cast<int>(ld);
+      const float one = 1.0f, none = 0.0f;
+      gemm_bf16bf16f32_("N", "N", &m, &n, &k, &one, reinterpret_cast<const uint16_t*>(wb), &lda, xb, &ldb, &none,
+                        out, &ldc);
+    } else {
+      auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16);
+      torch::Tensor product = at::mm(x_bf16.to(torch::kFloat),
+                                     torch::from_blob(wb, {in_features, padded}, bf16).to(torch::kFloat));
+      torch::from_blob(out, {rows, padded}, {ld, 1}, torch::TensorOptions().dtype(torch::kFloat)).copy_(product);
+    }
+    if (width != padded)
+      for (int64_t r = 0; r < rows; ++r)
+        std::copy(part.data() + r * padded, part.data() + r * padded + width, y + r * out_features + n0);
     if (bias != nullptr)
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < width; ++j) y[r * out_features + n0 + j] += bias[n0 + j];
@@ -1507,6 +1585,19 @@ torch::Tensor block_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scale
   const auto run = rows <= kRowKernelMaxRows ? (a.bits == 8 ? block_linear_rows<8> : block_linear_rows<4>)
                                              : (a.bits == 8 ? block_linear_tiled<8> : block_linear_tiled<4>);
   run(x.data_ptr<float>(), rows, x.size(1), a.q, a.zero, a.scales, a.mins, out_features, a.bias, y.data_ptr<float>());
+  return y;
+}
+
+torch::Tensor block_linear_bf16(torch::Tensor x, torch::Tensor q, torch::Tensor scales,
+                                c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias,
+                                int64_t out_features) {
+  const BlockLinearArgs a = check_block_linear_args(x, q, scales, mins, bias, out_features);
+  const int64_t rows = x.size(0);
+  if (rows <= kRowKernelMaxRows) return block_linear(x, q, scales, mins, bias, out_features);
+  auto y = torch::empty({rows, out_features}, x.options());
+  const auto run = a.bits == 8 ? block_linear_tiled_bf16<8> : block_linear_tiled_bf16<4>;
+  run(x.to(torch::kBFloat16), rows, x.size(1), a.q, a.zero, a.scales, a.mins, out_features, a.bias,
+      y.data_ptr<float>());
   return y;
 }
 
@@ -1881,6 +1972,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x @ dequant(block-quantized weights)^T + bias for float32 x (weights in pack_blocks's layout)",
         py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("out_features"),
         nogil);
+  m.def("block_linear_bf16", &block_linear_bf16,
+        "block_linear with steps of more than 64 rows multiplied in bfloat16 (x and each dequantized tile "
+        "rounded to it; float32 accumulation; --block-matmul bfloat16)",
+        py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("out_features"),
+        nogil);
+  m.def("bf16_gemm_available", [] { return gemm_bf16bf16f32_ != nullptr; },
+        "whether torch's MKL exports its bfloat16 GEMM (block_linear_bf16 falls back to float32 at::mm without)");
   m.def("block_linear_q8", &block_linear_q8,
         "block_linear with x rounded per block of 32 to int8 and integer dot products (--block-matmul int8)",
         py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("out_features"),
