@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from attention_reference import windowed_causal_reference
 from tokenmill.model.layers import attention
 from tokenmill.model.layers.attention import AttentionMetadata, CpuPagedAttentionBackend, TorchAttentionBackend
 
@@ -22,23 +23,6 @@ def variant(request, kernels):
     if request.param == "avx2" and kernels.simd == "portable":
         pytest.skip("this CPU has no AVX2")
     return cpu_kernels.load_variant(request.param)
-
-
-def reference(q, keys, values, scale, start, window=None, softcap=None):
-    """q [n, Hq, D] at positions start..start+n-1; keys/values [ctx, Hkv, D]; in float64."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.double().repeat_interleave(group, dim=1)
-    v = values.double().repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,thd->nht", q.double(), k) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    pos = start + torch.arange(q.shape[0])[:, None]
-    key = torch.arange(keys.shape[0])[None, :]
-    allowed = key <= pos
-    if window is not None:
-        allowed &= key > pos - window
-    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
-    return torch.einsum("nht,thd->nhd", scores.softmax(-1), v)
 
 
 def make_step(chunks, num_heads, num_kv_heads, head_dim, block_size, cache_dtype, q_dtype, lead_rows=3, seed=0):
@@ -69,7 +53,8 @@ def expected_rows(q, cache, meta, scale, window=None, softcap=None):
         slots = [int(ids[p // block_size]) * block_size + p % block_size for p in range(ctx)]
         keys = cache[0].reshape(-1, *cache.shape[3:])[slots]
         values = cache[1].reshape(-1, *cache.shape[3:])[slots]
-        out.append(reference(q[start:end], keys, values, scale, ctx - (end - start), window, softcap))
+        out.append(windowed_causal_reference(q[start:end], keys, values, scale, ctx - (end - start), window,
+                                             softcap, dtype=torch.float64))
     return torch.cat(out)
 
 

@@ -19,26 +19,11 @@ require_triton()
 from tokenmill.model.layers.attention import TorchAttentionBackend, get_attention_backend  # noqa: E402
 from tokenmill.model.layers.triton_attention import TritonAttentionBackend  # noqa: E402
 from step_rows import Row, prepare_rows  # noqa: E402
+from attention_reference import windowed_causal_reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK = 16
 TOL = {torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
-
-
-def reference(q, keys, values, scale, first_pos, window=None, softcap=None):
-    """q [n, Hq, D] at positions first_pos.., keys/values [ctx, Hkv, D]: float32 softmax attention where
-    query at p sees keys (p - window, p]; scores capped as softcap * tanh(score / softcap)."""
-    group = q.shape[1] // keys.shape[1]
-    k = keys.float().repeat_interleave(group, dim=1)
-    v = values.float().repeat_interleave(group, dim=1)
-    scores = torch.einsum("nhd,thd->nht", q.float(), k) * scale
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    t = torch.arange(keys.shape[0], device=q.device)[None, :]
-    p = (first_pos + torch.arange(q.shape[0], device=q.device))[:, None]
-    allowed = (t <= p) if window is None else (t <= p) & (t > p - window)
-    scores = scores.masked_fill(~allowed[:, None, :], float("-inf"))
-    return torch.einsum("nht,thd->nhd", scores.softmax(-1), v)
 
 
 def scheduled_rows(specs, num_blocks, gen):
@@ -88,7 +73,7 @@ def run_batch(backend, specs, num_heads, num_kv_heads, head_dim, dtype, cache_dt
         n = row.num_new_tokens
         # The new tokens' K/V were written to their slots before attending.
         assert torch.equal(keys[row.start_position:], k[flat:flat + n].to(cache_dtype))
-        expected = reference(q[flat:flat + n].to(torch.promote_types(dtype, cache_dtype)), keys, values, 0.3,
+        expected = windowed_causal_reference(q[flat:flat + n].to(torch.promote_types(dtype, cache_dtype)), keys, values, 0.3,
                              row.start_position, window, softcap)
         torch.testing.assert_close(out[flat:flat + n].float(), expected, atol=tol, rtol=tol,
                                    msg=lambda m: f"request {index} {row.start_position}+{n}: {m}")
