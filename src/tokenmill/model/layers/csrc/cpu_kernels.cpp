@@ -365,6 +365,51 @@ void decode_one(const q_t* __restrict__ q,               // [(h1 - h0) * group, 
 }  // namespace
 
 namespace {
+// Runs work(item, scratch) for items 0..n-1 on the intra-op threads. Items' costs differ widely, so an
+// even split would leave one thread idle while another finishes its long ones: threads instead take the
+// next item from a shared counter, in order of decreasing cost(item) (an item's result does not depend
+// on who computes it). Each thread has its own Scratch.
+template <typename Scratch, typename Cost, typename Work>
+void parallel_longest_first(int64_t n, Cost cost, Work work) {
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t i = next_item.fetch_add(1); i < n; i = next_item.fetch_add(1)) work(order[i], scratch);
+  });
+}
+
+// Calls fn(q_t*, cache_t*) (null pointers, as type tags) for the dtype mixes the attention kernels read:
+// query and cache of one dtype (float32, bfloat16, float16), or a float32 query over a float16 or
+// bfloat16 cache.
+template <typename Fn>
+void dispatch_attention_dtypes(const torch::Tensor& query, const torch::Tensor& kv_cache, const char* name, Fn&& fn) {
+  const auto cache_type = kv_cache.scalar_type();
+  const bool mixed = query.scalar_type() == torch::kFloat && (cache_type == torch::kHalf ||
+                                                              cache_type == torch::kBFloat16);
+  TORCH_CHECK(cache_type == query.scalar_type() || mixed,
+              "kv_cache must have the query's dtype, or be float16/bfloat16 under a float32 query");
+  if (cache_type == torch::kHalf && mixed) {
+    fn(static_cast<float*>(nullptr), static_cast<at::Half*>(nullptr));
+  } else if (mixed) {
+    fn(static_cast<float*>(nullptr), static_cast<at::BFloat16*>(nullptr));
+  } else {
+    // AT_DISPATCH's own refusal, naming the caller (its name argument must be a literal).
+    const auto type = query.scalar_type();
+    TORCH_CHECK(type == torch::kFloat || type == torch::kDouble || type == torch::kHalf || type == torch::kBFloat16,
+                '"', name, "\" not implemented for '", c10::toString(type), "'");
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "attention", [&] {
+      fn(static_cast<scalar_t*>(nullptr), static_cast<scalar_t*>(nullptr));
+    });
+  }
+}
+
+struct DecodeScratch {
+  std::vector<float> scores, acc, qf;
+};
+
 template <typename q_t, typename cache_t>
 void run_paged_decode(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
                       const torch::Tensor& context_lens, double scale, double softcap, torch::Tensor& out) {
@@ -387,26 +432,17 @@ void run_paged_decode(const torch::Tensor& query, const torch::Tensor& kv_cache,
   const int64_t num_items = batch * items_per_request;
   for (int64_t b = 0; b < batch; ++b)
     TORCH_CHECK(lens[b] > 0 && lens[b] <= max_blocks * block_size, "context length out of range");
-  // Items cost in proportion to their context and contexts differ widely, so an even split of the
-  // items leaves one thread idle while another finishes its long ones: threads instead take the next
-  // item from a shared counter, longest first (an item's result does not depend on who computes it).
-  std::vector<int64_t> order(num_items);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return lens[a / items_per_request] > lens[b / items_per_request]; });
-  std::atomic<int64_t> next_item{0};
-  at::parallel_for(0, std::min<int64_t>(num_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    std::vector<float> scores, acc, qf;
-    for (int64_t i = next_item.fetch_add(1); i < num_items; i = next_item.fetch_add(1)) {
-      const int64_t item = order[i];
-      const int64_t b = item / items_per_request;
-      const int64_t h0 = (item % items_per_request) * heads_per_item, h1 = h0 + heads_per_item;
-      const int64_t q_offset = (b * num_heads + h0 * group) * head_dim;
-      decode_one<q_t, cache_t>(q_base + q_offset, k_base, v_base, tables + b * max_blocks, lens[b], block_size,
-                               token_stride, h0, h1, group, head_dim, static_cast<float>(scale),
-                               static_cast<float>(softcap), out_base + q_offset, scores, acc, qf);
-    }
-  });
+  // Items cost in proportion to their context.
+  parallel_longest_first<DecodeScratch>(
+      num_items, [&](int64_t item) { return lens[item / items_per_request]; },
+      [&](int64_t item, DecodeScratch& w) {
+        const int64_t b = item / items_per_request;
+        const int64_t h0 = (item % items_per_request) * heads_per_item, h1 = h0 + heads_per_item;
+        const int64_t q_offset = (b * num_heads + h0 * group) * head_dim;
+        decode_one<q_t, cache_t>(q_base + q_offset, k_base, v_base, tables + b * max_blocks, lens[b], block_size,
+                                 token_stride, h0, h1, group, head_dim, static_cast<float>(scale),
+                                 static_cast<float>(softcap), out_base + q_offset, w.scores, w.acc, w.qf);
+      });
 }
 }  // namespace
 
@@ -416,24 +452,15 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
                                      torch::Tensor context_lens, double scale, double softcap) {
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [batch, heads, dim]");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-D");
-  const auto cache_type = kv_cache.scalar_type();
-  const bool mixed = query.scalar_type() == torch::kFloat && (cache_type == torch::kHalf ||
-                                                              cache_type == torch::kBFloat16);
-  TORCH_CHECK(cache_type == query.scalar_type() || mixed,
-              "kv_cache must have the query's dtype, or be float16/bfloat16 under a float32 query");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(), "block_tables int32");
   TORCH_CHECK(context_lens.scalar_type() == torch::kInt32, "context_lens int32");
   TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0, "head shapes do not match");
   auto out = torch::empty_like(query);
-  if (cache_type == torch::kHalf && mixed) {
-    run_paged_decode<float, at::Half>(query, kv_cache, block_tables, context_lens, scale, softcap, out);
-  } else if (mixed) {
-    run_paged_decode<float, at::BFloat16>(query, kv_cache, block_tables, context_lens, scale, softcap, out);
-  } else {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_decode_attention", [&] {
-      run_paged_decode<scalar_t, scalar_t>(query, kv_cache, block_tables, context_lens, scale, softcap, out);
-    });
-  }
+  dispatch_attention_dtypes(query, kv_cache, "paged_decode_attention", [&](auto* q_tag, auto* cache_tag) {
+    using q_t = std::remove_pointer_t<decltype(q_tag)>;
+    using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
+    run_paged_decode<q_t, cache_t>(query, kv_cache, block_tables, context_lens, scale, softcap, out);
+  });
   return out;
 }
 
@@ -780,21 +807,17 @@ void run_paged_prefill(const torch::Tensor& query, const torch::Tensor& kv_cache
   wide = block_size % 16 == 0;
 #endif
   const auto run_item = wide ? prefill_item<16, q_t, cache_t> : prefill_item<8, q_t, cache_t>;
-  // Costs differ by the causal triangle: threads take the next item from a shared counter, longest first.
-  std::stable_sort(items.begin(), items.end(), [](const PrefillItem& a, const PrefillItem& b) { return a.cost > b.cost; });
-  std::atomic<int64_t> next_item{0};
-  const int64_t num_items = static_cast<int64_t>(items.size());
-  at::parallel_for(0, std::min<int64_t>(num_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
-    PrefillScratch scratch;
-    for (int64_t i = next_item.fetch_add(1); i < num_items; i = next_item.fetch_add(1)) {
-      const PrefillItem& item = items[i];
-      const int64_t c = item.chunk;
-      run_item(item, query.data_ptr<q_t>(), query.stride(0), k_base, v_base, tables + c * max_blocks, ranges[2 * c],
-               lens[c], ranges[2 * c + 1] - ranges[2 * c], block_size, token_stride, group, head_dim,
-               static_cast<float>(scale), static_cast<float>(softcap), window, out.data_ptr<q_t>(), out.stride(0),
-               scratch);
-    }
-  });
+  // Costs differ by the causal triangle.
+  parallel_longest_first<PrefillScratch>(
+      static_cast<int64_t>(items.size()), [&](int64_t i) { return items[i].cost; },
+      [&](int64_t i, PrefillScratch& scratch) {
+        const PrefillItem& item = items[i];
+        const int64_t c = item.chunk;
+        run_item(item, query.data_ptr<q_t>(), query.stride(0), k_base, v_base, tables + c * max_blocks,
+                 ranges[2 * c], lens[c], ranges[2 * c + 1] - ranges[2 * c], block_size, token_stride, group,
+                 head_dim, static_cast<float>(scale), static_cast<float>(softcap), window, out.data_ptr<q_t>(),
+                 out.stride(0), scratch);
+      });
 }
 }  // namespace
 
@@ -809,11 +832,6 @@ void paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch:
               out.stride(1) == out.size(2), "out must match query");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-D");
   TORCH_CHECK(kv_cache.size(2) % 8 == 0, "block_size must be a multiple of 8");
-  const auto cache_type = kv_cache.scalar_type();
-  const bool mixed = query.scalar_type() == torch::kFloat && (cache_type == torch::kHalf ||
-                                                              cache_type == torch::kBFloat16);
-  TORCH_CHECK(cache_type == query.scalar_type() || mixed,
-              "kv_cache must have the query's dtype, or be float16/bfloat16 under a float32 query");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt32 && block_tables.is_contiguous(), "block_tables int32");
   TORCH_CHECK(query_ranges.scalar_type() == torch::kInt32 && context_lens.scalar_type() == torch::kInt32 &&
               query_ranges.is_contiguous() && query_ranges.dim() == 2 && query_ranges.size(1) == 2 &&
@@ -824,18 +842,12 @@ void paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch:
     TORCH_CHECK(0 <= r[0] && r[0] < r[1] && r[1] <= query.size(0), "query_ranges outside the query rows");
   }
   TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0, "head shapes do not match");
-  if (cache_type == torch::kHalf && mixed) {
-    run_paged_prefill<float, at::Half>(query, kv_cache, block_tables, query_ranges, context_lens, scale, softcap,
-                                       window, out);
-  } else if (mixed) {
-    run_paged_prefill<float, at::BFloat16>(query, kv_cache, block_tables, query_ranges, context_lens, scale, softcap,
-                                           window, out);
-  } else {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, query.scalar_type(), "paged_prefill_attention", [&] {
-      run_paged_prefill<scalar_t, scalar_t>(query, kv_cache, block_tables, query_ranges, context_lens, scale, softcap,
-                                            window, out);
-    });
-  }
+  dispatch_attention_dtypes(query, kv_cache, "paged_prefill_attention", [&](auto* q_tag, auto* cache_tag) {
+    using q_t = std::remove_pointer_t<decltype(q_tag)>;
+    using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
+    run_paged_prefill<q_t, cache_t>(query, kv_cache, block_tables, query_ranges, context_lens, scale, softcap, window,
+                                    out);
+  });
 }
 
 // ---- fused elementwise ops ---------------------------------------------------------------
@@ -1035,16 +1047,21 @@ struct PanelRow<4> {
   }
 };
 
-// Per row and block of 32 inputs, the sum of x in a fixed order (the min term's factor).
-void block_sums(const float* x, int64_t rows, int64_t in_features, float* out) {
-  const int64_t blocks = in_features / kQ8Block;
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* xb = x + r * in_features + b * kQ8Block;
-      float s = 0.0f;
-      for (int64_t k = 0; k < kQ8Block; ++k) s += xb[k];
-      out[r * blocks + b] = s;
-    }
+// out[i] = the sum of x's block i of 32 inputs for i in [first, end) (x's rows are contiguous blocks):
+// the min term's factor. Each block's inputs are added in order; eight blocks' chains interleave.
+void block_sums(const float* x, int64_t first, int64_t end, float* out) {
+  int64_t i = first;
+  for (; i + 8 <= end; i += 8) {
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t k = 0; k < kQ8Block; ++k)
+      for (int j = 0; j < 8; ++j) acc[j] += x[(i + j) * kQ8Block + k];
+    for (int j = 0; j < 8; ++j) out[i + j] = acc[j];
+  }
+  for (; i < end; ++i) {
+    float acc = 0.0f;
+    for (int64_t k = 0; k < kQ8Block; ++k) acc += x[i * kQ8Block + k];
+    out[i] = acc;
+  }
 }
 
 #ifdef TOKENMILL_AVX2
@@ -1300,7 +1317,7 @@ void block_linear_rows(const float* x, int64_t rows, int64_t in_features, const 
   std::vector<float> x_block_sums;
   if (mins != nullptr) {
     x_block_sums.resize(rows * blocks);
-    block_sums(x, rows, in_features, x_block_sums.data());
+    block_sums(x, 0, rows * blocks, x_block_sums.data());
   }
   // Work item = (row chunk, panel), panels innermost so a thread's consecutive items share x.
   at::parallel_for(0, chunks * panels, 4, [&](int64_t begin, int64_t end) {
@@ -1421,44 +1438,6 @@ void tile_gemm(const float* x, int64_t rows, int64_t in_features, const float* w
   torch::from_blob(y, {rows, width}, {y_stride, 1}, options).copy_(product);
 }
 
-template <int Bits>
-void block_linear_tiled(const float* x, int64_t rows, int64_t in_features, const uint8_t* q, int zero,
-                        const float* scales, const float* mins, int64_t out_features, const float* bias, float* y) {
-  const int64_t blocks = in_features / kQ8Block;
-  const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel;
-  const int64_t panels_per_tile = std::max<int64_t>(1, std::min(panels, kTileElements / (in_features * kQ8Panel)));
-  thread_local std::vector<float> buffer;  // the calling thread's, kept between calls
-  const int64_t tile_width = panels_per_tile * kQ8Panel;
-  if (static_cast<int64_t>(buffer.size()) < in_features * tile_width) buffer.resize(in_features * tile_width);
-  for (int64_t p0 = 0; p0 < panels; p0 += panels_per_tile) {
-    const int64_t p1 = std::min(panels, p0 + panels_per_tile);
-    const int64_t n0 = p0 * kQ8Panel, padded = (p1 - p0) * kQ8Panel;
-    const int64_t width = std::min(out_features, p1 * kQ8Panel) - n0;
-    float* wt = buffer.data();
-    // Every thread dequantizes its panels (64-byte rows of the tile: no line is shared), then one
-    // multithreaded GEMM over all rows.
-    at::parallel_for(p0, p1, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t p = begin; p < end; ++p)
-        dequantize_panels_transposed<Bits>(q, zero, scales, mins, blocks, p, p + 1, wt + (p - p0) * kQ8Panel, padded);
-    });
-    if (width == padded) {
-      tile_gemm(x, rows, in_features, wt, padded, y + n0, out_features);
-    } else {  // the zero-padded last panel: multiply its padded width, keep the valid columns
-      std::vector<float> part(rows * padded);
-      tile_gemm(x, rows, in_features, wt, padded, part.data(), padded);
-      for (int64_t r = 0; r < rows; ++r)
-        std::copy(part.data() + r * padded, part.data() + r * padded + width, y + r * out_features + n0);
-    }
-    if (bias != nullptr)
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t j = 0; j < width; ++j) y[r * out_features + n0 + j] += bias[n0 + j];
-  }
-}
-
-// `--block-matmul bfloat16`, steps above the row kernel's rows: x rounded to bfloat16 once, each tile of
-// panels dequantized as block_linear_tiled does and rounded to bfloat16 (nearest-even, as torch's
-// .bfloat16()), then MKL's bfloat16 GEMM accumulating in float32. Where that GEMM is missing, the same
-// rounded values multiply in float32 through at::mm (the same products, another summation order).
 // 16 floats rounded to bfloat16, nearest-even (c10::BFloat16's rounding, for finite values).
 inline void round_to_bf16_16(const float* in, at::BFloat16* out) {
 #if defined(TOKENMILL_AVX512)
@@ -1471,58 +1450,73 @@ inline void round_to_bf16_16(const float* in, at::BFloat16* out) {
 #endif
 }
 
+// tile_gemm on bfloat16 x and wt, accumulating in float32: MKL's bfloat16 GEMM where torch's MKL has it,
+// else the same rounded values multiplied in float32 through at::mm (the same products, another order).
+void tile_gemm_bf16(const at::BFloat16* x, int64_t rows, int64_t in_features, const at::BFloat16* wt, int64_t width,
+                    float* y, int64_t y_stride) {
+  if (gemm_bf16bf16f32_ != nullptr) {
+    // Column-major, as tile_gemm: y^T (width x rows) = wt^T (width x K, ld width) * x^T (K x rows, ld K).
+    const int m = static_cast<int>(width), n = static_cast<int>(rows), k = static_cast<int>(in_features);
+    const int lda = m, ldb = k, ldc = static_cast<int>(y_stride);
+    const float one = 1.0f, zero = 0.0f;
+    gemm_bf16bf16f32_("N", "N", &m, &n, &k, &one, reinterpret_cast<const uint16_t*>(wt), &lda,
+                      reinterpret_cast<const uint16_t*>(x), &ldb, &zero, y, &ldc);
+    return;
+  }
+  auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16);
+  torch::Tensor product = at::mm(torch::from_blob(const_cast<at::BFloat16*>(x), {rows, in_features}, bf16).to(torch::kFloat),
+                                 torch::from_blob(const_cast<at::BFloat16*>(wt), {in_features, width}, bf16).to(torch::kFloat));
+  torch::from_blob(y, {rows, width}, {y_stride, 1}, torch::TensorOptions().dtype(torch::kFloat)).copy_(product);
+}
+
+// Steps above the row kernel's rows: each tile of panels dequantized, then one multithreaded GEMM over all
+// rows. With x_bf16 (`--block-matmul bfloat16`: x already rounded to bfloat16), each dequantized tile is
+// rounded to bfloat16 too and multiplied by tile_gemm_bf16; else by float32 sgemm.
 template <int Bits>
-void block_linear_tiled_bf16(const torch::Tensor& x_bf16, int64_t rows, int64_t in_features, const uint8_t* q,
-                             int zero, const float* scales, const float* mins, int64_t out_features,
-                             const float* bias, float* y) {
+void block_linear_tiled(const float* x, const at::BFloat16* x_bf16, int64_t rows, int64_t in_features,
+                        const uint8_t* q, int zero, const float* scales, const float* mins, int64_t out_features,
+                        const float* bias, float* y) {
   const int64_t blocks = in_features / kQ8Block;
   const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel;
   const int64_t panels_per_tile = std::max<int64_t>(1, std::min(panels, kTileElements / (in_features * kQ8Panel)));
-  const int64_t tile_width = panels_per_tile * kQ8Panel;
-  thread_local std::vector<float> buffer;
+  thread_local std::vector<float> buffer;  // the calling thread's, kept between calls
   thread_local std::vector<at::BFloat16> rounded;
+  const int64_t tile_width = panels_per_tile * kQ8Panel;
   if (static_cast<int64_t>(buffer.size()) < in_features * tile_width) buffer.resize(in_features * tile_width);
-  if (static_cast<int64_t>(rounded.size()) < in_features * tile_width) rounded.resize(in_features * tile_width);
-  const uint16_t* xb = reinterpret_cast<const uint16_t*>(x_bf16.data_ptr<at::BFloat16>());
+  if (x_bf16 != nullptr && static_cast<int64_t>(rounded.size()) < in_features * tile_width)
+    rounded.resize(in_features * tile_width);
   for (int64_t p0 = 0; p0 < panels; p0 += panels_per_tile) {
     const int64_t p1 = std::min(panels, p0 + panels_per_tile);
     const int64_t n0 = p0 * kQ8Panel, padded = (p1 - p0) * kQ8Panel;
     const int64_t width = std::min(out_features, p1 * kQ8Panel) - n0;
     float* wt = buffer.data();
     at::BFloat16* wb = rounded.data();
+    // Every thread dequantizes its panels (64-byte rows of the tile: no line is shared), then one
+    // multithreaded GEMM over all rows.
     at::parallel_for(p0, p1, 1, [&](int64_t begin, int64_t end) {
       for (int64_t p = begin; p < end; ++p) {
         dequantize_panels_transposed<Bits>(q, zero, scales, mins, blocks, p, p + 1, wt + (p - p0) * kQ8Panel, padded);
-        for (int64_t k = 0; k < in_features; ++k) {
-          const int64_t i = k * padded + (p - p0) * kQ8Panel;
-          round_to_bf16_16(wt + i, wb + i);
-        }
+        if (x_bf16 != nullptr)
+          for (int64_t k = 0; k < in_features; ++k) {
+            const int64_t i = k * padded + (p - p0) * kQ8Panel;
+            round_to_bf16_16(wt + i, wb + i);
+          }
       }
     });
-    std::vector<float> part;
-    float* out = y + n0;
-    int64_t ld = out_features;
-    if (width != padded) {  // the zero-padded last panel: multiply its padded width, keep the valid columns
-      part.resize(rows * padded);
-      out = part.data();
-      ld = padded;
-    }
-    if (gemm_bf16bf16f32_ != nullptr) {
-      // Column-major: out^T (padded x rows) = wb^T (padded x K, ld padded) * x^T (K x rows, ld K).
-      const int m = static_cast<int>(padded), n = static_cast<int>(rows), k = static_cast<int>(in_features);
-      const int lda = m, ldb = k, ldc = static_cast<int>(ld);
-      const float one = 1.0f, none = 0.0f;
-      gemm_bf16bf16f32_("N", "N", &m, &n, &k, &one, reinterpret_cast<const uint16_t*>(wb), &lda, xb, &ldb, &none,
-                        out, &ldc);
-    } else {
-      auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16);
-      torch::Tensor product = at::mm(x_bf16.to(torch::kFloat),
-                                     torch::from_blob(wb, {in_features, padded}, bf16).to(torch::kFloat));
-      torch::from_blob(out, {rows, padded}, {ld, 1}, torch::TensorOptions().dtype(torch::kFloat)).copy_(product);
-    }
-    if (width != padded)
+    const auto multiply = [&](float* out, int64_t ld) {
+      if (x_bf16 != nullptr)
+        tile_gemm_bf16(x_bf16, rows, in_features, wb, padded, out, ld);
+      else
+        tile_gemm(x, rows, in_features, wt, padded, out, ld);
+    };
+    if (width == padded) {
+      multiply(y + n0, out_features);
+    } else {  // the zero-padded last panel: multiply its padded width, keep the valid columns
+      std::vector<float> part(rows * padded);
+      multiply(part.data(), padded);
       for (int64_t r = 0; r < rows; ++r)
         std::copy(part.data() + r * padded, part.data() + r * padded + width, y + r * out_features + n0);
+    }
     if (bias != nullptr)
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < width; ++j) y[r * out_features + n0 + j] += bias[n0 + j];
@@ -1573,28 +1567,38 @@ BlockLinearArgs check_block_linear_args(const torch::Tensor& x, const torch::Ten
 }
 }  // namespace
 
-torch::Tensor block_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales, c10::optional<torch::Tensor> mins,
-                           c10::optional<torch::Tensor> bias, int64_t out_features) {
-  const BlockLinearArgs a = check_block_linear_args(x, q, scales, mins, bias, out_features);
+namespace {
+// The row kernel up to kRowKernelMaxRows rows, dequantized tiles above (rounded to bfloat16 with bf16_tiles).
+torch::Tensor run_block_linear(const torch::Tensor& x, const BlockLinearArgs& a, int64_t out_features,
+                               bool bf16_tiles) {
   const int64_t rows = x.size(0);
   auto y = torch::empty({rows, out_features}, x.options());
-  const auto run = rows <= kRowKernelMaxRows ? (a.bits == 8 ? block_linear_rows<8> : block_linear_rows<4>)
-                                             : (a.bits == 8 ? block_linear_tiled<8> : block_linear_tiled<4>);
-  run(x.data_ptr<float>(), rows, x.size(1), a.q, a.zero, a.scales, a.mins, out_features, a.bias, y.data_ptr<float>());
+  if (rows <= kRowKernelMaxRows) {
+    (a.bits == 8 ? block_linear_rows<8> : block_linear_rows<4>)(x.data_ptr<float>(), rows, x.size(1), a.q, a.zero,
+                                                                a.scales, a.mins, out_features, a.bias,
+                                                                y.data_ptr<float>());
+    return y;
+  }
+  const torch::Tensor x_bf16 = bf16_tiles ? x.to(torch::kBFloat16) : torch::Tensor();
+  (a.bits == 8 ? block_linear_tiled<8> : block_linear_tiled<4>)(
+      x.data_ptr<float>(), bf16_tiles ? x_bf16.data_ptr<at::BFloat16>() : nullptr, rows, x.size(1), a.q, a.zero,
+      a.scales, a.mins, out_features, a.bias, y.data_ptr<float>());
   return y;
 }
+}  // namespace
 
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                           c10::optional<torch::Tensor> bias, int64_t out_features) {
+  return run_block_linear(x, check_block_linear_args(x, q, scales, mins, bias, out_features), out_features, false);
+}
+
+// `--block-matmul bfloat16`: block_linear with steps of more than kRowKernelMaxRows rows multiplied in
+// bfloat16 (x and each dequantized tile rounded to nearest-even, as torch's .bfloat16(); float32
+// accumulation through MKL's bfloat16 GEMM).
 torch::Tensor block_linear_bf16(torch::Tensor x, torch::Tensor q, torch::Tensor scales,
                                 c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias,
                                 int64_t out_features) {
-  const BlockLinearArgs a = check_block_linear_args(x, q, scales, mins, bias, out_features);
-  const int64_t rows = x.size(0);
-  if (rows <= kRowKernelMaxRows) return block_linear(x, q, scales, mins, bias, out_features);
-  auto y = torch::empty({rows, out_features}, x.options());
-  const auto run = a.bits == 8 ? block_linear_tiled_bf16<8> : block_linear_tiled_bf16<4>;
-  run(x.to(torch::kBFloat16), rows, x.size(1), a.q, a.zero, a.scales, a.mins, out_features, a.bias,
-      y.data_ptr<float>());
-  return y;
+  return run_block_linear(x, check_block_linear_args(x, q, scales, mins, bias, out_features), out_features, true);
 }
 
 // ---- Integer dot products on the kept blocks (`--block-matmul int8`) ---------------------------
@@ -1680,21 +1684,7 @@ void quantize_rows(const float* x, int64_t rows, int64_t in_features, bool with_
       out.qsum[i] = quantize_block(xb, inv, out.q.data() + i * kQ8Block);
       out.scale[i] = d;
     }
-    if (with_sums) {
-      // block_sums's sums (each block's inputs added in order), eight blocks' chains interleaved.
-      int64_t i = begin;
-      for (; i + 8 <= end; i += 8) {
-        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-        for (int64_t k = 0; k < kQ8Block; ++k)
-          for (int j = 0; j < 8; ++j) acc[j] += x[(i + j) * kQ8Block + k];
-        for (int j = 0; j < 8; ++j) out.sum[i + j] = acc[j];
-      }
-      for (; i < end; ++i) {
-        float acc = 0.0f;
-        for (int64_t k = 0; k < kQ8Block; ++k) acc += x[i * kQ8Block + k];
-        out.sum[i] = acc;
-      }
-    }
+    if (with_sums) block_sums(x, begin, end, out.sum.data());
   });
 }
 
