@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from tokenmill.config import ATTENTION_BACKENDS
 from tokenmill.model.layers.kv_write import write_kv
+from tokenmill.model.layers.paged_tables import padded_block_table
 
 if TYPE_CHECKING:
     from tokenmill.model.layers.triton_attention import PrefillTables
@@ -120,9 +121,14 @@ class TorchAttentionBackend:
 
     def prefill_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float, window: int | None = None, softcap: float | None = None) -> None:
-        for (start, end), ctx_len, block_ids in zip(meta.prefill_query_ranges, meta.prefill_context_lens,
-                                                    meta.prefill_block_ids):
-            out[start:end] = self._prefill(q[start:end], kv_cache, block_ids, ctx_len, scale, window, softcap)
+        for chunk in range(len(meta.prefill_query_ranges)):
+            self._prefill_chunk_into(out, q, kv_cache, meta, chunk, scale, window, softcap)
+
+    def _prefill_chunk_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                            chunk: int, scale: float, window: int | None, softcap: float | None) -> None:
+        start, end = meta.prefill_query_ranges[chunk]
+        out[start:end] = self._prefill(q[start:end], kv_cache, meta.prefill_block_ids[chunk],
+                                       meta.prefill_context_lens[chunk], scale, window, softcap)
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -311,10 +317,8 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         if tables.kernel_chunks:
             self.kernels.paged_prefill_attention(q, kv_cache, tables.block_table, tables.query_ranges,
                                                  tables.context_lens, scale, softcap or 0.0, window or 0, out)
-        for i in tables.torch_chunks:
-            start, end = meta.prefill_query_ranges[i]
-            out[start:end] = self._prefill(q[start:end], kv_cache, meta.prefill_block_ids[i],
-                                           meta.prefill_context_lens[i], scale, window, softcap)
+        for chunk in tables.torch_chunks:
+            self._prefill_chunk_into(out, q, kv_cache, meta, chunk, scale, window, softcap)
 
     def decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, window: int | None = None, softcap: float | None = None) -> None:
@@ -335,11 +339,7 @@ def cpu_prefill_tables(meta: AttentionMetadata) -> CpuPrefillTables:
     ranges = meta.prefill_query_ranges
     kernel = [i for i, (start, end) in enumerate(ranges) if end - start < CPU_PREFILL_KERNEL_MAX_TOKENS]
     others = [i for i, (start, end) in enumerate(ranges) if end - start >= CPU_PREFILL_KERNEL_MAX_TOKENS]
-    max_blocks = max((meta.prefill_block_ids[i].numel() for i in kernel), default=0)
-    table = torch.zeros(len(kernel), max_blocks, dtype=torch.int32)
-    for row, i in enumerate(kernel):
-        ids = meta.prefill_block_ids[i]
-        table[row, :ids.numel()] = ids
+    table = padded_block_table([meta.prefill_block_ids[i] for i in kernel], torch.device("cpu"))
     return CpuPrefillTables(kernel, others, table,
                             torch.tensor([ranges[i] for i in kernel], dtype=torch.int32).view(-1, 2),
                             torch.tensor([meta.prefill_context_lens[i] for i in kernel], dtype=torch.int32))

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from tokenmill.model.layers.kv_write import write_kv
+from tokenmill.model.layers.paged_tables import padded_block_table
 
 if TYPE_CHECKING:
     from tokenmill.model.layers.attention import AttentionMetadata
@@ -59,10 +60,7 @@ def build_prefill_tables(meta: AttentionMetadata, block_q: int, device: torch.de
     ranges = meta.prefill_query_ranges
     # Consecutive in the flat batch (prefills follow the decodes in order), so starts + one end suffice.
     assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:])), "prefill chunks must be contiguous"
-    max_blocks = max(ids.numel() for ids in meta.prefill_block_ids)
-    table = torch.zeros(len(ranges), max_blocks, dtype=torch.int32, device=device)
-    for row, ids in enumerate(meta.prefill_block_ids):
-        table[row, :ids.numel()] = ids
+    table = padded_block_table(meta.prefill_block_ids, device)
     tiles = [(req, offset) for req, (start, end) in enumerate(ranges) for offset in range(0, end - start, block_q)]
     as_int32 = lambda values: torch.tensor(values, dtype=torch.int32, device=device)  # noqa: E731
     return PrefillTables(table, as_int32([start for start, _ in ranges] + [ranges[-1][1]]),
