@@ -187,8 +187,8 @@ class EngineConfig:
     block_matmul: str = option(
         "float32", "CPU, how block-quantized weights (kept GGUF blocks, q8_0) multiply: float32 widens their integers "
         "to float32 (matches HF transformers' float32 outputs token for token); int8 also rounds each activation "
-        "row to int8 per block of 32 inputs, as llama.cpp does, and takes integer dot products (AVX-512 VNNI): "
-        "3-4x faster prefill matmuls, ~2x at decode batch sizes, outputs differ slightly from float32; bfloat16 "
+        "row to int8 per block of 32 inputs, as llama.cpp does, and takes integer dot products (AVX-512 VNNI or AVX2): "
+        "faster prefill and decode matmuls (3-4x and ~2x with VNNI), outputs differ slightly from float32; bfloat16 "
         "multiplies steps of more than 64 rows (prefill chunks) in bfloat16 through MKL's GEMM (AMX or AVX-512 "
         "BF16), decode-sized steps as float32 does: the fastest prefill on CPUs with AMX, outputs differ slightly",
         choices=BLOCK_MATMULS)

@@ -1,6 +1,7 @@
 """`--block-matmul int8`: activations rounded to int8 per block of 32 inputs and integer dot products
 with the kept blocks (`block_linear_q8`). Per GGUF block type and row count against a float64
-computation of the same rounding; the AVX-512 VNNI kernel against the portable C++ loop, bit for bit;
+computation of the same rounding; the AVX-512 VNNI and AVX2 kernels against the portable C++ loop, bit
+for bit;
 and the engine's greedy tokens against HF transformers whose linear layers round their inputs the
 same way."""
 from __future__ import annotations
@@ -38,14 +39,45 @@ def expected_q8(x: torch.Tensor, blocks, bias: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.fixture(scope="module")
+def int8_simd(kernels):
+    """The native build where it takes integer dot products with SIMD (AVX-512 VNNI or AVX2)."""
+    if kernels.int8_dot == "portable":
+        pytest.skip("this CPU has neither AVX2 nor AVX-512 VNNI + VBMI")
+    return kernels
+
+
+@pytest.fixture(scope="module")
 def vnni(kernels):
     if kernels.int8_dot != "avx512_vnni":
         pytest.skip("this CPU has no AVX-512 VNNI + VBMI")
     return kernels
 
 
+@pytest.fixture(scope="module")
+def portable_kernels():
+    from tokenmill.model.layers import cpu_kernels
+
+    portable = cpu_kernels.load_variant("portable")
+    assert portable.int8_dot == "portable"
+    return portable
+
+
+def assert_same_bits(fast, portable, type_name, row_counts=(1, 5, 9, 70)):
+    blocks, _ = file_blocks(type_name, seed=4)
+    packed = pack_blocks(blocks)
+    gen = torch.Generator().manual_seed(2)
+    bias = torch.randn(37, generator=gen)
+    for rows in row_counts:
+        x = torch.randn(rows, blocks.q.shape[1], generator=gen)
+        x[0, :32] = 0.0
+        if rows > 1:
+            x[1, 32:64] = x[1, 32:64].sign() * 3.0  # every value of a block rounds to +-127: the largest sums
+        assert torch.equal(fast.block_linear_q8(x, *packed, bias, 37), portable.block_linear_q8(x, *packed, bias, 37)), \
+            f"{type_name} rows={rows}"
+
+
 @pytest.mark.parametrize("type_name", sorted(INT8_BLOCK_TYPES))
-def test_int8_dot_kernel_per_block_type(vnni, type_name):
+def test_int8_dot_kernel_per_block_type(int8_simd, type_name):
     blocks, dense = file_blocks(type_name, seed=len(type_name) + 1)
     gen = torch.Generator().manual_seed(11)
     bias = torch.randn(37, generator=gen)
@@ -53,7 +85,7 @@ def test_int8_dot_kernel_per_block_type(vnni, type_name):
     for rows in ROWS:
         x = torch.randn(rows, dense.shape[1], generator=gen)
         x[0, :32] = 0.0  # an all-zero block: scale 0, no division by zero
-        y = vnni.block_linear_q8(x, *packed, bias, 37)
+        y = int8_simd.block_linear_q8(x, *packed, bias, 37)
         expected = expected_q8(x, blocks, bias)
         # float32 accumulation over the blocks: errors scale with the outputs' magnitude
         torch.testing.assert_close(y.double(), expected, atol=2e-6 * expected.abs().max().item(), rtol=1e-5,
@@ -62,24 +94,27 @@ def test_int8_dot_kernel_per_block_type(vnni, type_name):
         exact = x.double() @ dense.double().T + bias.double()
         assert (y.double() - exact).abs().max() < 0.02 * exact.abs().max()
         # a row's result does not depend on the rows around it
-        assert torch.equal(y[-1:], vnni.block_linear_q8(x[-1:].contiguous(), *packed, bias, 37))
+        assert torch.equal(y[-1:], int8_simd.block_linear_q8(x[-1:].contiguous(), *packed, bias, 37))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("type_name", ["Q4_0", "Q4_K", "Q8_0", "Q5_1"])
-def test_vnni_kernel_equals_the_portable_loop(vnni, type_name):
+def test_vnni_kernel_equals_the_portable_loop(vnni, portable_kernels, type_name):
     """The AVX-512 VNNI kernel and the portable C++ loop run the same float operations per block."""
+    assert_same_bits(vnni, portable_kernels, type_name)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q5_1"])
+def test_avx2_kernel_equals_the_portable_loop(kernels, portable_kernels, type_name):
+    """The AVX2 kernel (int16 pair sums for 4-bit blocks, sign-folded signed bytes for 8-bit ones) takes
+    the same integer dot products as the portable loop, so the same bits; built for AVX2 on wider CPUs."""
     from tokenmill.model.layers import cpu_kernels
 
-    portable = cpu_kernels.load_variant("portable")
-    assert portable.int8_dot == "portable"
-    blocks, _ = file_blocks(type_name, seed=4)
-    packed = pack_blocks(blocks)
-    gen = torch.Generator().manual_seed(2)
-    bias = torch.randn(37, generator=gen)
-    for rows in (1, 9, 70):
-        x = torch.randn(rows, blocks.q.shape[1], generator=gen)
-        assert torch.equal(vnni.block_linear_q8(x, *packed, bias, 37), portable.block_linear_q8(x, *packed, bias, 37))
+    if kernels.simd == "portable":
+        pytest.skip("this CPU has no AVX2")
+    avx2 = kernels if kernels.int8_dot == "avx2" else cpu_kernels.load_variant("avx2")
+    assert avx2.int8_dot == "avx2"
+    assert_same_bits(avx2, portable_kernels, type_name)
 
 
 class RoundedInputLinear(torch.nn.Module):
@@ -121,7 +156,7 @@ def round_hf_linear_inputs(hf: torch.nn.Module, engine_model) -> None:
             setattr(hf.get_submodule(parent) if parent else hf, leaf, RoundedInputLinear(module, mins_by_name[name]))
 
 
-def test_engine_int8_matmul_matches_hf_with_rounded_activations(vnni, tiny_gguf_path, tiny_llama_dir,
+def test_engine_int8_matmul_matches_hf_with_rounded_activations(int8_simd, tiny_gguf_path, tiny_llama_dir,
                                                                 smollm2_tokenizer):
     """Every kept layer (the head too) and the fused decode stack take the integer path; greedy tokens
     equal HF's on the file's weights with each linear layer's input rounded to int8 per block of 32."""

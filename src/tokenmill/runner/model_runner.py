@@ -17,10 +17,9 @@ from tokenmill.model.layers.decoder import DecoderAttention
 from tokenmill.model.layers.basic import keep_rotary_tables_float, use_cpu_kernels
 from tokenmill.model.layers.cpu_kernels import cpu_flags
 from tokenmill.distributed.parallel_state import TensorParallelGroup
-from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, QUANT_BLOCK, Bf16TileKernels, BlockQuantLinear,
-                                           Int8ActivationKernels,
-                                          Int8Blocks, PackedLinear, dense_linear, onednn_packing_supported,
-                                          skip_weight_init)
+from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, INT8_DOT_PATHS, QUANT_BLOCK, Bf16TileKernels,
+                                          BlockQuantLinear, Int8ActivationKernels, Int8Blocks, PackedLinear,
+                                          dense_linear, onednn_packing_supported, skip_weight_init)
 from tokenmill.model.layers.parallel import fused_qkv_rows, shard_int8_blocks, shard_weights
 from tokenmill.model.registry import get_model_class
 from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, release_freed_memory
@@ -166,10 +165,10 @@ class ModelRunner:
 
     def _block_matmul_wrapper(self, kernels):
         if self.block_matmul == "int8":
-            if getattr(kernels, "int8_dot", None) == "avx512_vnni":
+            if getattr(kernels, "int8_dot", "portable") in INT8_DOT_PATHS:
                 return Int8ActivationKernels(kernels)
-            logger.warning("--block-matmul int8 needs a CPU with AVX-512 VNNI and VBMI; block-quantized "
-                           "layers multiply in float32")
+            logger.warning("--block-matmul int8 needs a CPU with AVX2 (or AVX-512 VNNI and VBMI); "
+                           "block-quantized layers multiply in float32")
             return kernels
         flags = cpu_flags()
         if not kernels.bf16_gemm_available() or not {"avx512_bf16", "amx_bf16"} & flags:
@@ -291,7 +290,8 @@ class ModelRunner:
         if not self._runs_cpu_kernels(kernels):
             return f"triton dequantize-and-matmul on {self.device}, no float copy"
         if getattr(kernels, "int8_activations", False):
-            return "activations rounded to int8 per block of 32, AVX-512 VNNI integer dot products, no float copy"
+            path = INT8_DOT_PATHS.get(getattr(kernels, "int8_dot", ""), "portable")
+            return f"activations rounded to int8 per block of 32, {path} integer dot products, no float copy"
         if isinstance(kernels, Bf16TileKernels):
             return (f"row kernel for steps of up to {BLOCK_KERNEL_MAX_ROWS} rows, tiles rounded to bfloat16 through "
                     "MKL's bfloat16 GEMM above, no float copy")

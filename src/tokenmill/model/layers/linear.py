@@ -264,12 +264,17 @@ class BlockQuantLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, {kind}"
 
 
+# The C++ module's `int8_dot` values that take integer dot products with SIMD, and how to name them.
+INT8_DOT_PATHS = {"avx512_vnni": "AVX-512 VNNI", "avx2": "AVX2"}
+
+
 class Int8ActivationKernels:
     """tokenmill's C++ kernels with every block-quantized matmul taking integer dot products
     (`--block-matmul int8`): `block_linear` is `block_linear_q8`, which rounds each row of x to int8 per
     block of 32 inputs (scale max|x| / 127, as llama.cpp rounds activations for its quantized matmuls)
-    and multiplies the weight's integers with AVX-512 VNNI; the fused decode stack does the same. The
-    weights are unchanged; the outputs differ from the float32 path by that rounding of x."""
+    and multiplies the weight's integers with AVX-512 VNNI (VPDPBUSD) or AVX2 (VPMADDUBSW), whichever
+    the kernels were built for; the fused decode stack does the same. The weights are unchanged; the
+    outputs differ from the float32 path by that rounding of x (the same bits on either path)."""
 
     int8_activations = True
 

@@ -1615,15 +1615,33 @@ torch::Tensor block_linear_bf16(torch::Tensor x, torch::Tensor q, torch::Tensor 
 // The arithmetic is the same on every path: the per-block float update is
 //   acc = fma(float(idot), sw * sx, acc); acc = fma(mins, xsum, acc)
 // so the portable loop and the AVX-512 VNNI kernel give the same bits.
+//
+// AVX2 has no VPDPBUSD; VPMADDUBSW multiplies unsigned by signed bytes and adds adjacent pairs into
+// saturating int16 lanes, then VPMADDWD by ones adds those pairs into int32 (llama.cpp's AVX2 route).
+// A 4-bit pair is at most 2 * 15 * 127 = 3,810, so a block's 8 groups add up in int16 without
+// saturating (<= 30,480) and widen once per block. An 8-bit weight + 128 would saturate, so on this
+// path the 8-bit panels stay signed (zero = 0) and each product is |w| * (x with w's sign) (VPSIGNB);
+// the integer dot products, and therefore the float updates and the bits, are the same as above.
 namespace {
 #if defined(TOKENMILL_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define TOKENMILL_VNNI 1
+#elif defined(TOKENMILL_AVX2)
+#define TOKENMILL_DOT_AVX2 1
+#endif
+#if defined(TOKENMILL_DOT_AVX2)
+constexpr bool kSignedQ8Panels = true;  // 8-bit panels repacked as the signed values (see above)
+#else
+constexpr bool kSignedQ8Panels = false;
 #endif
 
 constexpr int64_t kDotGroupBytes = 64;                          // 16 features x 4 inputs
 constexpr int64_t kDotBlockBytes = kQ8Block / 4 * kDotGroupBytes;  // 512 per (panel, block)
 constexpr int64_t kDotRowChunk = 64;
+#if defined(TOKENMILL_DOT_AVX2)
+constexpr int kDotTileRows = 6;  // 6 int16 + 6 float accumulators, the weights and x in 16 ymm registers
+#else
 constexpr int kDotTileRows = 8;
+#endif
 
 // x rounded per block: xq [rows][K] int8, scale and integer sum per (row, block), float sums for mins.
 struct QuantizedRows {
@@ -1647,6 +1665,22 @@ inline int32_t quantize_block(const float* xb, float inv, int8_t* qb) {
     total = _mm512_add_epi32(total, iv);
   }
   return _mm512_reduce_add_epi32(total);
+#elif defined(TOKENMILL_AVX2)
+  const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.0f), hi = _mm256_set1_ps(127.0f);
+  __m256i iv[4];
+  for (int j = 0; j < 4; ++j) {
+    const __m256 v = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + 8 * j), vinv),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    iv[j] = _mm256_cvttps_epi32(_mm256_min_ps(hi, _mm256_max_ps(lo, v)));
+  }
+  // |values| <= 127: the saturating packs are exact; they interleave 128-bit lanes, the permute undoes it.
+  const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb),
+                      _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i total = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+  const __m128i half = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  const __m128i quarter = _mm_add_epi32(half, _mm_unpackhi_epi64(half, half));
+  return _mm_cvtsi128_si32(_mm_add_epi32(quarter, _mm_shuffle_epi32(quarter, 1)));
 #else
   int32_t s = 0;
   for (int64_t k = 0; k < kQ8Block; ++k) {
@@ -1663,6 +1697,14 @@ inline float block_amax(const float* xb) {
 #ifdef TOKENMILL_AVX512
   const __m512 a = _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xb)), _mm512_abs_ps(_mm512_loadu_ps(xb + 16)));
   return _mm512_reduce_max_ps(a);  // max is exact in any order
+#elif defined(TOKENMILL_AVX2)
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 a = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb)), _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 8)));
+  a = _mm256_max_ps(a, _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 16)),
+                                     _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + 24))));
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
 #else
   float amax = 0.0f;
   for (int64_t k = 0; k < kQ8Block; ++k) amax = std::max(amax, std::fabs(xb[k]));
@@ -1688,7 +1730,8 @@ void quantize_rows(const float* x, int64_t rows, int64_t in_features, bool with_
   });
 }
 
-// One panel (all its blocks) repacked: out[b][g][f][j] = a(feature f, input 4g + j of block b).
+// One panel (all its blocks) repacked: out[b][g][f][j] = a(feature f, input 4g + j of block b) (8-bit
+// panels: the signed value where kSignedQ8Panels).
 template <int Bits>
 void repack_panel_for_dot(const uint8_t* qp, int64_t blocks, uint8_t* out) {
 #if defined(TOKENMILL_VNNI)
@@ -1715,21 +1758,100 @@ void repack_panel_for_dot(const uint8_t* qp, int64_t blocks, uint8_t* out) {
       _mm512_storeu_si512(out + i * 64, _mm512_xor_si512(_mm512_permutexvar_epi8(perm, v), bias));
     }
   }
+#elif defined(TOKENMILL_DOT_AVX2)
+  // A 4 x 16 byte transpose per group of 4 inputs: bytes interleaved pairwise, then pairs of pairs.
+  if constexpr (Bits == 4) {
+    // 4 inputs' rows (32 bytes): low nibbles features 0-7, high nibbles 8-15; (rows 0,1) and (rows 2,3)
+    // interleaved byte by byte within their 16 bytes, as unpacklo_epi8 of the two rows would.
+    const __m128i pairs = _mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    for (int64_t g = 0; g < blocks * kQ8Block / 4; ++g) {
+      const __m128i r01 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + g * 32));
+      const __m128i r23 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + g * 32 + 16));
+      const __m128i a = _mm_shuffle_epi8(_mm_and_si128(r01, low4), pairs);
+      const __m128i b = _mm_shuffle_epi8(_mm_and_si128(r23, low4), pairs);
+      const __m128i c = _mm_shuffle_epi8(_mm_and_si128(_mm_srli_epi16(r01, 4), low4), pairs);
+      const __m128i d = _mm_shuffle_epi8(_mm_and_si128(_mm_srli_epi16(r23, 4), low4), pairs);
+      __m128i* o = reinterpret_cast<__m128i*>(out + g * kDotGroupBytes);
+      _mm_storeu_si128(o, _mm_unpacklo_epi16(a, b));
+      _mm_storeu_si128(o + 1, _mm_unpackhi_epi16(a, b));
+      _mm_storeu_si128(o + 2, _mm_unpacklo_epi16(c, d));
+      _mm_storeu_si128(o + 3, _mm_unpackhi_epi16(c, d));
+    }
+  } else {
+    for (int64_t g = 0; g < blocks * kQ8Block / 4; ++g) {
+      const __m128i* r = reinterpret_cast<const __m128i*>(qp + g * 64);
+      const __m128i r0 = _mm_loadu_si128(r), r1 = _mm_loadu_si128(r + 1);
+      const __m128i r2 = _mm_loadu_si128(r + 2), r3 = _mm_loadu_si128(r + 3);
+      const __m128i a = _mm_unpacklo_epi8(r0, r1), b = _mm_unpacklo_epi8(r2, r3);
+      const __m128i c = _mm_unpackhi_epi8(r0, r1), d = _mm_unpackhi_epi8(r2, r3);
+      __m128i* o = reinterpret_cast<__m128i*>(out + g * kDotGroupBytes);
+      _mm_storeu_si128(o, _mm_unpacklo_epi16(a, b));
+      _mm_storeu_si128(o + 1, _mm_unpackhi_epi16(a, b));
+      _mm_storeu_si128(o + 2, _mm_unpacklo_epi16(c, d));
+      _mm_storeu_si128(o + 3, _mm_unpackhi_epi16(c, d));
+    }
+  }
 #else
   constexpr int64_t row_bytes = PanelRow<Bits>::kBytes;
   for (int64_t k = 0; k < blocks * kQ8Block; ++k) {
     const uint8_t* row = qp + k * row_bytes;
     uint8_t* group = out + (k / 4) * kDotGroupBytes + k % 4;
     for (int64_t f = 0; f < kQ8Panel; ++f) {
-      const int a = Bits == 4 ? (f < 8 ? row[f] & 0x0F : row[f - 8] >> 4) : (row[f] ^ 0x80);
+      const int a = Bits == 4 ? (f < 8 ? row[f] & 0x0F : row[f - 8] >> 4) : (row[f] ^ (kSignedQ8Panels ? 0 : 0x80));
       group[f * 4] = static_cast<uint8_t>(a);
     }
   }
 #endif
 }
 
+#if defined(TOKENMILL_DOT_AVX2)
+// One half (8 features) of a panel for rows [r0, r0 + R): the weight groups at wa + 32 * half.
+template <int Bits, int R>
+inline void dot_half_tile_avx2(const int8_t* xrow, int64_t in_features, int64_t blocks, const uint8_t* wa,
+                               const float* sp, const float* mp, const float* xd, const int32_t* xs,
+                               const float* xf, int zero, __m256 (&acc)[R]) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = wa + b * kDotBlockBytes;
+    const int8_t* xb = xrow + b * kQ8Block;
+    __m256i dot[R];
+    for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int g = 0; g < kQ8Block / 4; ++g) {
+      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * kDotGroupBytes));
+      if constexpr (Bits == 4) {
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, xb + r * in_features + g * 4, 4);
+          dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(four)));
+        }
+      } else {
+        const __m256i magnitude = _mm256_abs_epi8(w);
+        for (int r = 0; r < R; ++r) {
+          int32_t four;
+          std::memcpy(&four, xb + r * in_features + g * 4, 4);
+          const __m256i signed_x = _mm256_sign_epi8(_mm256_set1_epi32(four), w);
+          dot[r] = _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, signed_x), ones));
+        }
+      }
+    }
+    const __m256 scale = _mm256_loadu_ps(sp + b * kQ8Panel);
+    const __m256 offset = mp == nullptr ? _mm256_setzero_ps() : _mm256_loadu_ps(mp + b * kQ8Panel);
+    for (int r = 0; r < R; ++r) {
+      __m256i d = Bits == 4 ? _mm256_madd_epi16(dot[r], ones) : dot[r];
+      if (zero != 0) d = _mm256_sub_epi32(d, _mm256_set1_epi32(zero * xs[r * blocks + b]));
+      const __m256 factor = _mm256_mul_ps(scale, _mm256_set1_ps(xd[r * blocks + b]));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), factor, acc[r]);
+      if (mp != nullptr) acc[r] = _mm256_fmadd_ps(offset, _mm256_set1_ps(xf[r * blocks + b]), acc[r]);
+    }
+  }
+}
+#endif
+
 // Rows [r0, r0 + R) of the quantized x against one repacked panel.
-template <int R>
+template <int Bits, int R>
 void dot_panel_tile(const QuantizedRows& xq, int64_t r0, int64_t in_features, const uint8_t* wa, const float* sp,
                     const float* mp, int zero, int64_t width, const float* bias, float* y, int64_t y_stride) {
   const int64_t blocks = in_features / kQ8Block;
@@ -1767,6 +1889,26 @@ void dot_panel_tile(const QuantizedRows& xq, int64_t r0, int64_t in_features, co
   const __mmask16 mask = static_cast<__mmask16>((1u << width) - 1);
   const __m512 bias_v = bias == nullptr ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(mask, bias);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(y + r * y_stride, mask, _mm512_add_ps(acc[r], bias_v));
+#elif defined(TOKENMILL_DOT_AVX2)
+  for (int half = 0; half < 2 && half * 8 < width; ++half) {
+    const int64_t lanes = std::min<int64_t>(8, width - half * 8);
+    __m256 acc[R];
+    dot_half_tile_avx2<Bits, R>(xrow, in_features, blocks, wa + half * 32, sp + half * 8,
+                                mp == nullptr ? nullptr : mp + half * 8, xd, xs, xf, zero, acc);
+    alignas(32) float bias_lanes[8] = {};
+    if (bias != nullptr) std::memcpy(bias_lanes, bias + half * 8, lanes * sizeof(float));
+    const __m256 bias_v = _mm256_load_ps(bias_lanes);
+    for (int r = 0; r < R; ++r) {
+      float* out = y + r * y_stride + half * 8;
+      if (lanes == 8) {
+        _mm256_storeu_ps(out, _mm256_add_ps(acc[r], bias_v));
+      } else {
+        alignas(32) float tail[8];
+        _mm256_store_ps(tail, _mm256_add_ps(acc[r], bias_v));
+        std::memcpy(out, tail, lanes * sizeof(float));
+      }
+    }
+  }
 #else
   for (int r = 0; r < R; ++r) {
     float acc[kQ8Panel] = {};
@@ -1787,13 +1929,14 @@ void dot_panel_tile(const QuantizedRows& xq, int64_t r0, int64_t in_features, co
 #endif
 }
 
-template <int... Rs>
+template <int Bits, int... Rs>
 constexpr auto make_dot_tiles(std::integer_sequence<int, Rs...>) {
   using Fn = void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, const float*, const float*, int, int64_t,
                       const float*, float*, int64_t);
-  return std::array<Fn, sizeof...(Rs)>{dot_panel_tile<Rs + 1>...};
+  return std::array<Fn, sizeof...(Rs)>{dot_panel_tile<Bits, Rs + 1>...};
 }
-constexpr auto kDotTileByRows = make_dot_tiles(std::make_integer_sequence<int, kDotTileRows>{});
+template <int Bits>
+constexpr auto kDotTileByRows = make_dot_tiles<Bits>(std::make_integer_sequence<int, kDotTileRows>{});
 
 template <int Bits>
 void block_linear_dot(const float* x, int64_t rows, int64_t in_features, const uint8_t* q, int zero,
@@ -1805,7 +1948,7 @@ void block_linear_dot(const float* x, int64_t rows, int64_t in_features, const u
   const int64_t chunks = (rows + kDotRowChunk - 1) / kDotRowChunk;
   QuantizedRows xq;
   quantize_rows(x, rows, in_features, mins != nullptr, xq);
-  const int a_zero = Bits == 8 ? 128 : zero;
+  const int a_zero = Bits == 8 ? (kSignedQ8Panels ? 0 : 128) : zero;
   // Work item = (row chunk, panel), panels innermost so a thread's consecutive items share x.
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> repacked;
@@ -1824,7 +1967,7 @@ void block_linear_dot(const float* x, int64_t rows, int64_t in_features, const u
       const int64_t r_end = std::min(rows, (chunk + 1) * kDotRowChunk);
       for (int64_t r0 = chunk * kDotRowChunk; r0 < r_end; r0 += kDotTileRows) {
         const int64_t tile = std::min<int64_t>(kDotTileRows, r_end - r0);
-        kDotTileByRows[tile - 1](xq, r0, in_features, repacked.data(), sp, mp, a_zero, width, bp,
+        kDotTileByRows<Bits>[tile - 1](xq, r0, in_features, repacked.data(), sp, mp, a_zero, width, bp,
                                  y + r0 * out_features + n0, out_features);
       }
     }
@@ -1948,6 +2091,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #endif
 #if defined(TOKENMILL_VNNI)
   m.attr("int8_dot") = "avx512_vnni";
+#elif defined(TOKENMILL_DOT_AVX2)
+  m.attr("int8_dot") = "avx2";
 #else
   m.attr("int8_dot") = "portable";
 #endif
