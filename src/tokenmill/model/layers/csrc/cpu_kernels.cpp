@@ -1798,7 +1798,7 @@ void repack_panel_for_dot(const uint8_t* qp, int64_t blocks, uint8_t* out) {
     const uint8_t* row = qp + k * row_bytes;
     uint8_t* group = out + (k / 4) * kDotGroupBytes + k % 4;
     for (int64_t f = 0; f < kQ8Panel; ++f) {
-      const int a = Bits == 4 ? (f < 8 ? row[f] & 0x0F : row[f - 8] >> 4) : (row[f] ^ (kSignedQ8Panels ? 0 : 0x80));
+      const int a = Bits == 4 ? (f < 8 ? row[f] & 0x0F : row[f - 8] >> 4) : (row[f] ^ 0x80);
       group[f * 4] = static_cast<uint8_t>(a);
     }
   }
