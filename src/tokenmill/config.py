@@ -46,7 +46,7 @@ DEVICES = ("cpu", "cuda")
 SCHEDULING_POLICIES = POLICIES
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 QUANTIZATIONS = ("gguf", "q8_0", "none")  # or None (unset)
-BLOCK_MATMULS = ("float32", "int8", "bfloat16")
+BLOCK_MATMULS = ("float32", "int8", "bfloat16", "bfloat16-int8")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 PREEMPTION_MODES = ("swap", "recompute")
@@ -190,7 +190,9 @@ class EngineConfig:
         "row to int8 per block of 32 inputs, as llama.cpp does, and takes integer dot products (AVX-512 VNNI or AVX2): "
         "faster prefill and decode matmuls (3-4x and ~2x with VNNI), outputs differ slightly from float32; bfloat16 "
         "multiplies steps of more than 64 rows (prefill chunks) in bfloat16 through MKL's GEMM (AMX or AVX-512 "
-        "BF16), decode-sized steps as float32 does: the fastest prefill on CPUs with AMX, outputs differ slightly",
+        "BF16), decode-sized steps as float32 does: the fastest prefill on CPUs with AMX, outputs differ slightly; "
+        "bfloat16-int8: prefill-sized steps as bfloat16, decode-sized steps as int8 (the fastest of the four where "
+        "the CPU has AMX)",
         choices=BLOCK_MATMULS)
     kv_cache_dtype: str = option(
         "auto", "KV cache storage; auto: the model's dtype. float16/bfloat16 under a float32 model halve the "

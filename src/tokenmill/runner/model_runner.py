@@ -17,9 +17,9 @@ from tokenmill.model.layers.decoder import DecoderAttention
 from tokenmill.model.layers.basic import keep_rotary_tables_float, use_cpu_kernels
 from tokenmill.model.layers.cpu_kernels import cpu_flags
 from tokenmill.distributed.parallel_state import TensorParallelGroup
-from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, INT8_DOT_PATHS, QUANT_BLOCK, Bf16TileKernels,
-                                          BlockQuantLinear, Int8ActivationKernels, Int8Blocks, PackedLinear,
-                                          dense_linear, onednn_packing_supported, skip_weight_init)
+from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, INT8_DOT_PATHS, QUANT_BLOCK, Bf16TileInt8RowKernels,
+                                          Bf16TileKernels, BlockQuantLinear, Int8ActivationKernels, Int8Blocks,
+                                          PackedLinear, dense_linear, onednn_packing_supported, skip_weight_init)
 from tokenmill.model.layers.parallel import fused_qkv_rows, shard_int8_blocks, shard_weights
 from tokenmill.model.registry import get_model_class
 from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, release_freed_memory
@@ -164,18 +164,30 @@ class ModelRunner:
         return self._block_matmul_kernels
 
     def _block_matmul_wrapper(self, kernels):
-        if self.block_matmul == "int8":
-            if getattr(kernels, "int8_dot", "portable") in INT8_DOT_PATHS:
-                return Int8ActivationKernels(kernels)
-            logger.warning("--block-matmul int8 needs a CPU with AVX2 (or AVX-512 VNNI and VBMI); "
-                           "block-quantized layers multiply in float32")
-            return kernels
-        flags = cpu_flags()
-        if not kernels.bf16_gemm_available() or not {"avx512_bf16", "amx_bf16"} & flags:
-            logger.warning("--block-matmul bfloat16 needs MKL's bfloat16 GEMM and a CPU with AVX-512 BF16 or "
-                           "AMX-BF16; block-quantized layers multiply in float32")
-            return kernels
-        return Bf16TileKernels(kernels)
+        """The kernels `--block-matmul` names where this CPU and torch's MKL can run them; otherwise a
+        warning and the nearest that can (for bfloat16-int8, whichever half can; else float32)."""
+        int8 = getattr(kernels, "int8_dot", "portable") in INT8_DOT_PATHS
+        bf16 = kernels.bf16_gemm_available() and bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+        int8_missing = "needs a CPU with AVX2 (or AVX-512 VNNI and VBMI)"
+        bf16_missing = "needs MKL's bfloat16 GEMM and a CPU with AVX-512 BF16 or AMX-BF16"
+        mode = self.block_matmul
+        if mode == "bfloat16-int8":
+            if int8 and bf16:
+                return Bf16TileInt8RowKernels(kernels)
+            if int8 or bf16:
+                kept = "int8" if int8 else "bfloat16"
+                logger.warning("--block-matmul bfloat16-int8: %s %s; block-quantized layers multiply as "
+                               "--block-matmul %s does", "int8" if not int8 else "bfloat16",
+                               int8_missing if not int8 else bf16_missing, kept)
+                mode = kept
+        if mode == "int8" and int8:
+            return Int8ActivationKernels(kernels)
+        if mode == "bfloat16" and bf16:
+            return Bf16TileKernels(kernels)
+        needs = bf16_missing if mode == "bfloat16" else int8_missing if mode == "int8" else \
+            f"{int8_missing} and {bf16_missing}"
+        logger.warning("--block-matmul %s %s; block-quantized layers multiply in float32", mode, needs)
+        return kernels
 
     @cached_property
     def block_kernels(self):
@@ -289,6 +301,11 @@ class ModelRunner:
     def _block_kernel_paths(self, kernels) -> str:
         if not self._runs_cpu_kernels(kernels):
             return f"triton dequantize-and-matmul on {self.device}, no float copy"
+        if isinstance(kernels, Bf16TileInt8RowKernels):
+            path = INT8_DOT_PATHS[kernels.int8_dot]
+            return (f"steps of up to {BLOCK_KERNEL_MAX_ROWS} rows with activations rounded to int8 per block of 32 "
+                    f"and {path} integer dot products, tiles rounded to bfloat16 through MKL's bfloat16 GEMM above, "
+                    "no float copy")
         if getattr(kernels, "int8_activations", False):
             path = INT8_DOT_PATHS.get(getattr(kernels, "int8_dot", ""), "portable")
             return f"activations rounded to int8 per block of 32, {path} integer dot products, no float copy"

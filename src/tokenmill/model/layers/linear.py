@@ -301,6 +301,27 @@ class Bf16TileKernels:
         return getattr(self._module, name)
 
 
+class Bf16TileInt8RowKernels:
+    """`--block-matmul bfloat16-int8`: each step's block matmuls take the faster of the two rounded paths
+    for their size. More than 64 rows (prefill chunks, mixed steps) as `Bf16TileKernels` (bfloat16 tiles
+    through MKL's GEMM, AMX where present); up to 64 rows (decode steps), and the fused decode stack, as
+    `Int8ActivationKernels` (activations rounded to int8 per block of 32, integer dot products). On a CPU
+    with AMX the bfloat16 tiles are the faster prefill and the integer rows the faster decode."""
+
+    int8_activations = True  # the fused decode stack takes integer dot products
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def block_linear(self, x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor],
+                     bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+        linear = self._module.block_linear_bf16 if x.shape[0] > BLOCK_KERNEL_MAX_ROWS else self._module.block_linear_q8
+        return linear(x, q, scales, mins, bias, out_features)
+
+    def __getattr__(self, name: str) -> Any:  # every other kernel is the module's own
+        return getattr(self._module, name)
+
+
 class BlockQuantEmbedding(nn.Module):
     """An embedding table read from a `BlockQuantLinear`'s packed blocks (the tied LM head's, or the
     file's own token embedding): each lookup dequantizes only the rows it needs (torch ops, on the
