@@ -189,8 +189,8 @@ class EngineConfig:
         "to float32 (matches HF transformers' float32 outputs token for token); int8 also rounds each activation "
         "row to int8 per block of 32 inputs, as llama.cpp does, and takes integer dot products (AVX-512 VNNI or AVX2): "
         "faster prefill and decode matmuls (3-4x and ~2x with VNNI), outputs differ slightly from float32; bfloat16 "
-        "multiplies steps of more than 64 rows (prefill chunks) in bfloat16 through MKL's GEMM (AMX or AVX-512 "
-        "BF16), decode-sized steps as float32 does: the fastest prefill on CPUs with AMX, outputs differ slightly; "
+        "multiplies steps of more than 64 rows (prefill chunks) in bfloat16 (AMX tiles, else MKL's AVX-512 BF16 "
+        "GEMM), decode-sized steps as float32 does: the fastest prefill on CPUs with AMX, outputs differ slightly; "
         "bfloat16-int8: prefill-sized steps as bfloat16, decode-sized steps as int8 (the fastest of the four where "
         "the CPU has AMX)",
         choices=BLOCK_MATMULS)

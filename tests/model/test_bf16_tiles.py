@@ -33,7 +33,7 @@ def test_bf16_tiles_per_block_type(bf16, type_name):
     packed = pack_blocks(blocks)
     gen = torch.Generator().manual_seed(5)
     bias = torch.randn(37, generator=gen)
-    for rows in (BLOCK_KERNEL_MAX_ROWS + 1, 200):
+    for rows in (BLOCK_KERNEL_MAX_ROWS + 1, 96, 200):  # AMX pads rows to blocks of 32
         x = torch.randn(rows, dense.shape[1], generator=gen)
         y = bf16.block_linear_bf16(x, *packed, bias, 37)
         expected = bf16_product(x, dense, bias)
@@ -45,6 +45,13 @@ def test_bf16_tiles_per_block_type(bf16, type_name):
     # up to the row kernel's limit, the float32 kernel's own bits
     x = torch.randn(BLOCK_KERNEL_MAX_ROWS, dense.shape[1], generator=gen)
     assert torch.equal(bf16.block_linear_bf16(x, *packed, bias, 37), bf16.block_linear(x, *packed, bias, 37))
+
+
+def test_amx_tiles_run_where_the_cpu_has_them(bf16):
+    """On a CPU with AMX-BF16 the tiles above went through tokenmill's own TDPBF16PS kernel, not MKL."""
+    if "amx_bf16" not in cpu_flags():
+        pytest.skip("no AMX-BF16 on this CPU")
+    assert bf16.bf16_tiles() == "amx"
 
 
 class PrefillRoundedLinear(torch.nn.Module):

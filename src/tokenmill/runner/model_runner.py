@@ -298,20 +298,25 @@ class ModelRunner:
             return "oneDNN packed weights"
         return "torch F.linear"
 
+    @staticmethod
+    def _bf16_tile_path(kernels) -> str:
+        return {"amx": "into AMX tiles (TDPBF16PS)", "mkl": "through MKL's bfloat16 GEMM"}.get(
+            kernels.bf16_tiles(), "through at::mm")
+
     def _block_kernel_paths(self, kernels) -> str:
         if not self._runs_cpu_kernels(kernels):
             return f"triton dequantize-and-matmul on {self.device}, no float copy"
         if isinstance(kernels, Bf16TileInt8RowKernels):
             path = INT8_DOT_PATHS[kernels.int8_dot]
             return (f"steps of up to {BLOCK_KERNEL_MAX_ROWS} rows with activations rounded to int8 per block of 32 "
-                    f"and {path} integer dot products, tiles rounded to bfloat16 through MKL's bfloat16 GEMM above, "
+                    f"and {path} integer dot products, tiles rounded to bfloat16 {self._bf16_tile_path(kernels)} above, "
                     "no float copy")
         if getattr(kernels, "int8_activations", False):
             path = INT8_DOT_PATHS.get(getattr(kernels, "int8_dot", ""), "portable")
             return f"activations rounded to int8 per block of 32, {path} integer dot products, no float copy"
         if isinstance(kernels, Bf16TileKernels):
-            return (f"row kernel for steps of up to {BLOCK_KERNEL_MAX_ROWS} rows, tiles rounded to bfloat16 through "
-                    "MKL's bfloat16 GEMM above, no float copy")
+            return (f"row kernel for steps of up to {BLOCK_KERNEL_MAX_ROWS} rows, tiles rounded to bfloat16 "
+                    f"{self._bf16_tile_path(kernels)} above, no float copy")
         return (f"row kernel for steps of up to {BLOCK_KERNEL_MAX_ROWS} rows, dequantized tiles through sgemm "
                 "above, no float copy")
 

@@ -289,9 +289,10 @@ class Int8ActivationKernels:
 class Bf16TileKernels:
     """tokenmill's C++ kernels with block-quantized matmuls of more than 64 rows (prefill chunks) in
     bfloat16 (`--block-matmul bfloat16`): `block_linear` is `block_linear_bf16`, which rounds x and each
-    dequantized tile of the weights to bfloat16 and multiplies them with MKL's bfloat16 GEMM (float32
-    accumulation; AMX tiles where the CPU has them). Steps of up to 64 rows, and the fused decode stack,
-    run the float32 kernels unchanged."""
+    dequantized tile of the weights to bfloat16 and multiplies them with float32 accumulation: through
+    tokenmill's AMX-BF16 tile kernel where the CPU has AMX (each (panel, block) of the weights dequantized
+    straight into a TDPBF16PS operand), else MKL's bfloat16 GEMM. Steps of up to 64 rows, and the fused
+    decode stack, run the float32 kernels unchanged."""
 
     def __init__(self, module: Any) -> None:
         self._module = module

@@ -35,6 +35,11 @@
 #define TOKENMILL_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(TOKENMILL_NO_AVX512)
 #define TOKENMILL_AVX512 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TOKENMILL_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 #endif
 
@@ -1351,6 +1356,24 @@ void block_linear_rows(const float* x, int64_t rows, int64_t in_features, const 
   });
 }
 
+#if defined(TOKENMILL_AVX512)
+// Inputs k and k + 1 of a (panel, block)'s 16 features, dequantized: q * scale (+ min), two roundings.
+template <int Bits>
+inline void dequantize_rows16(const uint8_t* rows, int zero, __m512 scale, const float* mins, __m512 offset,
+                              __m512& w0, __m512& w1) {
+  if (zero == 0)
+    widen_rows16<Bits, 0>(rows, w0, w1);
+  else
+    widen_rows16<Bits, 8>(rows, w0, w1);
+  w0 = _mm512_mul_ps(w0, scale);
+  w1 = _mm512_mul_ps(w1, scale);
+  if (mins != nullptr) {
+    w0 = _mm512_add_ps(w0, offset);
+    w1 = _mm512_add_ps(w1, offset);
+  }
+}
+#endif
+
 // Panels [p0, p1) dequantized into wt, transposed: wt[k * width + 16 * (p - p0) + j] = q * scale (+ min), the
 // arithmetic of Int8Blocks.dequantize (two roundings, no fused multiply-add), for every input k.
 template <int Bits>
@@ -1368,16 +1391,7 @@ void dequantize_panels_transposed(const uint8_t* q, int zero, const float* scale
       const __m512 offset = mp == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(mp);
       for (int64_t k = 0; k < kQ8Block; k += 2) {
         __m512 w0, w1;
-        if (zero == 0)
-          widen_rows16<Bits, 0>(qb + k * row_bytes, w0, w1);
-        else
-          widen_rows16<Bits, 8>(qb + k * row_bytes, w0, w1);
-        w0 = _mm512_mul_ps(w0, scale);
-        w1 = _mm512_mul_ps(w1, scale);
-        if (mp != nullptr) {
-          w0 = _mm512_add_ps(w0, offset);
-          w1 = _mm512_add_ps(w1, offset);
-        }
+        dequantize_rows16<Bits>(qb + k * row_bytes, zero, scale, mp, offset, w0, w1);
         _mm512_storeu_ps(out + k * width, w0);
         _mm512_storeu_ps(out + (k + 1) * width, w1);
       }
@@ -1438,13 +1452,20 @@ void tile_gemm(const float* x, int64_t rows, int64_t in_features, const float* w
   torch::from_blob(y, {rows, width}, {y_stride, 1}, options).copy_(product);
 }
 
+#if defined(TOKENMILL_AVX512)
+// 16 floats rounded to bfloat16, nearest-even (c10::BFloat16's rounding, for finite values).
+inline __m256i round_to_bf16_16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+#endif
+
 // 16 floats rounded to bfloat16, nearest-even (c10::BFloat16's rounding, for finite values).
 inline void round_to_bf16_16(const float* in, at::BFloat16* out) {
 #if defined(TOKENMILL_AVX512)
-  const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(in));
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), round_to_bf16_16(_mm512_loadu_ps(in)));
 #else
   for (int j = 0; j < 16; ++j) out[j] = c10::BFloat16(in[j]);
 #endif
@@ -1468,6 +1489,130 @@ void tile_gemm_bf16(const at::BFloat16* x, int64_t rows, int64_t in_features, co
                                  torch::from_blob(const_cast<at::BFloat16*>(wt), {in_features, width}, bf16).to(torch::kFloat));
   torch::from_blob(y, {rows, width}, {y_stride, 1}, torch::TensorOptions().dtype(torch::kFloat)).copy_(product);
 }
+
+#if defined(TOKENMILL_AMX)
+// AMX-BF16 tiles for `--block-matmul bfloat16`, where the CPU has them: the same rounded operands as the
+// MKL route below (x and each dequantized weight rounded to bfloat16, nearest-even; float32
+// accumulation), multiplied by TDPBF16PS from tiles that tokenmill fills itself. MKL's bfloat16 GEMM
+// ran at ~300 GFLOP/s on two Sapphire Rapids cores (AVX-512 BF16 speed) on these shapes; the tiles let
+// one (panel, block) of the kept weights be one B operand: 16 features x 32 inputs, stored as 16 rows
+// of 16 (w[2i], w[2i+1]) bfloat16 pairs, dequantized straight into that layout.
+
+// Linux gives a process AMX's tile state only after it asks (once per process, for all its threads).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: a 32 x 32 float32 block of y (2 x 2 tiles of 16 x 16); 4-5: 16 rows x 32 inputs of x each;
+// 6-7: one (panel, block) of the weights each. Every tile is 16 rows of 64 bytes.
+void load_amx_tile_config() {
+  AmxTileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+constexpr int64_t kAmxWeightTile = kQ8Block * kQ8Panel;  // bfloat16 values per (panel, block)
+
+// Panel p's blocks as TDPBF16PS B tiles: out + b * stride holds block b, row i = inputs 2i and 2i+1 of the
+// panel's 16 features, interleaved. Dequantized as Int8Blocks.dequantize computes (q * scale, + min).
+template <int Bits>
+void dequantize_panel_amx(const uint8_t* q, int zero, const float* scales, const float* mins, int64_t blocks,
+                          int64_t p, at::BFloat16* out, int64_t stride) {
+  constexpr int64_t row_bytes = PanelRow<Bits>::kBytes;
+  const __m512i first = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  const __m512i second = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* qb = q + (p * blocks + b) * kQ8Block * row_bytes;
+    const float* sp = scales + (p * blocks + b) * kQ8Panel;
+    const float* mp = mins == nullptr ? nullptr : mins + (p * blocks + b) * kQ8Panel;
+    const __m512 scale = _mm512_loadu_ps(sp);
+    const __m512 offset = mp == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(mp);
+    at::BFloat16* tile = out + b * stride;
+    for (int64_t k = 0; k < kQ8Block; k += 2) {
+      __m512 w0, w1;
+      dequantize_rows16<Bits>(qb + k * row_bytes, zero, scale, mp, offset, w0, w1);
+      __m256i* row = reinterpret_cast<__m256i*>(tile + k * kQ8Panel);
+      _mm256_storeu_si256(row, round_to_bf16_16(_mm512_permutex2var_ps(w0, first, w1)));
+      _mm256_storeu_si256(row + 1, round_to_bf16_16(_mm512_permutex2var_ps(w0, second, w1)));
+    }
+  }
+}
+
+// y = x @ w^T (+ bias) for x already rounded to bfloat16, zero-padded to a multiple of 32 rows. Work item:
+// two panels (32 features), dequantized once into the thread's buffer, then every 32-row block of x.
+template <int Bits>
+void block_linear_amx_bf16(const at::BFloat16* x, int64_t rows, int64_t padded_rows, int64_t in_features,
+                           const uint8_t* q, int zero, const float* scales, const float* mins, int64_t out_features,
+                           const float* bias, float* y) {
+  const int64_t blocks = in_features / kQ8Block;
+  const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel;
+  const int64_t x_stride = in_features * static_cast<int64_t>(sizeof(at::BFloat16));
+  const int64_t tile_bytes = kQ8Panel * 2 * static_cast<int64_t>(sizeof(at::BFloat16));  // 64
+  at::parallel_for(0, (panels + 1) / 2, 1, [&](int64_t g0, int64_t g1) {
+    load_amx_tile_config();
+    thread_local std::vector<at::BFloat16> weights;
+    if (static_cast<int64_t>(weights.size()) < blocks * 2 * kAmxWeightTile) weights.resize(blocks * 2 * kAmxWeightTile);
+    alignas(64) float out[32][32];
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t p = 2 * g, n0 = p * kQ8Panel;
+      const bool two = p + 1 < panels;
+      const int64_t width = std::min<int64_t>(out_features - n0, 2 * kQ8Panel);
+      at::BFloat16* w = weights.data();
+      dequantize_panel_amx<Bits>(q, zero, scales, mins, blocks, p, w, 2 * kAmxWeightTile);
+      if (two) dequantize_panel_amx<Bits>(q, zero, scales, mins, blocks, p + 1, w + kAmxWeightTile, 2 * kAmxWeightTile);
+      for (int64_t r0 = 0; r0 < padded_rows; r0 += 32) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        const at::BFloat16* xr = x + r0 * in_features;
+        for (int64_t b = 0; b < blocks; ++b) {
+          _tile_loadd(4, xr + b * kQ8Block, x_stride);
+          _tile_loadd(5, xr + 16 * in_features + b * kQ8Block, x_stride);
+          _tile_loadd(6, w + b * 2 * kAmxWeightTile, tile_bytes);
+          _tile_dpbf16ps(0, 4, 6);
+          _tile_dpbf16ps(2, 5, 6);
+          if (two) {
+            _tile_loadd(7, w + b * 2 * kAmxWeightTile + kAmxWeightTile, tile_bytes);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+          }
+        }
+        _tile_stored(0, &out[0][0], 32 * sizeof(float));
+        _tile_stored(1, &out[0][16], 32 * sizeof(float));
+        _tile_stored(2, &out[16][0], 32 * sizeof(float));
+        _tile_stored(3, &out[16][16], 32 * sizeof(float));
+        const int64_t valid = std::min<int64_t>(32, rows - r0);
+        for (int64_t r = 0; r < valid; ++r) {
+          float* yr = y + (r0 + r) * out_features + n0;
+          for (int64_t j = 0; j < width; j += 16) {
+            const __mmask16 keep = width - j >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (width - j)) - 1);
+            __m512 v = _mm512_load_ps(&out[r][j]);
+            if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + n0 + j));
+            _mm512_mask_storeu_ps(yr + j, keep, v);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+#endif
 
 // Steps above the row kernel's rows: each tile of panels dequantized, then one multithreaded GEMM over all
 // rows. With x_bf16 (`--block-matmul bfloat16`: x already rounded to bfloat16), each dequantized tile is
@@ -1579,6 +1724,17 @@ torch::Tensor run_block_linear(const torch::Tensor& x, const BlockLinearArgs& a,
                                                                 y.data_ptr<float>());
     return y;
   }
+#if defined(TOKENMILL_AMX)
+  if (bf16_tiles && amx_permitted()) {
+    const int64_t padded_rows = (rows + 31) / 32 * 32;
+    torch::Tensor x_bf16 = torch::zeros({padded_rows, x.size(1)}, x.options().dtype(torch::kBFloat16));
+    x_bf16.narrow(0, 0, rows).copy_(x);
+    (a.bits == 8 ? block_linear_amx_bf16<8> : block_linear_amx_bf16<4>)(
+        x_bf16.data_ptr<at::BFloat16>(), rows, padded_rows, x.size(1), a.q, a.zero, a.scales, a.mins, out_features,
+        a.bias, y.data_ptr<float>());
+    return y;
+  }
+#endif
   const torch::Tensor x_bf16 = bf16_tiles ? x.to(torch::kBFloat16) : torch::Tensor();
   (a.bits == 8 ? block_linear_tiled<8> : block_linear_tiled<4>)(
       x.data_ptr<float>(), bf16_tiles ? x_bf16.data_ptr<at::BFloat16>() : nullptr, rows, x.size(1), a.q, a.zero,
@@ -2108,6 +2264,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rounded to it; float32 accumulation; --block-matmul bfloat16)",
         py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("out_features"),
         nogil);
+#if defined(TOKENMILL_AMX)
+  m.def("bf16_tiles", [] { return amx_permitted() ? "amx" : gemm_bf16bf16f32_ != nullptr ? "mkl" : "at::mm"; },
+#else
+  m.def("bf16_tiles", [] { return gemm_bf16bf16f32_ != nullptr ? "mkl" : "at::mm"; },
+#endif
+        "what multiplies block_linear_bf16's tiles here: tokenmill's AMX-BF16 tiles, MKL's bfloat16 GEMM or at::mm");
   m.def("bf16_gemm_available", [] { return gemm_bf16bf16f32_ != nullptr; },
         "whether torch's MKL exports its bfloat16 GEMM (block_linear_bf16 falls back to float32 at::mm without)");
   m.def("block_linear_q8", &block_linear_q8,
