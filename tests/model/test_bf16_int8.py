@@ -11,7 +11,7 @@ import torch
 from test_bf16_tiles import PrefillRoundedLinear
 from test_block_kernels import file_blocks
 from test_gguf_int8 import hf_on_file_weights
-from test_int8_dot import RoundedInputLinear, round_hf_linear_inputs
+from test_int8_dot import RoundedInputLinear, engine_with_block_matmul, round_hf_linear_inputs
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.layers.cpu_kernels import cpu_flags
 from tokenmill.model.layers.linear import BLOCK_KERNEL_MAX_ROWS, Bf16TileInt8RowKernels, BlockQuantLinear, pack_blocks
@@ -74,11 +74,8 @@ def test_engine_matches_hf_rounded_by_row_count(bf16_int8, tiny_gguf_path, tiny_
     through the fused decode stack (int8 rows); the LM head only ever sees the sampled rows (int8). Every
     step's top logprobs within float32 noise of HF rounded the same way, and measurably away from HF
     rounded as `--block-matmul bfloat16` alone rounds (float32 decode rows), so the check can tell."""
-    llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), max_num_batched_tokens=256, num_kv_blocks=64,
-              max_model_len=512, block_matmul="bfloat16-int8")
-    runner = llm.llm_engine.core.core.runner
-    linears = [m for m in runner.model.modules() if isinstance(m, BlockQuantLinear)]
-    assert linears and all(isinstance(m.kernels, Bf16TileInt8RowKernels) for m in linears)
+    llm, runner = engine_with_block_matmul(tiny_gguf_path, tiny_llama_dir, "bfloat16-int8", Bf16TileInt8RowKernels,
+                                           256)
     assert runner.model._int8_decode is not None and runner.model._int8_decode[0].int8_activations
     assert "bfloat16" in runner.linear_layers and "int8" in runner.linear_layers
 

@@ -10,10 +10,11 @@ import torch
 from model_factory import hf_greedy
 from test_block_kernels import file_blocks
 from test_gguf_int8 import hf_on_file_weights
-from tokenmill import LLM, SamplingParams
+from test_int8_dot import engine_with_block_matmul
+from tokenmill import SamplingParams
 from tokenmill.model.gguf_loader import INT8_BLOCK_TYPES
 from tokenmill.model.layers.cpu_kernels import cpu_flags
-from tokenmill.model.layers.linear import BLOCK_KERNEL_MAX_ROWS, Bf16TileKernels, BlockQuantLinear, pack_blocks
+from tokenmill.model.layers.linear import BLOCK_KERNEL_MAX_ROWS, Bf16TileKernels, pack_blocks
 
 
 @pytest.fixture(scope="module")
@@ -75,11 +76,7 @@ def test_engine_bf16_prefill_matches_hf_with_the_same_rounding(bf16, tiny_gguf_p
     """Prompts of 70-110 tokens prefilled in one step each (the engine's layers see more than 64 rows and
     round; decode steps do not), against HF with its projections rounded the same way on the prompt
     pass. The LM head computes only the sampled rows in the engine, so HF's stays exact."""
-    llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), max_num_batched_tokens=256, num_kv_blocks=64,
-              max_model_len=512, block_matmul="bfloat16")
-    runner = llm.llm_engine.core.core.runner
-    linears = [m for m in runner.model.modules() if isinstance(m, BlockQuantLinear)]
-    assert linears and all(isinstance(m.kernels, Bf16TileKernels) for m in linears)
+    llm, runner = engine_with_block_matmul(tiny_gguf_path, tiny_llama_dir, "bfloat16", Bf16TileKernels, 256)
     assert "bfloat16" in runner.linear_layers
     exact = hf_on_file_weights(tiny_gguf_path, tiny_llama_dir)
     hf = hf_on_file_weights(tiny_gguf_path, tiny_llama_dir)

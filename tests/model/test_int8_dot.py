@@ -156,15 +156,23 @@ def round_hf_linear_inputs(hf: torch.nn.Module, engine_model) -> None:
             setattr(hf.get_submodule(parent) if parent else hf, leaf, RoundedInputLinear(module, mins_by_name[name]))
 
 
+def engine_with_block_matmul(gguf_path, tokenizer_dir, block_matmul: str, kernels_type: type,
+                             max_num_batched_tokens: int):
+    """An LLM on the tiny GGUF under `--block-matmul block_matmul`, and its runner, after checking that
+    every kept layer got `kernels_type`."""
+    llm = LLM(str(gguf_path), tokenizer=str(tokenizer_dir), max_num_batched_tokens=max_num_batched_tokens,
+              num_kv_blocks=64, max_model_len=512, block_matmul=block_matmul)
+    runner = llm.llm_engine.core.core.runner
+    linears = [m for m in runner.model.modules() if isinstance(m, BlockQuantLinear)]
+    assert linears and all(isinstance(m.kernels, kernels_type) for m in linears)
+    return llm, runner
+
+
 def test_engine_int8_matmul_matches_hf_with_rounded_activations(int8_simd, tiny_gguf_path, tiny_llama_dir,
                                                                 smollm2_tokenizer):
     """Every kept layer (the head too) and the fused decode stack take the integer path; greedy tokens
     equal HF's on the file's weights with each linear layer's input rounded to int8 per block of 32."""
-    llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64,
-              max_model_len=512, block_matmul="int8")
-    runner = llm.llm_engine.core.core.runner
-    linears = [m for m in runner.model.modules() if isinstance(m, BlockQuantLinear)]
-    assert linears and all(isinstance(m.kernels, Int8ActivationKernels) for m in linears)
+    llm, runner = engine_with_block_matmul(tiny_gguf_path, tiny_llama_dir, "int8", Int8ActivationKernels, 24)
     assert runner.model._int8_decode is not None and runner.model._int8_decode[0].int8_activations
     assert "int8" in runner.linear_layers
     hf = hf_on_file_weights(tiny_gguf_path, tiny_llama_dir)
