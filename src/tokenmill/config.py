@@ -191,8 +191,8 @@ class EngineConfig:
         "faster prefill and decode matmuls (3-4x and ~2x with VNNI), outputs differ slightly from float32; bfloat16 "
         "multiplies steps of more than 64 rows (prefill chunks) in bfloat16 (AMX tiles, else MKL's AVX-512 BF16 "
         "GEMM), decode-sized steps as float32 does: the fastest prefill on CPUs with AMX, outputs differ slightly; "
-        "bfloat16-int8: prefill-sized steps as bfloat16, decode-sized steps as int8 (the fastest of the four where "
-        "the CPU has AMX)",
+        "bfloat16-int8: prefill-sized steps as bfloat16, decode-sized steps as int8 (both fast paths, for CPUs with "
+        "AMX)",
         choices=BLOCK_MATMULS)
     kv_cache_dtype: str = option(
         "auto", "KV cache storage; auto: the model's dtype. float16/bfloat16 under a float32 model halve the "

@@ -113,11 +113,12 @@ def test_engine_matches_hf_rounded_by_row_count(bf16_int8, tiny_gguf_path, tiny_
     assert gap > 5e-4, gap
 
 
-def test_falls_back_to_the_half_this_cpu_runs(monkeypatch, tiny_gguf_path, tiny_llama_dir, caplog):
-    """Without bfloat16 support the mode runs as int8 (and says so), not as float32."""
+def test_falls_back_to_the_half_this_cpu_runs(monkeypatch, kernels, tiny_gguf_path, tiny_llama_dir, caplog):
+    """Without bfloat16 support (no AMX tiles, no bfloat16 flags) the mode runs as int8 and says so."""
     from tokenmill.runner import model_runner
 
     monkeypatch.setattr(model_runner, "cpu_flags", lambda: set())
+    monkeypatch.setattr(kernels, "bf16_tiles", lambda: "mkl")
     llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=128,
               block_matmul="bfloat16-int8")
     runner = llm.llm_engine.core.core.runner

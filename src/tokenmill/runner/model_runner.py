@@ -167,9 +167,10 @@ class ModelRunner:
         """The kernels `--block-matmul` names where this CPU and torch's MKL can run them; otherwise a
         warning and the nearest that can (for bfloat16-int8, whichever half can; else float32)."""
         int8 = getattr(kernels, "int8_dot", "portable") in INT8_DOT_PATHS
-        bf16 = kernels.bf16_gemm_available() and bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
+        bf16 = kernels.bf16_tiles() == "amx" or (kernels.bf16_gemm_available()
+                                                 and bool({"avx512_bf16", "amx_bf16"} & cpu_flags()))
         int8_missing = "needs a CPU with AVX2 (or AVX-512 VNNI and VBMI)"
-        bf16_missing = "needs MKL's bfloat16 GEMM and a CPU with AVX-512 BF16 or AMX-BF16"
+        bf16_missing = "needs a CPU with AMX-BF16, or AVX-512 BF16 and MKL's bfloat16 GEMM"
         mode = self.block_matmul
         if mode == "bfloat16-int8":
             if int8 and bf16:

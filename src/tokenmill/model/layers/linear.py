@@ -304,8 +304,8 @@ class Bf16TileKernels:
 
 class Bf16TileInt8RowKernels:
     """`--block-matmul bfloat16-int8`: each step's block matmuls take the faster of the two rounded paths
-    for their size. More than 64 rows (prefill chunks, mixed steps) as `Bf16TileKernels` (bfloat16 tiles
-    through MKL's GEMM, AMX where present); up to 64 rows (decode steps), and the fused decode stack, as
+    for their size. More than 64 rows (prefill chunks, mixed steps) as `Bf16TileKernels` (bfloat16 tiles:
+    AMX where present, else MKL's GEMM); up to 64 rows (decode steps), and the fused decode stack, as
     `Int8ActivationKernels` (activations rounded to int8 per block of 32, integer dot products). On a CPU
     with AMX the bfloat16 tiles are the faster prefill and the integer rows the faster decode."""
 
