@@ -1,6 +1,6 @@
 """`--block-matmul bfloat16-int8`: block matmuls of more than 64 rows as `--block-matmul bfloat16` (bfloat16
-tiles through MKL's GEMM), up to 64 rows and the fused decode stack as `--block-matmul int8` (activations
-rounded to int8 per block of 32, integer dot products). The routing bit for bit against the two kernels,
+tiles: AMX where the CPU has it, else MKL's GEMM), up to 64 rows and the fused decode stack as
+`--block-matmul int8` (activations rounded to int8 per block of 32, integer dot products). The routing bit for bit against the two kernels,
 and the engine's tokens and logprobs, prefill and decode steps, against HF transformers whose linear
 layers round the same way for the same row counts."""
 from __future__ import annotations
@@ -13,15 +13,16 @@ from test_block_kernels import file_blocks
 from test_gguf_int8 import hf_on_file_weights
 from test_int8_dot import RoundedInputLinear, engine_with_block_matmul, round_hf_linear_inputs
 from tokenmill import LLM, SamplingParams
-from tokenmill.model.layers.cpu_kernels import cpu_flags
-from tokenmill.model.layers.linear import BLOCK_KERNEL_MAX_ROWS, Bf16TileInt8RowKernels, BlockQuantLinear, pack_blocks
+from tokenmill.model.layers import linear
+from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, Bf16TileInt8RowKernels, BlockQuantLinear, pack_blocks,
+                                          runs_bf16_tiles, runs_int8_dot)
 
 
 @pytest.fixture(scope="module")
 def bf16_int8(kernels):
-    if not kernels.bf16_gemm_available() or not {"avx512_bf16", "amx_bf16"} & cpu_flags():
-        pytest.skip("no MKL bfloat16 GEMM or no AVX-512 BF16 / AMX-BF16 on this CPU")
-    if kernels.int8_dot == "portable":
+    if not runs_bf16_tiles(kernels):
+        pytest.skip("no AMX-BF16, and no MKL bfloat16 GEMM with AVX-512 BF16, on this CPU")
+    if not runs_int8_dot(kernels):
         pytest.skip("this CPU has neither AVX2 nor AVX-512 VNNI + VBMI")
     return Bf16TileInt8RowKernels(kernels)
 
@@ -115,9 +116,7 @@ def test_engine_matches_hf_rounded_by_row_count(bf16_int8, tiny_gguf_path, tiny_
 
 def test_falls_back_to_the_half_this_cpu_runs(monkeypatch, kernels, tiny_gguf_path, tiny_llama_dir, caplog):
     """Without bfloat16 support (no AMX tiles, no bfloat16 flags) the mode runs as int8 and says so."""
-    from tokenmill.runner import model_runner
-
-    monkeypatch.setattr(model_runner, "cpu_flags", lambda: set())
+    monkeypatch.setattr(linear, "cpu_flags", lambda: set())
     monkeypatch.setattr(kernels, "bf16_tiles", lambda: "mkl")
     llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=128,
               block_matmul="bfloat16-int8")

@@ -15,11 +15,11 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import TorchAttentionBackend, get_attention_backend
 from tokenmill.model.layers.decoder import DecoderAttention
 from tokenmill.model.layers.basic import keep_rotary_tables_float, use_cpu_kernels
-from tokenmill.model.layers.cpu_kernels import cpu_flags
 from tokenmill.distributed.parallel_state import TensorParallelGroup
 from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, INT8_DOT_PATHS, QUANT_BLOCK, Bf16TileInt8RowKernels,
                                           Bf16TileKernels, BlockQuantLinear, Int8ActivationKernels, Int8Blocks,
-                                          PackedLinear, dense_linear, onednn_packing_supported, skip_weight_init)
+                                          PackedLinear, dense_linear, onednn_packing_supported, runs_bf16_tiles,
+                                          runs_int8_dot, skip_weight_init)
 from tokenmill.model.layers.parallel import fused_qkv_rows, shard_int8_blocks, shard_weights
 from tokenmill.model.registry import get_model_class
 from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, release_freed_memory
@@ -166,9 +166,7 @@ class ModelRunner:
     def _block_matmul_wrapper(self, kernels):
         """The kernels `--block-matmul` names where this CPU and torch's MKL can run them; otherwise a
         warning and the nearest that can (for bfloat16-int8, whichever half can; else float32)."""
-        int8 = getattr(kernels, "int8_dot", "portable") in INT8_DOT_PATHS
-        bf16 = kernels.bf16_tiles() == "amx" or (kernels.bf16_gemm_available()
-                                                 and bool({"avx512_bf16", "amx_bf16"} & cpu_flags()))
+        int8, bf16 = runs_int8_dot(kernels), runs_bf16_tiles(kernels)
         int8_missing = "needs a CPU with AVX2 (or AVX-512 VNNI and VBMI)"
         bf16_missing = "needs a CPU with AMX-BF16, or AVX-512 BF16 and MKL's bfloat16 GEMM"
         mode = self.block_matmul
@@ -176,10 +174,10 @@ class ModelRunner:
             if int8 and bf16:
                 return Bf16TileInt8RowKernels(kernels)
             if int8 or bf16:
-                kept = "int8" if int8 else "bfloat16"
+                kept, missing, needs = (("int8", "bfloat16", bf16_missing) if int8
+                                        else ("bfloat16", "int8", int8_missing))
                 logger.warning("--block-matmul bfloat16-int8: %s %s; block-quantized layers multiply as "
-                               "--block-matmul %s does", "int8" if not int8 else "bfloat16",
-                               int8_missing if not int8 else bf16_missing, kept)
+                               "--block-matmul %s does", missing, needs, kept)
                 mode = kept
         if mode == "int8" and int8:
             return Int8ActivationKernels(kernels)
@@ -310,8 +308,8 @@ class ModelRunner:
         if isinstance(kernels, Bf16TileInt8RowKernels):
             path = INT8_DOT_PATHS[kernels.int8_dot]
             return (f"steps of up to {BLOCK_KERNEL_MAX_ROWS} rows with activations rounded to int8 per block of 32 "
-                    f"and {path} integer dot products, tiles rounded to bfloat16 {self._bf16_tile_path(kernels)} above, "
-                    "no float copy")
+                    f"and {path} integer dot products, tiles rounded to bfloat16 {self._bf16_tile_path(kernels)} "
+                    "above, no float copy")
         if getattr(kernels, "int8_activations", False):
             path = INT8_DOT_PATHS.get(getattr(kernels, "int8_dot", ""), "portable")
             return f"activations rounded to int8 per block of 32, {path} integer dot products, no float copy"

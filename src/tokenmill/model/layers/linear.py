@@ -16,6 +16,8 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch import nn
 
+from tokenmill.model.layers.cpu_kernels import cpu_flags
+
 logger = logging.getLogger("tokenmill")
 
 
@@ -266,6 +268,18 @@ class BlockQuantLinear(nn.Module):
 
 # The C++ module's `int8_dot` values that take integer dot products with SIMD, and how to name them.
 INT8_DOT_PATHS = {"avx512_vnni": "AVX-512 VNNI", "avx2": "AVX2"}
+
+
+def runs_int8_dot(kernels: Any) -> bool:
+    """Whether `--block-matmul int8` can take integer dot products with these kernels on this CPU."""
+    return getattr(kernels, "int8_dot", "portable") in INT8_DOT_PATHS
+
+
+def runs_bf16_tiles(kernels: Any) -> bool:
+    """Whether `--block-matmul bfloat16` can multiply in bfloat16 here: tokenmill's AMX tiles, or MKL's
+    bfloat16 GEMM on a CPU with bfloat16 instructions."""
+    return kernels.bf16_tiles() == "amx" or (kernels.bf16_gemm_available()
+                                            and bool({"avx512_bf16", "amx_bf16"} & cpu_flags()))
 
 
 class Int8ActivationKernels:
