@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 # Reported in every tool's settings, read back from the engine after it resolved its defaults.
-REPORTED = ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching")
+REPORTED = ("max_num_seqs", "max_num_batched_tokens", "max_mixed_prefill_tokens", "block_size", "enable_prefix_caching")
 
 
 def given(**options: Any) -> dict[str, Any]:

@@ -78,8 +78,8 @@ def test_no_flags_give_the_defaults():
         "kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.9, "num_kv_blocks": None,
         "enable_chunked_prefill": True, "enable_prefix_caching": True, "scheduling_policy": "fcfs",
         "lpm_max_wait": 5.0, "max_preemptions": 4, "max_num_queued_requests": None, "max_queue_time": None,
-        "max_prompt_tokens": None, "long_prefill_token_threshold": None, "max_long_partial_prefills": 1,
-        "swap_space": 0.0, "preemption_mode": None, "seed": 0, "max_logprobs": 20, "num_threads": None,
+        "max_prompt_tokens": None, "max_mixed_prefill_tokens": None, "long_prefill_token_threshold": None,
+        "max_long_partial_prefills": 1, "swap_space": 0.0, "preemption_mode": None, "seed": 0, "max_logprobs": 20, "num_threads": None,
         "attention_backend": "auto", "packed_linear": True, "quantization": None, "block_matmul": "float32",
         "kv_cache_dtype": "auto",
         "structured_outputs_fast_forward": True, "data_parallel_size": 1, "data_parallel_routing": "prefix",
@@ -95,7 +95,8 @@ def test_every_old_flag_parses_to_the_same_value():
         "--kv-cache-memory-bytes", "4GiB", "--gpu-memory-utilization", "0.5", "--num-kv-blocks", "100",
         "--no-enable-chunked-prefill", "--no-enable-prefix-caching", "--scheduling-policy", "lpm",
         "--lpm-max-wait", "0.5", "--max-preemptions", "2", "--max-num-queued-requests", "10",
-        "--max-queue-time", "3.5", "--max-prompt-tokens", "100", "--long-prefill-token-threshold", "64",
+        "--max-queue-time", "3.5", "--max-prompt-tokens", "100", "--max-mixed-prefill-tokens", "128",
+        "--long-prefill-token-threshold", "64",
         "--max-long-partial-prefills", "2", "--swap-space", "1.5", "--preemption-mode", "swap", "--seed", "7",
         "--num-threads", "2", "--attention-backend", "torch", "--no-packed-linear", "-q", "q8_0",
         "--kv-cache-dtype", "float16", "--no-structured-outputs-fast-forward",
@@ -105,8 +106,8 @@ def test_every_old_flag_parses_to_the_same_value():
         block_size=32, max_num_seqs=8, max_num_batched_tokens=256, kv_cache_memory_bytes=4 * 1024**3,
         gpu_memory_utilization=0.5, num_kv_blocks=100, enable_chunked_prefill=False, enable_prefix_caching=False,
         scheduling_policy="lpm", lpm_max_wait=0.5, max_preemptions=2, max_num_queued_requests=10,
-        max_queue_time=3.5, max_prompt_tokens=100, long_prefill_token_threshold=64, max_long_partial_prefills=2,
-        swap_space=1.5, preemption_mode="swap", seed=7, num_threads=2, attention_backend="torch",
+        max_queue_time=3.5, max_prompt_tokens=100, max_mixed_prefill_tokens=128, long_prefill_token_threshold=64,
+        max_long_partial_prefills=2, swap_space=1.5, preemption_mode="swap", seed=7, num_threads=2, attention_backend="torch",
         packed_linear=False, quantization="q8_0", kv_cache_dtype="float16", structured_outputs_fast_forward=False,
         speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=4))
     assert config.kv_cache_memory_bytes == 4294967296
@@ -194,7 +195,7 @@ def test_validation_keeps_every_value_as_given():
                   block_size=8, max_num_seqs=3, max_num_batched_tokens=None, kv_cache_memory_bytes=123456,
                   gpu_memory_utilization=0.7, num_kv_blocks=9, enable_chunked_prefill=False,
                   enable_prefix_caching=False, scheduling_policy="fair", lpm_max_wait=2.0, max_preemptions=None,
-                  max_num_queued_requests=5, max_queue_time=1.5, max_prompt_tokens=50,
+                  max_num_queued_requests=5, max_queue_time=1.5, max_prompt_tokens=50, max_mixed_prefill_tokens=64,
                   long_prefill_token_threshold=20, max_long_partial_prefills=2, swap_space=0.5,
                   preemption_mode=None, seed=3, max_logprobs=0, num_threads=1, attention_backend="cpu",
                   packed_linear=False, quantization="q8_0", block_matmul="int8", kv_cache_dtype="bfloat16",
@@ -223,11 +224,18 @@ def test_with_resolved_defaults_returns_a_new_config():
     assert config == before and config.max_num_batched_tokens is None and config.dtype == "auto"
     assert cpu is not config
     assert (cpu.max_num_batched_tokens, cpu.dtype, cpu.preemption_mode) == (1024, "float32", "recompute")
+    assert cpu.max_mixed_prefill_tokens == 512  # half the step budget on CPU, no cap on GPU
     # on CUDA the triton block kernel computes in the device's own dtype (auto: bfloat16 or float16)
     assert (gpu.max_num_batched_tokens, gpu.dtype, gpu.preemption_mode) == (2048, "auto", "swap")
-    assert dataclasses.replace(cpu, max_num_batched_tokens=None, dtype="auto", preemption_mode=None) == config
+    assert gpu.max_mixed_prefill_tokens is None
+    assert dataclasses.replace(cpu, max_num_batched_tokens=None, max_mixed_prefill_tokens=None, dtype="auto",
+                               preemption_mode=None) == config
     explicit = EngineConfig(max_num_batched_tokens=96, preemption_mode="swap").with_resolved_defaults("cpu")
     assert (explicit.max_num_batched_tokens, explicit.dtype, explicit.preemption_mode) == (96, "float32", "swap")
+    assert explicit.max_mixed_prefill_tokens == 48
+    assert EngineConfig(enable_chunked_prefill=False).with_resolved_defaults("cpu").max_mixed_prefill_tokens is None
+    given = EngineConfig(max_mixed_prefill_tokens=1024).with_resolved_defaults("cpu")
+    assert given.max_mixed_prefill_tokens == 1024
     assert EngineConfig().with_resolved_defaults("cuda").preemption_mode == "recompute"  # no swap space
 
 
@@ -240,7 +248,7 @@ def test_scheduler_config_maps_every_setting():
     assert config.scheduler_config(max_model_len=300) == SchedulerConfig(
         max_num_seqs=3, max_num_batched_tokens=1024, max_model_len=300, enable_chunked_prefill=False, policy="lpm",
         max_preemptions=None, max_queue_time_s=1.5, long_prefill_token_threshold=20, max_long_partial_prefills=2,
-        lpm_max_wait_s=2.5, preemption_mode="recompute")
+        max_mixed_prefill_tokens=None, lpm_max_wait_s=2.5, preemption_mode="recompute")
     assert config.scheduler_config(300, preemption_mode="swap").preemption_mode == "swap"
     with pytest.raises(ValueError, match="with_resolved_defaults"):
         EngineConfig().scheduler_config(300)

@@ -6,10 +6,10 @@ from tokenmill.core.scheduler import Scheduler, SchedulerConfig
 from tokenmill.sampling_params import SamplingParams
 
 
-def make_scheduler(num_blocks=100, block_size=4, budget=16, max_seqs=8, chunked=True, caching=True):
+def make_scheduler(num_blocks=100, block_size=4, budget=16, max_seqs=8, chunked=True, caching=True, mixed=None):
     kv = KVCacheManager(num_blocks, block_size, caching)
     config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=1000,
-                             enable_chunked_prefill=chunked)
+                             enable_chunked_prefill=chunked, max_mixed_prefill_tokens=mixed)
     return Scheduler(config, kv)
 
 
@@ -39,6 +39,34 @@ def test_chunked_prefill_splits_long_prompts_and_mixes_with_decodes():
     assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 7)]
     out, _ = run_step(sched)
     assert [(s.request_id, s.num_new_tokens, s.samples) for s in out.scheduled] == [("a", 1, True), ("b", 1, True)]
+
+
+def test_steps_that_decode_take_at_most_the_mixed_prefill_cap_of_prompt_tokens():
+    sched = make_scheduler(budget=16, mixed=6)
+    sched.add_request(req("a", 10, max_tokens=20, base=100))
+    sched.add_request(req("b", 30, base=200))
+    out, _ = run_step(sched)
+    # Nothing decodes yet: the prompts share the whole budget.
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 10), ("b", 6)]
+    sched.add_request(req("c", 8, base=300))
+    for start in (6, 12, 18):
+        out, _ = run_step(sched)
+        # a decodes; b's chunk is cut to the cap although the budget has room, and c waits for the cap.
+        assert [(s.request_id, s.start_position, s.num_new_tokens) for s in out.scheduled] == [
+            ("a", 9 + start // 6, 1), ("b", start, 6)]
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 6)]
+    out, _ = run_step(sched)  # b decodes now too; c's prompt gets the cap
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 1), ("c", 6)]
+
+
+def test_without_chunking_the_mixed_prefill_cap_does_not_cut_prompts():
+    sched = make_scheduler(budget=16, chunked=False, mixed=4)
+    sched.add_request(req("a", 3, max_tokens=10, base=100))
+    run_step(sched)
+    sched.add_request(req("b", 10, base=200))
+    out, _ = run_step(sched)
+    assert [(s.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 10)]
 
 
 def test_without_chunking_a_prompt_over_budget_waits():

@@ -51,6 +51,9 @@ class SchedulerConfig:
     max_queue_time_s: Optional[float] = None
     long_prefill_token_threshold: Optional[int] = None
     max_long_partial_prefills: int = 1
+    # Prompt tokens a step may compute while it also carries decodes (None: the step budget). A step
+    # lasts as long as its prefill work, and every running stream waits that long for its next token.
+    max_mixed_prefill_tokens: Optional[int] = None
     lpm_max_wait_s: float = 5.0
     # "swap": a preempted request's blocks go to host memory (when they fit) and come back intact;
     # "recompute": its blocks are freed and its tokens computed again.
@@ -99,6 +102,8 @@ class Scheduler:
         self._runner_blocks: dict[str, int] = {}
         # The requests behind the last schedule()'s items, for update_from_output.
         self._step_requests: dict[str, Request] = {}
+        # Prompt tokens the step being scheduled may still take (max_mixed_prefill_tokens when it decodes).
+        self._prefill_left = config.max_num_batched_tokens
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -156,6 +161,11 @@ class Scheduler:
 
         self._swap_in()
         self.running.sort(key=self.policy.rank)
+        self._prefill_left = budget
+        # Without chunked prefill a prompt runs whole or waits, so the cap would only hold it back.
+        if self.config.max_mixed_prefill_tokens is not None and self.config.enable_chunked_prefill and any(
+                r.num_tokens_to_compute - r.num_computed_tokens == 1 for r in self.running):
+            self._prefill_left = self.config.max_mixed_prefill_tokens
         budget = self._schedule_running(scheduled, output, budget)
         if not output.preempted_ids and not self.swapped:
             # Admitting new work right after a preemption (or before swapped requests are back)
@@ -249,6 +259,8 @@ class Scheduler:
             if self._make_room(index, num_new, output, can_wait=bool(scheduled)):
                 scheduled.append(_Item(request, start, num_new, spec))
                 budget -= num_new
+                if not spec and num_new > 1:
+                    self._prefill_left -= num_new
                 index += 1
             elif request.status == RequestStatus.RUNNING:
                 index += 1  # it waits this step out, keeping its blocks
@@ -304,6 +316,8 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         if threshold is not None and num_new > threshold:
             num_new = threshold  # long prompts advance at most `threshold` tokens per step
+        if num_new > 1:  # a prompt chunk (or a catch-up), not a decode: within the mixed-step cap too
+            num_new = min(num_new, max(self._prefill_left, 0))
         return min(num_new, budget)
 
     def _preempt(self, request: Request, output: SchedulerOutput) -> None:
@@ -348,7 +362,8 @@ class Scheduler:
                        s.request.num_tokens_to_compute - s.start_position > threshold)
         skipped: list[Request] = []
         candidates = list(self.waiting)
-        while candidates and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while (candidates and budget > 0 and self._prefill_left > 0
+               and len(self.running) < self.config.max_num_seqs):
             request = self.policy.pick_next(candidates, self.kv_cache.peek_cached_tokens)
             candidates.remove(request)
             if request.sampling_params.prompt_logprobs is None:
@@ -378,6 +393,7 @@ class Scheduler:
             if num_new > 0:
                 scheduled.append(_Item(request, num_cached, num_new))
                 budget -= num_new
+                self._prefill_left -= num_new
 
     def _preempt_for(self, request: Request, output: SchedulerOutput,
                      scheduled: list[_Item]) -> None:
