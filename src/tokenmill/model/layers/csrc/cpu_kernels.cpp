@@ -1265,6 +1265,81 @@ void panel_rows16(const float* x, int64_t rows, int64_t in_features, const uint8
   }
 }
 
+// Two adjacent panels (32 features) at once for more than 8 rows: each broadcast of x feeds two FMAs
+// and 16 accumulators keep both FMA ports busy, where one panel needs a load per FMA and has only 8
+// chains to hide the FMA latency with. Every output takes the same operations in the same order as in
+// widened_block_tile (so the same bits).
+template <int R>
+inline void widened_block_tile2(const float* wf, const float* xb, int64_t in_features, __m512 scale0, __m512 scale1,
+                                float* sums) {
+  __m512 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+#pragma GCC unroll 2
+  for (int k = 0; k < kQ8Block; ++k) {
+    const __m512 w0 = _mm512_load_ps(wf + k * 2 * kQ8Panel), w1 = _mm512_load_ps(wf + k * 2 * kQ8Panel + kQ8Panel);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(xb[r * in_features + k]);
+      acc0[r] = _mm512_fmadd_ps(w0, xv, acc0[r]);
+      acc1[r] = _mm512_fmadd_ps(w1, xv, acc1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    float* row = sums + r * 2 * kQ8Panel;
+    _mm512_store_ps(row, _mm512_fmadd_ps(acc0[r], scale0, _mm512_load_ps(row)));
+    _mm512_store_ps(row + kQ8Panel, _mm512_fmadd_ps(acc1[r], scale1, _mm512_load_ps(row + kQ8Panel)));
+  }
+}
+
+using WidenedTile2Fn = void (*)(const float*, const float*, int64_t, __m512, __m512, float*);
+constexpr WidenedTile2Fn kWidenedTile2ByRows[8] = {widened_block_tile2<1>, widened_block_tile2<2>,
+                                                   widened_block_tile2<3>, widened_block_tile2<4>,
+                                                   widened_block_tile2<5>, widened_block_tile2<6>,
+                                                   widened_block_tile2<7>, widened_block_tile2<8>};
+
+// panel_rows16 for panels p and p + 1 (qp, sp, mp, bias and y at panel p; width1: panel p + 1's valid columns).
+template <int Bits, int Zero>
+void panel_pair_rows16(const float* x, int64_t rows, int64_t in_features, const uint8_t* qp, const float* sp,
+                       const float* mp, const float* xs, int64_t width1, const float* bias, float* y,
+                       int64_t y_stride) {
+  constexpr int64_t row_bytes = PanelRow<Bits>::kBytes;
+  const int64_t blocks = in_features / kQ8Block;
+  const int64_t panel_bytes = blocks * kQ8Block * row_bytes;
+  alignas(64) float sums[kQ8RowChunk * 2 * kQ8Panel];
+  alignas(64) float wf[kQ8Block * 2 * kQ8Panel];  // [k][panel p's 16 | panel p + 1's 16]
+  std::fill(sums, sums + rows * 2 * kQ8Panel, 0.0f);
+  for (int64_t b = 0; b < blocks; ++b) {
+    for (int half = 0; half < 2; ++half) {
+      const uint8_t* qb = qp + half * panel_bytes + b * kQ8Block * row_bytes;
+      for (int k = 0; k < kQ8Block; k += 2) {
+        __m512 w0, w1;
+        widen_rows16<Bits, Zero>(qb + k * row_bytes, w0, w1);
+        _mm512_store_ps(wf + k * 2 * kQ8Panel + half * kQ8Panel, w0);
+        _mm512_store_ps(wf + (k + 1) * 2 * kQ8Panel + half * kQ8Panel, w1);
+      }
+    }
+    const __m512 scale0 = _mm512_loadu_ps(sp + b * kQ8Panel);
+    const __m512 scale1 = _mm512_loadu_ps(sp + (blocks + b) * kQ8Panel);
+    for (int64_t r0 = 0; r0 < rows; r0 += 8)
+      kWidenedTile2ByRows[std::min<int64_t>(8, rows - r0) - 1](wf, x + r0 * in_features + b * kQ8Block, in_features,
+                                                                scale0, scale1, sums + r0 * 2 * kQ8Panel);
+  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int half = 0; half < 2; ++half) {
+      __m512 sum = _mm512_load_ps(sums + r * 2 * kQ8Panel + half * kQ8Panel);
+      if (mp != nullptr) {
+        const float* m = mp + half * blocks * kQ8Panel;
+        for (int64_t b = 0; b < blocks; ++b)
+          sum = _mm512_fmadd_ps(_mm512_loadu_ps(m + b * kQ8Panel), _mm512_set1_ps(xs[r * blocks + b]), sum);
+      }
+      alignas(64) float out[kQ8Panel];
+      _mm512_store_ps(out, sum);
+      const float* bp = bias == nullptr ? nullptr : bias + half * kQ8Panel;
+      float* yr = y + r * y_stride + half * kQ8Panel;
+      const int64_t width = half == 0 ? kQ8Panel : width1;
+      for (int64_t j = 0; j < width; ++j) yr[j] = out[j] + (bp == nullptr ? 0.0f : bp[j]);
+    }
+}
+
 // One (row chunk, panel) work item: direct tiles for a few rows, the widened-block path for more.
 template <int Bits, int Zero>
 void panel_chunk16(const float* x, int64_t rows, int64_t in_features, const uint8_t* qp, const float* sp,
@@ -1324,6 +1399,38 @@ void block_linear_rows(const float* x, int64_t rows, int64_t in_features, const 
     x_block_sums.resize(rows * blocks);
     block_sums(x, 0, rows * blocks, x_block_sums.data());
   }
+#if defined(TOKENMILL_AVX512)
+  // More than 8 rows: work item = (row chunk, pair of panels), the pair multiplied together.
+  if (rows > 8) {
+    const int64_t pairs = (panels + 1) / 2;
+    at::parallel_for(0, chunks * pairs, 2, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t p = 2 * (item % pairs), chunk = item / pairs;
+        const int64_t n0 = p * kQ8Panel;
+        const int64_t r_begin = chunk * kQ8RowChunk, r_end = std::min(rows, r_begin + kQ8RowChunk);
+        const uint8_t* qp = q + p * panel_bytes;
+        const float* sp = scales + p * blocks * kQ8Panel;
+        const float* mp = mins == nullptr ? nullptr : mins + p * blocks * kQ8Panel;
+        const float* bp = bias == nullptr ? nullptr : bias + n0;
+        const float* xs = mins == nullptr ? nullptr : x_block_sums.data() + r_begin * blocks;
+        const float* xc = x + r_begin * in_features;
+        float* yc = y + r_begin * out_features + n0;
+        if (p + 1 < panels) {
+          const auto pair_fn = Bits == 8 ? panel_pair_rows16<Bits, 0>
+                                         : (zero == 0 ? panel_pair_rows16<Bits, 0> : panel_pair_rows16<Bits, 8>);
+          pair_fn(xc, r_end - r_begin, in_features, qp, sp, mp, xs, std::min(kQ8Panel, out_features - n0 - kQ8Panel),
+                  bp, yc, out_features);
+        } else {
+          const auto chunk_fn = Bits == 8 ? panel_chunk16<Bits, 0>
+                                          : (zero == 0 ? panel_chunk16<Bits, 0> : panel_chunk16<Bits, 8>);
+          chunk_fn(xc, r_end - r_begin, in_features, qp, sp, mp, xs, std::min(kQ8Panel, out_features - n0), bp, yc,
+                   out_features);
+        }
+      }
+    });
+    return;
+  }
+#endif
   // Work item = (row chunk, panel), panels innermost so a thread's consecutive items share x.
   at::parallel_for(0, chunks * panels, 4, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
