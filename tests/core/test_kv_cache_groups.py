@@ -119,3 +119,29 @@ def test_mixed_groups_keep_global_blocks_and_drop_local_ones():
     kv.free(req)
     kv.free(child)
     assert kv.num_free_blocks == 39 and kv.usage == 0.0
+
+
+def test_a_hit_in_a_later_group_is_never_handed_out_as_a_new_block():
+    """Every group's hits leave the free queue before any group allocates: otherwise group 0's new block
+    could be a free cached block that is group 1's hit, and both tables would point at it."""
+    kv = KVCacheManager(num_blocks=10, block_size=4, group_windows=(None, None))
+    a = make_request("a", range(8))
+    step(kv, a, 8)
+    assert kv.block_ids("a", 0) == [0, 1] and kv.block_ids("a", 1) == [2, 3]
+    kv.free(a)
+    holder = make_request("t", range(100, 112))
+    step(kv, holder, 12)  # takes the six uncached blocks
+    kv.pool.touch([kv.pool.blocks[0], kv.pool.blocks[1]])
+    kv.pool.free_blocks([kv.pool.blocks[1], kv.pool.blocks[0]])  # group 0's hits to the tail
+    assert kv.pool.free_queue.block_ids() == [3, 2, 1, 0]  # group 1's hits are evicted first
+    kv.free(holder)
+    b = make_request("b", [*range(8), 50])
+    hits, num_cached = kv.get_computed_blocks(b)
+    assert num_cached == 8 and [tuple(h.block_id for h in column) for column in hits] == [(0, 2), (1, 3)]
+    step(kv, b, 1, hits)
+    table0, table1 = kv.block_ids("b", 0), kv.block_ids("b", 1)
+    assert table0[:2] == [0, 1] and table1[:2] == [2, 3]
+    assert not set(table0) & set(table1) and len(set(table0 + table1)) == 6
+    assert all(kv.pool.blocks[i].ref_cnt == 1 for i in table0 + table1)
+    # The hits are still the prefix cache's: a third request with the same prefix finds them.
+    assert kv.peek_cached_tokens(make_request("c", [*range(8), 60])) == 8

@@ -222,9 +222,12 @@ def long_prompts(tokenizer) -> list[list[int]]:
             base[10:58]]
 
 
-@pytest.mark.parametrize("backend", ["torch", "cpu"])
-@pytest.mark.parametrize("family", WINDOW_FAMILIES)
-def test_sliding_window_kv_stays_bounded_and_matches_hf(request, window_dirs, smollm2_tokenizer, family, backend):
+# The mixed-step cap cuts prompt chunks to 8 tokens beside decodes: other chunk shapes, preemptions and
+# hits in a pool where a later group's hit can sit at the head of the free queue.
+@pytest.mark.parametrize("family,backend,mixed_cap", [(family, backend, None) for family in WINDOW_FAMILIES
+                                                      for backend in ("torch", "cpu")] + [("gemma3", "torch", 8)])
+def test_sliding_window_kv_stays_bounded_and_matches_hf(request, window_dirs, smollm2_tokenizer, family, backend,
+                                                        mixed_cap):
     """Prompts three windows and more, generating far past the window under chunked prefill, preemption and
     prefix-cache hits: greedy tokens equal HF's, and a windowed group never holds more blocks than its
     window (and the chunk being computed) can reach, while a global group holds the whole context."""
@@ -232,7 +235,8 @@ def test_sliding_window_kv_stays_bounded_and_matches_hf(request, window_dirs, sm
         request.getfixturevalue("kernels")
     directory = window_dirs[family]
     llm = LLM(str(directory), device="cpu", block_size=4, max_num_batched_tokens=16, max_model_len=128,
-              num_kv_blocks=WINDOW_KV_BLOCKS[family], attention_backend=backend)
+              num_kv_blocks=WINDOW_KV_BLOCKS[family], attention_backend=backend,
+              max_mixed_prefill_tokens=mixed_cap)
     core = llm.llm_engine.core.core
     kv = core.kv_cache
     window, block = 12, 4

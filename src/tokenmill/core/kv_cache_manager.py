@@ -212,13 +212,16 @@ class KVCacheManager:
                 for blocks in self.group_blocks:
                     blocks.pop(rid, None)
             return None
+        # Every group's hits leave the free queue before any block is allocated: otherwise one group's
+        # allocation could evict (and reuse) a free cached block that is a later group's hit.
+        for table, column in zip(tables, hits):
+            self.pool.touch(self._real(column))
+            table.extend(column)
         new_blocks: list[KVBlock] = []
-        for table, column, count, index in zip(tables, hits, num_needed, shared):
+        for table, count, index in zip(tables, num_needed, shared):
             if index is not None:
                 self._copy_on_write(table, index)
                 self.rewritten_tables.add(rid)
-            self.pool.touch(self._real(column))
-            table.extend(column)
             fresh = self.pool.get_new_blocks(count) if count > 0 else []
             table.extend(fresh)
             new_blocks += fresh
