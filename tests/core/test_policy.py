@@ -220,15 +220,34 @@ def test_a_capped_request_waits_a_step_rather_than_preempting_another_capped_one
         r.num_preemptions = 1  # every request is at the cap
     r0, r1, r2, r3 = reqs
     out, _, _ = step(sched)
-    # r0 needs a block and nothing is scheduled yet: the cap is exceeded once (cheapest below it: r1)
-    # rather than stalling the top request. r2 and r3 also need a block, find only capped requests
-    # below them, and wait a step with their blocks kept instead of preempting each other.
+    # Every request needs a block and finds only capped requests below it, so each would wait and the
+    # step would be empty: the first, r0, exceeds the cap once (cheapest below it: r1) rather than stall.
+    # r2 and r3 wait a step with their blocks kept instead of preempting each other.
     assert out.preempted_ids == ["r1"]
     assert [s.request_id for s in out.scheduled] == ["r0"]
     assert r2.status == RequestStatus.RUNNING and r3.status == RequestStatus.RUNNING
     assert r1.num_preemptions == 2 and r2.num_preemptions == 1 and r3.num_preemptions == 1
     run_until_done(sched)
     assert all(r.num_output_tokens == 3 for r in reqs) and sched.kv_cache.num_free_blocks == 7
+
+
+def test_the_cap_is_exceeded_only_when_no_request_could_run_otherwise():
+    # Both at the cap in a 3-block cache: r0 (1 block) needs a second block, r1's next tokens fit in the
+    # blocks it holds. r0 waits while r1 decodes to its end and frees its blocks: nobody is preempted.
+    sched = make_scheduler(num_blocks=3, budget=64, max_preemptions=1)
+    r0 = make_request("r0", 4, max_tokens=3, arrival=0.0)
+    r1 = make_request("r1", 6, max_tokens=3, arrival=1.0, base=100)
+    for r in (r0, r1):
+        r.num_preemptions = 1
+        sched.add_request(r)
+    step(sched)
+    assert sched.kv_cache.num_free_blocks == 0
+    out, _, _ = step(sched)
+    assert out.preempted_ids == [] and [s.request_id for s in out.scheduled] == ["r1"]
+    assert r0.status == RequestStatus.RUNNING
+    run_until_done(sched)
+    assert sched.num_preemptions == 0 and r0.num_preemptions == r1.num_preemptions == 1
+    assert r0.num_output_tokens == r1.num_output_tokens == 3 and sched.kv_cache.num_free_blocks == 3
 
 
 def test_preemption_cap_holds_under_sustained_pressure():

@@ -247,24 +247,38 @@ class Scheduler:
 
     def _schedule_running(self, scheduled: list[_Item], output: SchedulerOutput, budget: int) -> int:
         index = 0
+        first_waiting: Optional[Request] = None
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._cap_prefill(request, request.num_tokens_to_compute - request.num_computed_tokens, budget)
-            if num_new <= 0:
-                index += 1
-                continue
-            spec = self._spec_tokens(request, budget) if num_new == 1 else []
-            num_new += len(spec)
-            start = request.num_computed_tokens
-            if self._make_room(index, num_new, output, can_wait=bool(scheduled)):
-                scheduled.append(_Item(request, start, num_new, spec))
-                budget -= num_new
-                if not spec and num_new > 1:
-                    self._prefill_left -= num_new
-                index += 1
-            elif request.status == RequestStatus.RUNNING:
-                index += 1  # it waits this step out, keeping its blocks
+            budget, placed = self._schedule_one_running(index, scheduled, output, budget, can_wait=True)
+            if placed or request.status == RequestStatus.RUNNING:
+                index += 1  # scheduled, or it waits this step out, keeping its blocks
+            if not placed and request.status == RequestStatus.RUNNING and first_waiting is None:
+                first_waiting = request
+        if not scheduled and first_waiting is not None and budget > 0:
+            # Every request waited on blocks held by requests at the preemption cap, so nothing would free
+            # any: the first of them preempts past the cap rather than stall the engine.
+            budget, _ = self._schedule_one_running(self.running.index(first_waiting), scheduled, output, budget,
+                                                   can_wait=False)
         return budget
+
+    def _schedule_one_running(self, index: int, scheduled: list[_Item], output: SchedulerOutput, budget: int,
+                              can_wait: bool) -> tuple[int, bool]:
+        """Schedule running[index]'s next tokens if they fit (preempting as needed): the budget left and
+        whether it was scheduled."""
+        request = self.running[index]
+        num_new = self._cap_prefill(request, request.num_tokens_to_compute - request.num_computed_tokens, budget)
+        if num_new <= 0:
+            return budget, False
+        spec = self._spec_tokens(request, budget) if num_new == 1 else []
+        num_new += len(spec)
+        start = request.num_computed_tokens
+        if not self._make_room(index, num_new, output, can_wait):
+            return budget, False
+        scheduled.append(_Item(request, start, num_new, spec))
+        if not spec and num_new > 1:
+            self._prefill_left -= num_new
+        return budget - num_new, True
 
     def _spec_tokens(self, request: Request, budget: int) -> list[int]:
         """The drafts a decode verifies this step: as many as the budget, max_tokens and max_model_len
@@ -293,8 +307,8 @@ class Scheduler:
     def _running_victim(self, index: int, can_wait: bool) -> Optional[Request]:
         """Who gives way to running[index]: a lower-ranked request (the policy picks: lowest class,
         then cheapest recompute), else the request itself; one at the preemption cap is spared while
-        any other remains. When only capped ones remain and this step already has work, the request
-        waits (None): that work finishes and frees blocks, whereas preempting again could thrash."""
+        any other remains. When only capped ones remain the request may wait (None, with can_wait):
+        other work this step finishes and frees blocks, whereas preempting again could thrash."""
         request = self.running[index]
         limit = self.config.max_preemptions
 
@@ -309,7 +323,7 @@ class Scheduler:
             return request
         if can_wait:
             return None
-        # Nothing is scheduled yet, so nothing would free blocks: exceed the cap rather than stall.
+        # The whole step would otherwise be empty, so nothing would free blocks: exceed the cap rather than stall.
         return self.policy.pick_victim(lower, None) if lower else request
 
     def _cap_prefill(self, request: Request, num_new: int, budget: int) -> int:
