@@ -224,7 +224,7 @@ def test_with_resolved_defaults_returns_a_new_config():
     assert config == before and config.max_num_batched_tokens is None and config.dtype == "auto"
     assert cpu is not config
     assert (cpu.max_num_batched_tokens, cpu.dtype, cpu.preemption_mode) == (1024, "float32", "recompute")
-    assert cpu.max_mixed_prefill_tokens is None  # opt-in: no cap beyond the step budget
+    assert cpu.max_mixed_prefill_tokens == 512  # half the step budget on CPU, no cap on GPU
     # on CUDA the triton block kernel computes in the device's own dtype (auto: bfloat16 or float16)
     assert (gpu.max_num_batched_tokens, gpu.dtype, gpu.preemption_mode) == (2048, "auto", "swap")
     assert gpu.max_mixed_prefill_tokens is None
@@ -232,6 +232,8 @@ def test_with_resolved_defaults_returns_a_new_config():
                                preemption_mode=None) == config
     explicit = EngineConfig(max_num_batched_tokens=96, preemption_mode="swap").with_resolved_defaults("cpu")
     assert (explicit.max_num_batched_tokens, explicit.dtype, explicit.preemption_mode) == (96, "float32", "swap")
+    assert explicit.max_mixed_prefill_tokens == 48
+    assert EngineConfig(enable_chunked_prefill=False).with_resolved_defaults("cpu").max_mixed_prefill_tokens is None
     given = EngineConfig(max_mixed_prefill_tokens=1024).with_resolved_defaults("cpu")
     assert given.max_mixed_prefill_tokens == 1024
     assert EngineConfig().with_resolved_defaults("cuda").preemption_mode == "recompute"  # no swap space

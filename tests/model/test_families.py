@@ -49,9 +49,12 @@ def check_parity(llm: LLM, hf, tokenizer) -> None:
     core = llm.llm_engine.core.core
     assert core.scheduler.num_preemptions > 0
     longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
-    again = llm.generate([{"prompt_token_ids": prompt_ids[longest]}], params[longest], use_tqdm=False)[0]
+    # Served alone, twice: the second run's prompt comes from the prefix cache (the squeeze above may have
+    # evicted a windowed group's copy of a block the first run needed; the first run caches it again).
+    for _ in range(2):
+        again = llm.generate([{"prompt_token_ids": prompt_ids[longest]}], params[longest], use_tqdm=False)[0]
+        assert again.outputs[0].token_ids == expected[longest]
     assert again.num_cached_tokens > 0
-    assert again.outputs[0].token_ids == expected[longest]
     assert core.kv_cache.usage == 0.0
 
 
