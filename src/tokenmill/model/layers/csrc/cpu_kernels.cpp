@@ -1212,130 +1212,81 @@ void panel_tile16(const float* x, int64_t in_features, const uint8_t* qp, const 
   store_rows16<R>(sum, width, bias, y, y_stride);
 }
 
-// R rows against one block already widened into wf[32][16]; their running sums live in sums[r][16].
-template <int R>
-inline void widened_block_tile(const float* wf, const float* xb, int64_t in_features, __m512 scale, float* sums) {
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-#pragma GCC unroll 4
-  for (int k = 0; k < kQ8Block; ++k) {
-    const __m512 w = _mm512_load_ps(wf + k * kQ8Panel);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(w, _mm512_set1_ps(xb[r * in_features + k]), acc[r]);
-  }
-  for (int r = 0; r < R; ++r)
-    _mm512_store_ps(sums + r * kQ8Panel, _mm512_fmadd_ps(acc[r], scale, _mm512_load_ps(sums + r * kQ8Panel)));
-}
-
-using WidenedTileFn = void (*)(const float*, const float*, int64_t, __m512, float*);
-constexpr WidenedTileFn kWidenedTileByRows[8] = {widened_block_tile<1>, widened_block_tile<2>, widened_block_tile<3>,
-                                                 widened_block_tile<4>, widened_block_tile<5>, widened_block_tile<6>,
-                                                 widened_block_tile<7>, widened_block_tile<8>};
-
-// More than 8 rows (up to kQ8RowChunk) against one panel: each block is widened to float once, into
-// L1, and every row tile reads it from there, so the unpacking is paid once per block, not per tile.
-template <int Bits, int Zero>
-void panel_rows16(const float* x, int64_t rows, int64_t in_features, const uint8_t* qp, const float* sp,
-                  const float* mp, const float* xs, int64_t width, const float* bias, float* y, int64_t y_stride) {
-  constexpr int64_t row_bytes = PanelRow<Bits>::kBytes;
-  const int64_t blocks = in_features / kQ8Block;
-  alignas(64) float sums[kQ8RowChunk * kQ8Panel];
-  alignas(64) float wf[kQ8Block * kQ8Panel];
-  std::fill(sums, sums + rows * kQ8Panel, 0.0f);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* qb = qp + b * kQ8Block * row_bytes;
-    for (int k = 0; k < kQ8Block; k += 2) {
-      __m512 w0, w1;
-      widen_rows16<Bits, Zero>(qb + k * row_bytes, w0, w1);
-      _mm512_store_ps(wf + k * kQ8Panel, w0);
-      _mm512_store_ps(wf + (k + 1) * kQ8Panel, w1);
-    }
-    const __m512 scale = _mm512_loadu_ps(sp + b * kQ8Panel);
-    for (int64_t r0 = 0; r0 < rows; r0 += 8)
-      kWidenedTileByRows[std::min<int64_t>(8, rows - r0) - 1](wf, x + r0 * in_features + b * kQ8Block, in_features,
-                                                               scale, sums + r0 * kQ8Panel);
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    __m512 sum = _mm512_load_ps(sums + r * kQ8Panel);
-    if (mp != nullptr)
-      for (int64_t b = 0; b < blocks; ++b)
-        sum = _mm512_fmadd_ps(_mm512_loadu_ps(mp + b * kQ8Panel), _mm512_set1_ps(xs[r * blocks + b]), sum);
-    alignas(64) float out[kQ8Panel];
-    _mm512_store_ps(out, sum);
-    for (int64_t j = 0; j < width; ++j) y[r * y_stride + j] = out[j] + (bias == nullptr ? 0.0f : bias[j]);
-  }
-}
-
-// Two adjacent panels (32 features) at once for more than 8 rows: each broadcast of x feeds two FMAs
-// and 16 accumulators keep both FMA ports busy, where one panel needs a load per FMA and has only 8
-// chains to hide the FMA latency with. Every output takes the same operations in the same order as in
-// widened_block_tile (so the same bits).
-template <int R>
-inline void widened_block_tile2(const float* wf, const float* xb, int64_t in_features, __m512 scale0, __m512 scale1,
-                                float* sums) {
-  __m512 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm512_setzero_ps();
+// R rows against one block of P adjacent panels already widened into wf[32][P * 16]; their running sums
+// live in sums[r][P * 16]. With two panels each broadcast of x feeds two FMAs and 16 accumulators keep
+// both FMA ports busy, where one panel needs a load per FMA and has only 8 chains to hide the FMA
+// latency with. Every output takes the same operations in the same order whatever P (so the same bits).
+template <int P, int R>
+inline void widened_block_tile(const float* wf, const float* xb, int64_t in_features, const __m512* scale,
+                               float* sums) {
+  __m512 acc[P][R];
+  for (int i = 0; i < P; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
 #pragma GCC unroll 2
   for (int k = 0; k < kQ8Block; ++k) {
-    const __m512 w0 = _mm512_load_ps(wf + k * 2 * kQ8Panel), w1 = _mm512_load_ps(wf + k * 2 * kQ8Panel + kQ8Panel);
+    __m512 w[P];
+    for (int i = 0; i < P; ++i) w[i] = _mm512_load_ps(wf + (k * P + i) * kQ8Panel);
     for (int r = 0; r < R; ++r) {
       const __m512 xv = _mm512_set1_ps(xb[r * in_features + k]);
-      acc0[r] = _mm512_fmadd_ps(w0, xv, acc0[r]);
-      acc1[r] = _mm512_fmadd_ps(w1, xv, acc1[r]);
+      for (int i = 0; i < P; ++i) acc[i][r] = _mm512_fmadd_ps(w[i], xv, acc[i][r]);
     }
   }
-  for (int r = 0; r < R; ++r) {
-    float* row = sums + r * 2 * kQ8Panel;
-    _mm512_store_ps(row, _mm512_fmadd_ps(acc0[r], scale0, _mm512_load_ps(row)));
-    _mm512_store_ps(row + kQ8Panel, _mm512_fmadd_ps(acc1[r], scale1, _mm512_load_ps(row + kQ8Panel)));
-  }
+  for (int r = 0; r < R; ++r)
+    for (int i = 0; i < P; ++i) {
+      float* out = sums + (r * P + i) * kQ8Panel;
+      _mm512_store_ps(out, _mm512_fmadd_ps(acc[i][r], scale[i], _mm512_load_ps(out)));
+    }
 }
 
-using WidenedTile2Fn = void (*)(const float*, const float*, int64_t, __m512, __m512, float*);
-constexpr WidenedTile2Fn kWidenedTile2ByRows[8] = {widened_block_tile2<1>, widened_block_tile2<2>,
-                                                   widened_block_tile2<3>, widened_block_tile2<4>,
-                                                   widened_block_tile2<5>, widened_block_tile2<6>,
-                                                   widened_block_tile2<7>, widened_block_tile2<8>};
+using WidenedTileFn = void (*)(const float*, const float*, int64_t, const __m512*, float*);
+template <int P>
+constexpr WidenedTileFn kWidenedTileByRows[8] = {widened_block_tile<P, 1>, widened_block_tile<P, 2>,
+                                                 widened_block_tile<P, 3>, widened_block_tile<P, 4>,
+                                                 widened_block_tile<P, 5>, widened_block_tile<P, 6>,
+                                                 widened_block_tile<P, 7>, widened_block_tile<P, 8>};
 
-// panel_rows16 for panels p and p + 1 (qp, sp, mp, bias and y at panel p; width1: panel p + 1's valid columns).
-template <int Bits, int Zero>
-void panel_pair_rows16(const float* x, int64_t rows, int64_t in_features, const uint8_t* qp, const float* sp,
-                       const float* mp, const float* xs, int64_t width1, const float* bias, float* y,
-                       int64_t y_stride) {
+// More than 8 rows (up to kQ8RowChunk) against P adjacent panels (qp, sp, mp, bias and y at the first;
+// last_width: the last panel's valid columns): each block is widened to float once, into L1, and every
+// row tile reads it from there, so the unpacking is paid once per block, not per tile.
+template <int Bits, int Zero, int P>
+void panel_rows16(const float* x, int64_t rows, int64_t in_features, const uint8_t* qp, const float* sp,
+                  const float* mp, const float* xs, int64_t last_width, const float* bias, float* y,
+                  int64_t y_stride) {
   constexpr int64_t row_bytes = PanelRow<Bits>::kBytes;
   const int64_t blocks = in_features / kQ8Block;
   const int64_t panel_bytes = blocks * kQ8Block * row_bytes;
-  alignas(64) float sums[kQ8RowChunk * 2 * kQ8Panel];
-  alignas(64) float wf[kQ8Block * 2 * kQ8Panel];  // [k][panel p's 16 | panel p + 1's 16]
-  std::fill(sums, sums + rows * 2 * kQ8Panel, 0.0f);
+  alignas(64) float sums[kQ8RowChunk * P * kQ8Panel];
+  alignas(64) float wf[kQ8Block * P * kQ8Panel];  // [k][panel 0's 16 | panel 1's 16 | ...]
+  std::fill(sums, sums + rows * P * kQ8Panel, 0.0f);
   for (int64_t b = 0; b < blocks; ++b) {
-    for (int half = 0; half < 2; ++half) {
-      const uint8_t* qb = qp + half * panel_bytes + b * kQ8Block * row_bytes;
+    __m512 scale[P];
+    for (int i = 0; i < P; ++i) {
+      const uint8_t* qb = qp + i * panel_bytes + b * kQ8Block * row_bytes;
       for (int k = 0; k < kQ8Block; k += 2) {
         __m512 w0, w1;
         widen_rows16<Bits, Zero>(qb + k * row_bytes, w0, w1);
-        _mm512_store_ps(wf + k * 2 * kQ8Panel + half * kQ8Panel, w0);
-        _mm512_store_ps(wf + (k + 1) * 2 * kQ8Panel + half * kQ8Panel, w1);
+        _mm512_store_ps(wf + (k * P + i) * kQ8Panel, w0);
+        _mm512_store_ps(wf + ((k + 1) * P + i) * kQ8Panel, w1);
       }
+      scale[i] = _mm512_loadu_ps(sp + (i * blocks + b) * kQ8Panel);
     }
-    const __m512 scale0 = _mm512_loadu_ps(sp + b * kQ8Panel);
-    const __m512 scale1 = _mm512_loadu_ps(sp + (blocks + b) * kQ8Panel);
     for (int64_t r0 = 0; r0 < rows; r0 += 8)
-      kWidenedTile2ByRows[std::min<int64_t>(8, rows - r0) - 1](wf, x + r0 * in_features + b * kQ8Block, in_features,
-                                                                scale0, scale1, sums + r0 * 2 * kQ8Panel);
+      kWidenedTileByRows<P>[std::min<int64_t>(8, rows - r0) - 1](wf, x + r0 * in_features + b * kQ8Block, in_features,
+                                                                 scale, sums + r0 * P * kQ8Panel);
   }
   for (int64_t r = 0; r < rows; ++r)
-    for (int half = 0; half < 2; ++half) {
-      __m512 sum = _mm512_load_ps(sums + r * 2 * kQ8Panel + half * kQ8Panel);
+    for (int i = 0; i < P; ++i) {
+      __m512 sum = _mm512_load_ps(sums + (r * P + i) * kQ8Panel);
       if (mp != nullptr) {
-        const float* m = mp + half * blocks * kQ8Panel;
+        const float* m = mp + i * blocks * kQ8Panel;
         for (int64_t b = 0; b < blocks; ++b)
           sum = _mm512_fmadd_ps(_mm512_loadu_ps(m + b * kQ8Panel), _mm512_set1_ps(xs[r * blocks + b]), sum);
       }
       alignas(64) float out[kQ8Panel];
       _mm512_store_ps(out, sum);
-      const float* bp = bias == nullptr ? nullptr : bias + half * kQ8Panel;
-      float* yr = y + r * y_stride + half * kQ8Panel;
-      const int64_t width = half == 0 ? kQ8Panel : width1;
+      const float* bp = bias == nullptr ? nullptr : bias + i * kQ8Panel;
+      float* yr = y + r * y_stride + i * kQ8Panel;
+      const int64_t width = i + 1 < P ? kQ8Panel : last_width;
       for (int64_t j = 0; j < width; ++j) yr[j] = out[j] + (bp == nullptr ? 0.0f : bp[j]);
     }
 }
@@ -1352,7 +1303,7 @@ void panel_chunk16(const float* x, int64_t rows, int64_t in_features, const uint
   if (rows <= 8)
     kDirect[rows - 1](x, in_features, qp, sp, mp, xs, width, bias, true, y, y_stride);
   else
-    panel_rows16<Bits, Zero>(x, rows, in_features, qp, sp, mp, xs, width, bias, y, y_stride);
+    panel_rows16<Bits, Zero, 1>(x, rows, in_features, qp, sp, mp, xs, width, bias, y, y_stride);
 }
 #endif
 
@@ -1416,8 +1367,8 @@ void block_linear_rows(const float* x, int64_t rows, int64_t in_features, const 
         const float* xc = x + r_begin * in_features;
         float* yc = y + r_begin * out_features + n0;
         if (p + 1 < panels) {
-          const auto pair_fn = Bits == 8 ? panel_pair_rows16<Bits, 0>
-                                         : (zero == 0 ? panel_pair_rows16<Bits, 0> : panel_pair_rows16<Bits, 8>);
+          const auto pair_fn = Bits == 8 ? panel_rows16<Bits, 0, 2>
+                                         : (zero == 0 ? panel_rows16<Bits, 0, 2> : panel_rows16<Bits, 8, 2>);
           pair_fn(xc, r_end - r_begin, in_features, qp, sp, mp, xs, std::min(kQ8Panel, out_features - n0 - kQ8Panel),
                   bp, yc, out_features);
         } else {
