@@ -290,6 +290,48 @@ def test_sliding_window_kv_stays_bounded_and_matches_hf(request, window_dirs, sm
     assert kv.usage == 0.0
 
 
+def random_workload(rng, tokenizer, max_model_len: int) -> tuple[list[list[int]], list[SamplingParams]]:
+    """3-9 greedy requests, most behind one shared system prompt, some sampled n = 2 or 3 times (forks)."""
+    pieces = [tokenizer.encode(p) for p in GOLDEN_PROMPTS]
+    system = rng.choice(pieces) + rng.choice(pieces)
+    prompts, params = [], []
+    for _ in range(rng.randint(3, 9)):
+        ids = (system if rng.random() < 0.6 else []) + rng.choice(pieces) + rng.choice(pieces)[:rng.randint(1, 12)]
+        prompts.append(ids[:min(100, max_model_len - 31)])
+        params.append(SamplingParams(temperature=0.0, max_tokens=rng.randint(1, 30), ignore_eos=True,
+                                     n=rng.choice([1, 1, 1, 2, 3])))
+    return prompts, params
+
+
+# Seeds whose workloads once broke parity: one KV cache group's new block was another group's prefix hit.
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [1, 8, 11])
+def test_random_workloads_on_sliding_window_groups_match_hf(request, family_dirs, smollm2_tokenizer, seed):
+    """Random block sizes, step budgets, mixed-step caps and pool sizes under a random workload served twice
+    (the second time largely from the prefix cache): every sample's greedy tokens equal HF's."""
+    import random
+
+    rng = random.Random(seed)
+    block_size, budget = rng.choice([4, 8, 16]), rng.choice([8, 16, 24, 48])
+    mixed_cap, num_blocks = rng.choice([None, 1, 3, 8, budget]), rng.choice([60, 90, 120, 200])
+    backend = rng.choice(["torch", "cpu"])
+    if backend == "cpu":
+        request.getfixturevalue("kernels")
+    directory = family_dirs["gemma3"]
+    llm = LLM(str(directory), device="cpu", block_size=block_size, max_num_batched_tokens=budget, max_model_len=160,
+              num_kv_blocks=num_blocks, attention_backend=backend, max_mixed_prefill_tokens=mixed_cap)
+    prompts, params = random_workload(rng, smollm2_tokenizer, llm.llm_engine.max_model_len)
+    hf = hf_model(directory)
+    expected = [hf_greedy(hf, ids, p.max_tokens) for ids, p in zip(prompts, params)]
+    for _ in range(2):
+        outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
+        for out, want, p in zip(outputs, expected, params):
+            assert len(out.outputs) == p.n
+            assert all(sample.token_ids == want for sample in out.outputs)
+    assert sum(out.num_cached_tokens for out in outputs) > 0
+    assert llm.llm_engine.core.core.kv_cache.usage == 0.0
+
+
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
 def test_moe_block_matches_hf(norm_topk_prob):
     """The grouped experts (each run once over its sorted tokens) give transformers' sparse block's
