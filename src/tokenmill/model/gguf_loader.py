@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from tokenmill.errors import ModelLoadError
+from tokenmill.model import tokenizer_cache
 from tokenmill.model.gguf_families import GGUF_FAMILIES, GgufFamily, block_tensor_names, family_settings
 from tokenmill.model.layers.linear import Int8Blocks
 
@@ -295,13 +296,19 @@ def unpermute_rotary_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def load_gguf_tokenizer(path: Path) -> PreTrainedTokenizerBase:
-    """Tokenizer and chat template from the GGUF's tokenizer.* metadata (transformers rebuilds it)."""
+    """Tokenizer and chat template from the GGUF's tokenizer.* metadata (transformers rebuilds it; the
+    result is kept in tokenizer_cache for the next load of the same file)."""
     from transformers import AutoTokenizer
 
+    cached = tokenizer_cache.load(path)
+    if cached is not None:
+        return cached
     try:
-        return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name, local_files_only=True)
     except Exception as exc:  # transformers raises many types for missing/odd tokenizer metadata
         raise ModelLoadError(f"cannot build a tokenizer from {path.name}: {exc}".splitlines()[0]) from None
+    tokenizer_cache.store(path, tokenizer)
+    return tokenizer
 
 
 def _field(reader: gguf.GGUFReader, key: str) -> Any:
