@@ -250,6 +250,24 @@ def test_the_cap_is_exceeded_only_when_no_request_could_run_otherwise():
     assert r0.num_output_tokens == r1.num_output_tokens == 3 and sched.kv_cache.num_free_blocks == 3
 
 
+def test_a_request_with_nothing_to_compute_does_not_stand_in_for_a_blocked_one():
+    # A beam parent parked for its children (nothing to compute) ranks first; both others are at the cap
+    # and need a block. The first of those, not the parked parent, preempts past the cap: no stall.
+    sched = make_scheduler(num_blocks=3, budget=64, max_preemptions=1)
+    parked = make_request("p", 4, arrival=0.0, base=500)
+    parked.fork_children = []  # beam search decides its children later
+    r0 = make_request("r0", 4, arrival=1.0)
+    r1 = make_request("r1", 4, arrival=2.0, base=100)
+    for r in (parked, r0, r1):
+        if r is not parked:
+            r.num_preemptions = 1
+        sched.add_request(r)
+    step(sched)
+    assert sched.kv_cache.num_free_blocks == 0 and parked.num_computed_tokens == parked.num_tokens_to_compute
+    out, _, _ = step(sched)
+    assert out.preempted_ids == ["r1"] and [s.request_id for s in out.scheduled] == ["r0"]
+
+
 def test_preemption_cap_holds_under_sustained_pressure():
     # 16 requests of up to 24 tokens (6 blocks) in a 12-block cache: every request still finishes and
     # none is preempted twice. (Preempting the requester itself or another capped request instead of

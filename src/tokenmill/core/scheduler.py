@@ -251,9 +251,9 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             budget, placed = self._schedule_one_running(index, scheduled, output, budget, can_wait=True)
-            if placed or request.status == RequestStatus.RUNNING:
-                index += 1  # scheduled, or it waits this step out, keeping its blocks
-            if not placed and request.status == RequestStatus.RUNNING and first_waiting is None:
+            if placed is not False or request.status == RequestStatus.RUNNING:
+                index += 1  # scheduled, nothing to compute, or it waits this step out, keeping its blocks
+            if placed is False and request.status == RequestStatus.RUNNING and first_waiting is None:
                 first_waiting = request
         if not scheduled and first_waiting is not None and budget > 0:
             # Every request waited on blocks held by requests at the preemption cap, so nothing would free
@@ -263,13 +263,13 @@ class Scheduler:
         return budget
 
     def _schedule_one_running(self, index: int, scheduled: list[_Item], output: SchedulerOutput, budget: int,
-                              can_wait: bool) -> tuple[int, bool]:
+                              can_wait: bool) -> tuple[int, Optional[bool]]:
         """Schedule running[index]'s next tokens if they fit (preempting as needed): the budget left and
-        whether it was scheduled."""
+        whether it was scheduled (None: it has nothing to compute in this step)."""
         request = self.running[index]
         num_new = self._cap_prefill(request, request.num_tokens_to_compute - request.num_computed_tokens, budget)
         if num_new <= 0:
-            return budget, False
+            return budget, None
         spec = self._spec_tokens(request, budget) if num_new == 1 else []
         num_new += len(spec)
         start = request.num_computed_tokens
