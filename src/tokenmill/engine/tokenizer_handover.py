@@ -19,16 +19,15 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-logger = logging.getLogger("tokenmill")
+from tokenmill.model.tokenizer_cache import FAST_TOKENIZER_FILE, save_fast_tokenizer
 
-FAST_TOKENIZER_FILE = "tokenizer.json"
+logger = logging.getLogger("tokenmill")
 
 
 def tokenizer_files(tokenizer: Any) -> dict[str, bytes]:
     """The files that rebuild `tokenizer`, name -> content."""
     with tempfile.TemporaryDirectory(prefix="tokenmill-tokenizer-") as directory:
-        # legacy_format=False: tokenizer.json only, not also the slow tokenizer's vocabulary files.
-        tokenizer.save_pretrained(directory, legacy_format=False)
+        save_fast_tokenizer(tokenizer, directory)
         return {path.name: path.read_bytes() for path in sorted(Path(directory).iterdir()) if path.is_file()}
 
 

@@ -24,7 +24,13 @@ logger = logging.getLogger("tokenmill")
 
 # Bump when what is stored, or how it is read back, changes.
 _FORMAT = "1"
-_FAST_TOKENIZER_FILE = "tokenizer.json"
+FAST_TOKENIZER_FILE = "tokenizer.json"
+
+
+def save_fast_tokenizer(tokenizer: Any, directory: str | Path) -> None:
+    """The files that rebuild a tokenizer (also what the engine core hands the API process)."""
+    # legacy_format=False: tokenizer.json and its config only, not also the slow tokenizer's vocabulary files.
+    tokenizer.save_pretrained(str(directory), legacy_format=False)
 
 
 def cache_root() -> Path:
@@ -56,7 +62,7 @@ def load(gguf_path: Path) -> Optional[Any]:
         return None
     try:
         directory = entry_dir(gguf_path)
-        if not (directory / _FAST_TOKENIZER_FILE).is_file():
+        if not (directory / FAST_TOKENIZER_FILE).is_file():
             return None
         from transformers import AutoTokenizer
 
@@ -79,8 +85,7 @@ def store(gguf_path: Path, tokenizer: Any) -> None:
             return
         directory.parent.mkdir(parents=True, exist_ok=True)
         staging = tempfile.mkdtemp(prefix=".staging-", dir=directory.parent)
-        # legacy_format=False: tokenizer.json and its config only, not the slow tokenizer's files.
-        tokenizer.save_pretrained(staging, legacy_format=False)
+        save_fast_tokenizer(tokenizer, staging)
         os.rename(staging, directory)  # atomic; fails if another engine stored it first, which is fine
         staging = None
     except Exception as exc:  # an unwritable cache, or a tokenizer save_pretrained cannot write
