@@ -47,10 +47,10 @@ _NON_PARAMETER_TENSORS = frozenset({"rope_freqs.weight", "rope_factors_long.weig
 
 
 def open_gguf(path: Path) -> gguf.GGUFReader:
-    import gguf
+    from tokenmill.model.gguf_reader import FastGGUFReader
 
     try:
-        return gguf.GGUFReader(path)  # memory-maps the file; tensors are read on demand
+        return FastGGUFReader(path)  # memory-maps the file; tensors are read on demand
     except Exception as exc:  # a truncated or foreign file raises anything from ValueError to struct.error
         raise ModelLoadError(f"cannot read GGUF file {path}: {exc}") from None
 
