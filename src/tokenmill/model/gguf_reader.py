@@ -2,7 +2,7 @@
 
 gguf-py builds one numpy view per array element while it walks the header, so a file's vocabulary
 (tokenizer.ggml.tokens, .scores, .token_type, .merges: one entry per token) costs ~10 µs per element:
-2.4 s for SmolLM2's 49k-token vocabulary, 10 s for Gemma 3's 262k, on every load. Here an array of
+2.3-2.4 s for SmolLM2's 49k-token vocabulary, 10.8 s for Gemma 3's 262k, on every load. Here an array of
 numbers is one view of the whole array, and an array of strings is walked with `struct` over the
 mapped bytes (the views per string stay, as `ReaderField.contents()` needs them), which brings those
 loads to a fraction of a second. Fields, tensors and `contents()` come out as gguf-py's do; the one
@@ -12,7 +12,6 @@ through `contents()` (which returns the same list), not through `parts`.
 from __future__ import annotations
 
 import struct
-from pathlib import Path
 from typing import Any
 
 import gguf
@@ -21,9 +20,6 @@ from gguf import GGUFValueType
 
 
 class FastGGUFReader(gguf.GGUFReader):
-    def __init__(self, path: Path | str) -> None:
-        super().__init__(path, "r")
-
     def _get_field_parts(self, orig_offs: int, raw_type: int) -> tuple[int, list[Any], list[int], list[GGUFValueType]]:
         if GGUFValueType(raw_type) != GGUFValueType.ARRAY or self.byte_order != "I":
             return super()._get_field_parts(orig_offs, raw_type)
