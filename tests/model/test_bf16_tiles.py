@@ -48,6 +48,21 @@ def test_bf16_tiles_per_block_type(bf16, type_name):
     assert torch.equal(bf16.block_linear_bf16(x, *packed, bias, 37), bf16.block_linear(x, *packed, bias, 37))
 
 
+@pytest.mark.parametrize("type_name", ["Q4_0", "Q8_0"])
+def test_bf16_tiles_whole_output_blocks_without_bias(bf16, type_name):
+    """96 features, no bias: AMX writes whole 32 x 32 blocks of y straight from its accumulators and the
+    ragged ones (the last 8 of 200 rows) through its buffer; both must give the same product."""
+    blocks, dense = file_blocks(type_name, out_features=96, seed=3)
+    packed = pack_blocks(blocks)
+    gen = torch.Generator().manual_seed(9)
+    for rows in (96, 200):
+        x = torch.randn(rows, dense.shape[1], generator=gen)
+        y = bf16.block_linear_bf16(x, *packed, None, 96)
+        expected = bf16_product(x, dense, torch.zeros(96))
+        torch.testing.assert_close(y.double(), expected, atol=1e-5 * expected.abs().max().item(), rtol=1e-5,
+                                   msg=f"{type_name} rows={rows}")
+
+
 def test_amx_tiles_run_where_the_cpu_has_them(bf16):
     """On a CPU with AMX-BF16 the tiles above went through tokenmill's own TDPBF16PS kernel, not MKL."""
     if "amx_bf16" not in cpu_flags():

@@ -1651,11 +1651,21 @@ void block_linear_amx_bf16(const at::BFloat16* x, int64_t rows, int64_t padded_r
             _tile_dpbf16ps(3, 5, 7);
           }
         }
+        const int64_t valid = std::min<int64_t>(32, rows - r0);
+        if (bias == nullptr && width == 32 && valid == 32) {
+          // A whole 32 x 32 block of y: the accumulators go straight to it, without the bounce buffer.
+          float* yb = y + r0 * out_features + n0;
+          const int64_t y_stride = out_features * static_cast<int64_t>(sizeof(float));
+          _tile_stored(0, yb, y_stride);
+          _tile_stored(1, yb + 16, y_stride);
+          _tile_stored(2, yb + 16 * out_features, y_stride);
+          _tile_stored(3, yb + 16 * out_features + 16, y_stride);
+          continue;
+        }
         _tile_stored(0, &out[0][0], 32 * sizeof(float));
         _tile_stored(1, &out[0][16], 32 * sizeof(float));
         _tile_stored(2, &out[16][0], 32 * sizeof(float));
         _tile_stored(3, &out[16][16], 32 * sizeof(float));
-        const int64_t valid = std::min<int64_t>(32, rows - r0);
         for (int64_t r = 0; r < valid; ++r) {
           float* yr = y + (r0 + r) * out_features + n0;
           for (int64_t j = 0; j < width; j += 16) {
