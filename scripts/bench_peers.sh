@@ -89,7 +89,12 @@ run_tokenmill() {
   # The default (the GGUF's Q4_1/Q8_0 blocks kept as stored, float32 compute and cache), the same with
   # a float16 KV cache (the closest match to llama.cpp's Q4_1 run: same weights, and its server keeps
   # K/V in f16 by default), and the weights dequantized to float32 (as vLLM and llama.cpp's F32 run hold them).
-  for variant in "tokenmill:" "tokenmill-f16kv:--kv-cache-dtype float16" "tokenmill-dense:--quantization none"; do
+  local variants=("tokenmill:" "tokenmill-f16kv:--kv-cache-dtype float16" "tokenmill-dense:--quantization none")
+  # On CPUs with AMX, also the fastest opt-in path: bfloat16 tiles for prefill, int8 dot products for decode.
+  if grep -q amx_bf16 /proc/cpuinfo 2>/dev/null; then
+    variants+=("tokenmill-bf16int8:--block-matmul bfloat16-int8 --kv-cache-dtype float16")
+  fi
+  for variant in "${variants[@]}"; do
     local label=${variant%%:*} flags=${variant#*:}
     # Prefix caching off, as for the peers (llama.cpp: cache_prompt false; vLLM: --no-enable-prefix-caching):
     # the sweep sends the same prompts at every concurrency, and cached prefixes would skip their prefills.
