@@ -208,7 +208,7 @@ class EngineConfig:
         "multiplies steps of more than 64 rows (prefill chunks) in bfloat16 (AMX tiles, else MKL's AVX-512 BF16 "
         "GEMM), decode-sized steps as float32 does: the fastest prefill on CPUs with AMX, outputs differ slightly; "
         "bfloat16-int8: prefill-sized steps as bfloat16, decode-sized steps as int8 (both fast paths, for CPUs with "
-        "AMX)",
+        "AMX). With AMX, both bfloat16 modes also run prefill attention on bfloat16 tiles",
         choices=BLOCK_MATMULS)
     kv_cache_dtype: str = option(
         "auto", "KV cache storage; auto: the model's dtype. float16/bfloat16 under a float32 model halve the "

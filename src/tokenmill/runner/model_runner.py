@@ -12,7 +12,7 @@ from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES
 from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
 from tokenmill.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from tokenmill.errors import ModelLoadError
-from tokenmill.model.layers.attention import TorchAttentionBackend, get_attention_backend
+from tokenmill.model.layers.attention import CpuPagedAttentionBackend, TorchAttentionBackend, get_attention_backend
 from tokenmill.model.layers.decoder import DecoderAttention
 from tokenmill.model.layers.basic import keep_rotary_tables_float, use_cpu_kernels
 from tokenmill.distributed.parallel_state import TensorParallelGroup
@@ -255,7 +255,7 @@ class ModelRunner:
 
             self.model.convert_linear_layers(make_q8_0)
             return ("Q8_0 weights rounded at load (" + self._block_kernel_paths(kernels)
-                    + self._enable_int8_decode(kernels))
+                    + self._enable_bf16_attention(kernels) + self._enable_int8_decode(kernels))
         if int8_blocks:
             widths: dict[int, int] = {}
 
@@ -282,7 +282,7 @@ class ModelRunner:
             int8_blocks.clear()  # the layers hold their packed copies now
             kept = ", ".join(f"{count} at {bits} bits" for bits, count in sorted(widths.items()))
             return (f"GGUF weights kept quantized in {self.num_gguf_layers_kept} layers ({kept}{embedding}; "
-                    + self._block_kernel_paths(kernels) + self._enable_int8_decode(kernels))
+                    + self._block_kernel_paths(kernels) + self._enable_bf16_attention(kernels) + self._enable_int8_decode(kernels))
         if self.block_matmul != "float32":
             logger.warning("--block-matmul %s applies to block-quantized weights (a GGUF's kept blocks, "
                            "--quantization q8_0); this model's projections multiply in %s", self.block_matmul,
@@ -318,6 +318,20 @@ class ModelRunner:
                     f"{self._bf16_tile_path(kernels)} above, no float copy")
         return (f"row kernel for steps of up to {BLOCK_KERNEL_MAX_ROWS} rows, dequantized tiles through sgemm "
                 "above, no float copy")
+
+    def _enable_bf16_attention(self, kernels) -> str:
+        """Under the bfloat16 block matmuls on a CPU with AMX, prefill attention takes bfloat16 tiles too
+        (scores from high and low bfloat16 parts of q and k; v and the probabilities rounded to bfloat16), where
+        every layer's heads fit the kernel."""
+        if not isinstance(kernels, (Bf16TileKernels, Bf16TileInt8RowKernels)) or \
+                not getattr(kernels, "bf16_attention_available", lambda: False)() or \
+                not isinstance(self.attention_backend, CpuPagedAttentionBackend):
+            return ""
+        layers = [module for module in self.model.modules() if isinstance(module, DecoderAttention)]
+        if not layers or any(layer.softcap is not None or layer.head_dim % 32 for layer in layers):
+            return ""
+        self.attention_backend.bf16_prefill = True
+        return "; prefill attention on AMX bfloat16 tiles"
 
     def _enable_int8_decode(self, kernels) -> str:
         if not self._runs_cpu_kernels(kernels):

@@ -299,6 +299,9 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
 
     def __init__(self, kernels) -> None:
         self.kernels = kernels
+        # Set by the runner under `--block-matmul bfloat16` / `bfloat16-int8` on AMX: every prefill chunk goes
+        # through paged_prefill_attention_bf16 (SDPA's float32 GEMMs no longer win on long chunks).
+        self.bf16_prefill = False
 
     def prefill_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float, window: int | None = None, softcap: float | None = None) -> None:
@@ -313,8 +316,11 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
             return
         tables = meta.cpu_prefill_tables
         if tables is None:
-            tables = meta.cpu_prefill_tables = cpu_prefill_tables(meta)
-        if tables.kernel_chunks:
+            tables = meta.cpu_prefill_tables = cpu_prefill_tables(meta, all_chunks=self.bf16_prefill)
+        if tables.kernel_chunks and self.bf16_prefill and not softcap:
+            self.kernels.paged_prefill_attention_bf16(q, kv_cache, tables.block_table, tables.query_ranges,
+                                                      tables.context_lens, scale, window or 0, out)
+        elif tables.kernel_chunks:
             self.kernels.paged_prefill_attention(q, kv_cache, tables.block_table, tables.query_ranges,
                                                  tables.context_lens, scale, softcap or 0.0, window or 0, out)
         for chunk in tables.torch_chunks:
@@ -334,11 +340,13 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
                 query, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale, softcap or 0.0)
 
 
-def cpu_prefill_tables(meta: AttentionMetadata) -> CpuPrefillTables:
-    """Splits the step's prefill chunks between the C++ kernel and SDPA and packs the kernel's inputs."""
+def cpu_prefill_tables(meta: AttentionMetadata, all_chunks: bool = False) -> CpuPrefillTables:
+    """Splits the step's prefill chunks between the C++ kernel (those under CPU_PREFILL_KERNEL_MAX_TOKENS, or
+    all of them) and SDPA and packs the kernel's inputs."""
     ranges = meta.prefill_query_ranges
-    kernel = [i for i, (start, end) in enumerate(ranges) if end - start < CPU_PREFILL_KERNEL_MAX_TOKENS]
-    others = [i for i, (start, end) in enumerate(ranges) if end - start >= CPU_PREFILL_KERNEL_MAX_TOKENS]
+    max_tokens = None if all_chunks else CPU_PREFILL_KERNEL_MAX_TOKENS
+    kernel = [i for i, (start, end) in enumerate(ranges) if max_tokens is None or end - start < max_tokens]
+    others = [i for i, (start, end) in enumerate(ranges) if max_tokens is not None and end - start >= max_tokens]
     table = padded_block_table([meta.prefill_block_ids[i] for i in kernel], torch.device("cpu"))
     return CpuPrefillTables(kernel, others, table,
                             torch.tensor([ranges[i] for i in kernel], dtype=torch.int32).view(-1, 2),

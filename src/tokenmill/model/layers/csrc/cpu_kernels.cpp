@@ -779,26 +779,19 @@ void prefill_item(const PrefillItem& item, const q_t* q_base, int64_t q_row_stri
     }
 }
 
-template <typename q_t, typename cache_t>
-void run_paged_prefill(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
-                       const torch::Tensor& query_ranges, const torch::Tensor& context_lens, double scale,
-                       double softcap, int64_t window, torch::Tensor& out) {
-  const int64_t num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  const int64_t group = num_heads / num_kv_heads, chunks = context_lens.size(0);
-  const int64_t max_blocks = block_tables.size(1);
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
+// The work items of a step's prefill chunks: per chunk and KV head, tiles of about tile_rows query rows
+// (positions x group).
+std::vector<PrefillItem> prefill_work_items(const torch::Tensor& query_ranges, const torch::Tensor& context_lens,
+                                            const torch::Tensor& block_tables, int64_t block_size,
+                                            int64_t num_kv_heads, int64_t group, int64_t window, int64_t tile_rows) {
   const int32_t* ranges = query_ranges.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
-  const int64_t token_stride = num_kv_heads * head_dim;
-  const cache_t* k_base = kv_cache.data_ptr<cache_t>();
-  const cache_t* v_base = k_base + num_blocks * block_size * token_stride;
-  const int64_t tile_positions = std::max<int64_t>(1, kPrefillTileRows / group);
+  const int64_t max_keys = block_tables.size(1) * block_size;
+  const int64_t tile_positions = std::max<int64_t>(1, tile_rows / group);
   std::vector<PrefillItem> items;
-  for (int64_t c = 0; c < chunks; ++c) {
+  for (int64_t c = 0; c < context_lens.size(0); ++c) {
     const int64_t num_q = ranges[2 * c + 1] - ranges[2 * c], ctx_len = lens[c];
-    TORCH_CHECK(num_q > 0 && num_q <= ctx_len && ctx_len <= max_blocks * block_size,
-                "prefill chunk lengths out of range");
+    TORCH_CHECK(num_q > 0 && num_q <= ctx_len && ctx_len <= max_keys, "prefill chunk lengths out of range");
     for (int64_t first = 0; first < num_q; first += tile_positions) {
       const int64_t count = std::min(tile_positions, num_q - first);
       const int64_t last = ctx_len - num_q + first + count;  // keys the tile's last query sees
@@ -806,6 +799,25 @@ void run_paged_prefill(const torch::Tensor& query, const torch::Tensor& kv_cache
       for (int64_t h = 0; h < num_kv_heads; ++h) items.push_back({c, h, first, count, seen * count});
     }
   }
+  return items;
+}
+
+template <typename q_t, typename cache_t>
+void run_paged_prefill(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                       const torch::Tensor& query_ranges, const torch::Tensor& context_lens, double scale,
+                       double softcap, int64_t window, torch::Tensor& out) {
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* ranges = query_ranges.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const cache_t* k_base = kv_cache.data_ptr<cache_t>();
+  const cache_t* v_base = k_base + num_blocks * block_size * token_stride;
+  const std::vector<PrefillItem> items = prefill_work_items(query_ranges, context_lens, block_tables, block_size,
+                                                            num_kv_heads, group, window, kPrefillTileRows);
   // 16 keys per tile where the vectors hold 16 floats and a block holds whole tiles, else 8.
   bool wide = false;
 #ifdef TOKENMILL_AVX512
@@ -828,9 +840,10 @@ void run_paged_prefill(const torch::Tensor& query, const torch::Tensor& kv_cache
 
 // Writes the attention of every prefill query into `out` (same shape and row layout rules as query);
 // other rows of `out` are left as they are. dtypes as paged_decode_attention.
-void paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
-                             torch::Tensor query_ranges, torch::Tensor context_lens, double scale, double softcap,
-                             int64_t window, torch::Tensor out) {
+namespace {
+void check_prefill_arguments(const torch::Tensor& query, const torch::Tensor& kv_cache,
+                             const torch::Tensor& block_tables, const torch::Tensor& query_ranges,
+                             const torch::Tensor& context_lens, const torch::Tensor& out) {
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "query must be [tokens, heads, dim] with contiguous heads");
   TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type() && out.stride(2) == 1 &&
@@ -847,6 +860,13 @@ void paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch:
     TORCH_CHECK(0 <= r[0] && r[0] < r[1] && r[1] <= query.size(0), "query_ranges outside the query rows");
   }
   TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0, "head shapes do not match");
+}
+}  // namespace
+
+void paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                             torch::Tensor query_ranges, torch::Tensor context_lens, double scale, double softcap,
+                             int64_t window, torch::Tensor out) {
+  check_prefill_arguments(query, kv_cache, block_tables, query_ranges, context_lens, out);
   dispatch_attention_dtypes(query, kv_cache, "paged_prefill_attention", [&](auto* q_tag, auto* cache_tag) {
     using q_t = std::remove_pointer_t<decltype(q_tag)>;
     using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
@@ -1680,6 +1700,276 @@ void block_linear_amx_bf16(const at::BFloat16* x, int64_t rows, int64_t padded_r
     _tile_release();
   });
 }
+
+// ---- prefill attention on AMX-BF16 tiles (`--block-matmul bfloat16` / `bfloat16-int8`) ----------------
+// prefill_item's work items and online softmax, with both products on tiles. Per 32 keys and 16 query rows:
+// S^T = K Q^T (A: the key rows as bfloat16, straight from their copy; B: the item's queries, transposed
+// once into B's pair-interleaved layout), so each key's 16 scores are one vector over the 16 rows and the
+// softmax runs down the columns without horizontal reductions; then O += P V (A: P, transposed back to
+// rows; B: the value rows pair-interleaved). The scores take q * scale and k as high and low bfloat16 parts
+// (three products: about float32's precision, which the softmax's exponent needs); v and p are rounded to
+// bfloat16 (nearest-even, 2^-9 relative on the output); products accumulate in float32, the softmax is float32.
+constexpr int64_t kAmxKeys = 32;  // keys per tile step: the depth of one TDPBF16PS of P V
+constexpr int64_t kAmxPrefillTileRows = 96;  // query rows per work item: 6 blocks of 16 share each key tile's copy
+
+struct AmxPrefillScratch {
+  std::vector<at::BFloat16> qt, qt_low, k, k_low, v, vv;
+  std::vector<float> acc, row_max, row_sum, pv;
+};
+
+// out[i][:] = the key (or value) row of position t0 + i, rounded to bfloat16, for i < n; zero rows after.
+// With low (not for a bfloat16 cache, whose rows are exact): low[i][:] = what that rounding left, rounded.
+template <typename T>
+void load_rows_bf16(const T* cache, const int32_t* blocks, int64_t t0, int64_t n, int64_t block_size,
+                    int64_t token_stride, int64_t head_offset, int64_t head_dim, at::BFloat16* out,
+                    at::BFloat16* low = nullptr) {
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t t = t0 + i;
+    const T* row = cache + (blocks[t / block_size] * block_size + t % block_size) * token_stride + head_offset;
+    at::BFloat16* o = out + i * head_dim;
+    if constexpr (std::is_same_v<T, at::BFloat16>) {
+      std::memcpy(o, row, head_dim * sizeof(at::BFloat16));
+    } else {
+      for (int64_t d = 0; d < head_dim; d += 16) {
+        __m512 v;
+        if constexpr (std::is_same_v<T, float>)
+          v = _mm512_loadu_ps(row + d);
+        else
+          v = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + d)));
+        const __m256i high = round_to_bf16_16(v);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + d), high);
+        if (low != nullptr) {
+          const __m512 widened = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(high), 16));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(low + i * head_dim + d),
+                              round_to_bf16_16(_mm512_sub_ps(v, widened)));
+        }
+      }
+    }
+  }
+  std::memset(static_cast<void*>(out + n * head_dim), 0, (kAmxKeys - n) * head_dim * sizeof(at::BFloat16));
+  if (low != nullptr)
+    std::memset(static_cast<void*>(low + n * head_dim), 0, (kAmxKeys - n) * head_dim * sizeof(at::BFloat16));
+}
+
+// r[i] (16 dwords each) becomes column i of the 16 x 16 matrix the rows held.
+inline void transpose16x16_epi32(__m512i r[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // u[4g + c] holds rows 4g..4g+3 of columns c, c + 4, c + 8, c + 12 (one 128-bit lane each).
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);       // cols c, c+8 of rows 0-7
+    const __m512i v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);       // cols c+4, c+12 of rows 0-7
+    const __m512i v2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);  // cols c, c+8 of rows 8-15
+    const __m512i v3 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[c + 8] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+    r[c + 4] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[c + 12] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+  }
+}
+
+template <typename q_t, typename cache_t>
+void prefill_item_amx(const PrefillItem& item, const q_t* q_base, int64_t q_row_stride, const cache_t* k_cache,
+                      const cache_t* v_cache, const int32_t* blocks, int64_t query_start, int64_t ctx_len,
+                      int64_t num_q, int64_t block_size, int64_t token_stride, int64_t group, int64_t head_dim,
+                      float scale, int64_t window, q_t* out_base, int64_t out_row_stride, AmxPrefillScratch& w) {
+  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t rows = item.count * group, row_blocks = (rows + 15) / 16;
+  const int64_t pos0 = ctx_len - num_q + item.first;
+  const int64_t h = item.kv_head, D = head_dim;
+  // qt: per block of 16 rows, D/2 rows of 16 (q[m][2i], q[m][2i+1]) pairs: the B operand of S^T = K Q^T.
+  // qt_low: what rounding q * scale to bfloat16 left, rounded again (the scores' second term).
+  w.qt.assign(row_blocks * 16 * D, at::BFloat16(0.0f));
+  w.qt_low.assign(row_blocks * 16 * D, at::BFloat16(0.0f));
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t i = m / group, g = m % group;
+    const q_t* src = q_base + (query_start + item.first + i) * q_row_stride + (h * group + g) * D;
+    const int64_t first = (m / 16) * 16 * D + 2 * (m % 16);
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = to_float(src[d]) * scale;
+      const at::BFloat16 high(x);
+      w.qt[first + (d / 2) * 32 + d % 2] = high;
+      w.qt_low[first + (d / 2) * 32 + d % 2] = at::BFloat16(x - static_cast<float>(high));
+    }
+  }
+  w.acc.assign(row_blocks * 16 * D, 0.0f);
+  w.row_max.assign(row_blocks * 16, neg_inf);
+  w.row_sum.assign(row_blocks * 16, 0.0f);
+  w.k.resize(kAmxKeys * D);
+  w.k_low.resize(kAmxKeys * D);
+  w.v.resize(kAmxKeys * D);
+  w.vv.resize(kAmxKeys * D);
+  w.pv.resize(16 * D);
+  alignas(64) float s[kAmxKeys * 16];
+  alignas(64) float corr[16];
+  alignas(64) int32_t lane_pos[16];
+  alignas(64) uint32_t pa[16 * 16];
+  alignas(64) int16_t pair_index[32], low_index[32], high_index[32];
+  for (int i = 0; i < 16; ++i) {
+    pair_index[2 * i] = static_cast<int16_t>(i);  // (p_2i[m], p_2i+1[m]) from [p_2i x16 | p_2i+1 x16]
+    pair_index[2 * i + 1] = static_cast<int16_t>(16 + i);
+    low_index[2 * i] = static_cast<int16_t>(i);  // (v[2i][d], v[2i+1][d]) for d of the first 16 ...
+    low_index[2 * i + 1] = static_cast<int16_t>(32 + i);
+    high_index[2 * i] = static_cast<int16_t>(16 + i);  // ... and of the next 16
+    high_index[2 * i + 1] = static_cast<int16_t>(48 + i);
+  }
+  const __m512i pairs = _mm512_load_si512(pair_index), lows = _mm512_load_si512(low_index);
+  const __m512i highs = _mm512_load_si512(high_index);
+  const int64_t last_pos = pos0 + item.count - 1;
+  const int64_t key_lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+  const int64_t k_stride = D * static_cast<int64_t>(sizeof(at::BFloat16));
+  constexpr bool exact_keys = std::is_same_v<cache_t, at::BFloat16>;
+  load_amx_tile_config();
+  for (int64_t t0 = key_lo / kAmxKeys * kAmxKeys; t0 <= last_pos; t0 += kAmxKeys) {
+    const int64_t n = std::min(kAmxKeys, ctx_len - t0);
+    const int64_t first_pos = std::max(pos0, t0);
+    const int64_t end_pos = window > 0 ? std::min(last_pos + 1, t0 + kAmxKeys - 1 + window) : last_pos + 1;
+    if (first_pos >= end_pos) continue;
+    const int64_t m0 = (first_pos - pos0) * group, m1 = (end_pos - pos0) * group;
+    load_rows_bf16(k_cache, blocks, t0, n, block_size, token_stride, h * D, D, w.k.data(),
+                   exact_keys ? nullptr : w.k_low.data());
+    load_rows_bf16(v_cache, blocks, t0, n, block_size, token_stride, h * D, D, w.v.data());
+    // vv: 16 rows of (v[2i][d], v[2i+1][d]) pairs over d: P V's B operand, 16 values of d per tile.
+    for (int64_t i = 0; i < kAmxKeys / 2; ++i)
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512i a = _mm512_loadu_si512(w.v.data() + 2 * i * D + d);
+        const __m512i b = _mm512_loadu_si512(w.v.data() + (2 * i + 1) * D + d);
+        at::BFloat16* row = w.vv.data() + i * 2 * D + 2 * d;
+        _mm512_storeu_si512(row, _mm512_permutex2var_epi16(a, lows, b));
+        _mm512_storeu_si512(row + 32, _mm512_permutex2var_epi16(a, highs, b));
+      }
+    for (int64_t rb = m0 / 16; rb * 16 < m1; ++rb) {
+      _tile_zero(0);
+      _tile_zero(1);
+      // Scores as k q ~ k_high q_high + k_high q_low + k_low q_high: float32-like scores (the softmax
+      // would turn bfloat16's 2^-9 error on a score of 20 into a 4% change of its weight).
+      const at::BFloat16* qt = w.qt.data() + rb * 16 * D;
+      const at::BFloat16* qt_low = w.qt_low.data() + rb * 16 * D;
+      for (int64_t c = 0; c < D / 32; ++c) {
+        _tile_loadd(3, qt + c * 16 * 32, 64);
+        _tile_loadd(5, qt_low + c * 16 * 32, 64);
+        _tile_loadd(2, w.k.data() + 32 * c, k_stride);
+        _tile_loadd(4, w.k.data() + 16 * D + 32 * c, k_stride);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 4, 3);
+        _tile_dpbf16ps(0, 2, 5);
+        _tile_dpbf16ps(1, 4, 5);
+        if (!exact_keys) {
+          _tile_loadd(6, w.k_low.data() + 32 * c, k_stride);
+          _tile_loadd(7, w.k_low.data() + 16 * D + 32 * c, k_stride);
+          _tile_dpbf16ps(0, 6, 3);
+          _tile_dpbf16ps(1, 7, 3);
+        }
+      }
+      _tile_stored(0, s, 64);
+      _tile_stored(1, s + 256, 64);
+      for (int m = 0; m < 16; ++m) lane_pos[m] = static_cast<int32_t>(pos0 + (rb * 16 + m) / group);
+      const int64_t block_first = lane_pos[0], block_last = lane_pos[15];
+      const bool all_visible = n == kAmxKeys && t0 + kAmxKeys - 1 <= block_first &&
+                               (window <= 0 || t0 > block_last - window);
+      const __m512i pos = _mm512_load_si512(lane_pos);
+      const __m512 minus_inf = _mm512_set1_ps(neg_inf);
+      __m512 tile_max = minus_inf;
+      for (int64_t j = 0; j < kAmxKeys; ++j) {
+        __m512 sj = _mm512_load_ps(s + 16 * j);
+        if (!all_visible) {
+          const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(t0 + j));
+          __mmask16 visible = _mm512_cmpge_epi32_mask(pos, key);
+          if (window > 0)
+            visible &= _mm512_cmplt_epi32_mask(pos, _mm512_add_epi32(key, _mm512_set1_epi32(static_cast<int32_t>(window))));
+          sj = _mm512_mask_mov_ps(minus_inf, visible, sj);
+          _mm512_store_ps(s + 16 * j, sj);
+        }
+        tile_max = _mm512_max_ps(tile_max, sj);
+      }
+      float* row_max = w.row_max.data() + rb * 16;
+      float* row_sum = w.row_sum.data() + rb * 16;
+      const __m512 old_max = _mm512_loadu_ps(row_max);
+      const __m512 new_max = _mm512_max_ps(old_max, tile_max);
+      // A row that has seen no key yet subtracts 0 (its scores are all -inf, its p all 0).
+      const __m512 base = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(new_max, minus_inf, _CMP_NEQ_OQ), new_max);
+      const __m512 c = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(old_max, minus_inf, _CMP_NEQ_OQ),
+                                           exp512(_mm512_sub_ps(old_max, base)));
+      __m512 sum = _mm512_setzero_ps();
+      __m512i p_pairs[16];
+      for (int64_t i = 0; i < kAmxKeys / 2; ++i) {
+        const __m512 s0 = _mm512_load_ps(s + 32 * i), s1 = _mm512_load_ps(s + 32 * i + 16);
+        // exp512 clamps its argument, so a masked score would come out tiny, not 0: it is zeroed.
+        const __m512 p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, minus_inf, _CMP_NEQ_OQ),
+                                              exp512(_mm512_sub_ps(s0, base)));
+        const __m512 p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, minus_inf, _CMP_NEQ_OQ),
+                                              exp512(_mm512_sub_ps(s1, base)));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(round_to_bf16_16(p0)), round_to_bf16_16(p1), 1);
+        p_pairs[i] = _mm512_permutexvar_epi16(pairs, both);  // dword m: (p[m][2i], p[m][2i+1])
+      }
+      _mm512_storeu_ps(row_sum, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum), c, sum));
+      _mm512_storeu_ps(row_max, new_max);
+      _mm512_store_ps(corr, c);
+      transpose16x16_epi32(p_pairs);  // now p_pairs[m] is row m of P: 32 bfloat16 keys
+      for (int m = 0; m < 16; ++m) _mm512_store_si512(pa + 16 * m, p_pairs[m]);
+      _tile_loadd(6, pa, 64);
+      for (int64_t dc = 0; dc < D / 16; ++dc) {
+        _tile_zero(5);
+        _tile_loadd(7, w.vv.data() + 32 * dc, 4 * D);
+        _tile_dpbf16ps(5, 6, 7);
+        _tile_stored(5, w.pv.data() + 16 * dc, D * static_cast<int64_t>(sizeof(float)));
+      }
+      const int64_t valid = std::min<int64_t>(16, rows - rb * 16);
+      for (int64_t m = 0; m < valid; ++m) {
+        float* acc = w.acc.data() + (rb * 16 + m) * D;
+        const float* pv = w.pv.data() + m * D;
+        const __m512 cm = _mm512_set1_ps(corr[m]);
+        for (int64_t d = 0; d < D; d += 16)
+          _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d), cm, _mm512_loadu_ps(pv + d)));
+      }
+    }
+  }
+  _tile_release();
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t i = m / group, g = m % group;
+    const float inv = 1.0f / w.row_sum[m];
+    q_t* dst = out_base + (query_start + item.first + i) * out_row_stride + (h * group + g) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<q_t>(w.acc[m * D + d] * inv);
+  }
+}
+
+template <typename q_t, typename cache_t>
+void run_paged_prefill_amx(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+                           const torch::Tensor& query_ranges, const torch::Tensor& context_lens, double scale,
+                           int64_t window, torch::Tensor& out) {
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* ranges = query_ranges.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  const int64_t token_stride = num_kv_heads * head_dim;
+  const cache_t* k_base = kv_cache.data_ptr<cache_t>();
+  const cache_t* v_base = k_base + num_blocks * block_size * token_stride;
+  const std::vector<PrefillItem> items = prefill_work_items(query_ranges, context_lens, block_tables, block_size,
+                                                            num_kv_heads, group, window, kAmxPrefillTileRows);
+  parallel_longest_first<AmxPrefillScratch>(
+      static_cast<int64_t>(items.size()), [&](int64_t i) { return items[i].cost; },
+      [&](int64_t i, AmxPrefillScratch& scratch) {
+        const PrefillItem& item = items[i];
+        const int64_t c = item.chunk;
+        prefill_item_amx<q_t, cache_t>(item, query.data_ptr<q_t>(), query.stride(0), k_base, v_base,
+                                       tables + c * max_blocks, ranges[2 * c], lens[c],
+                                       ranges[2 * c + 1] - ranges[2 * c], block_size, token_stride, group, head_dim,
+                                       static_cast<float>(scale), window, out.data_ptr<q_t>(), out.stride(0), scratch);
+      });
+}
+
 #endif
 
 // Steps above the row kernel's rows: each tile of panels dequantized, then one multithreaded GEMM over all
@@ -2306,6 +2596,38 @@ torch::Tensor llama_decode_int8(torch::Tensor hidden, torch::Tensor positions, t
   return rms_norm(x, residual, final_norm, eps);
 }
 
+// paged_prefill_attention with both products on AMX-BF16 tiles (scores from high and low bfloat16 parts of q and
+// k; v and the probabilities rounded to bfloat16; float32 accumulation and softmax): `--block-matmul bfloat16` / `bfloat16-int8` prefill. Needs
+// AMX, head_dim a multiple of 32 and no soft-cap (Gemma 2's layers take the float32 kernel).
+void paged_prefill_attention_bf16(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                                  torch::Tensor query_ranges, torch::Tensor context_lens, double scale, int64_t window,
+                                  torch::Tensor out) {
+  check_prefill_arguments(query, kv_cache, block_tables, query_ranges, context_lens, out);
+  TORCH_CHECK(query.size(2) % 32 == 0, "paged_prefill_attention_bf16 needs head_dim a multiple of 32");
+#if defined(TOKENMILL_AMX)
+  TORCH_CHECK(amx_permitted(), "paged_prefill_attention_bf16: the kernel may not use AMX tiles here");
+  dispatch_attention_dtypes(query, kv_cache, "paged_prefill_attention_bf16", [&](auto* q_tag, auto* cache_tag) {
+    using q_t = std::remove_pointer_t<decltype(q_tag)>;
+    using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
+    if constexpr (std::is_same_v<cache_t, double>) {
+      TORCH_CHECK(false, "paged_prefill_attention_bf16 reads a float32, float16 or bfloat16 cache");
+    } else {
+      run_paged_prefill_amx<q_t, cache_t>(query, kv_cache, block_tables, query_ranges, context_lens, scale, window, out);
+    }
+  });
+#else
+  TORCH_CHECK(false, "paged_prefill_attention_bf16 needs a build with AMX-BF16");
+#endif
+}
+
+bool bf16_attention_available() {
+#if defined(TOKENMILL_AMX)
+  return amx_permitted();
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(TOKENMILL_AVX512)
   m.attr("simd") = "avx512";
@@ -2354,6 +2676,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "query to its last `window` keys, softcap > 0 caps the scores",
         py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("query_ranges"),
         py::arg("context_lens"), py::arg("scale"), py::arg("softcap"), py::arg("window"), py::arg("out"), nogil);
+  m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16,
+        "paged_prefill_attention (no soft-cap) on AMX tiles: scores from high and low bfloat16 parts of q and k, "
+        "v and the probabilities rounded to bfloat16", py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("query_ranges"),
+        py::arg("context_lens"), py::arg("scale"), py::arg("window"), py::arg("out"), nogil);
+  m.def("bf16_attention_available", &bf16_attention_available,
+        "whether paged_prefill_attention_bf16 runs here (an AMX-BF16 build on a CPU that grants the tiles)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:]", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (residual updated in place)", nogil);
   m.def("llama_decode_int8", &llama_decode_int8, "a Llama decoder stack (block-quantized weights) for a decode-only step",
