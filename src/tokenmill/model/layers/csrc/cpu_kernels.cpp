@@ -802,38 +802,53 @@ std::vector<PrefillItem> prefill_work_items(const torch::Tensor& query_ranges, c
   return items;
 }
 
+// A step's prefill chunks as the kernels read them: shapes, the cache's K and V halves, the work items.
+template <typename cache_t>
+struct PrefillStep {
+  int64_t head_dim, block_size, group, token_stride, max_blocks;
+  const int32_t* tables;
+  const int32_t* ranges;
+  const int32_t* lens;
+  const cache_t* k_base;
+  const cache_t* v_base;
+  std::vector<PrefillItem> items;
+
+  PrefillStep(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
+              const torch::Tensor& query_ranges, const torch::Tensor& context_lens, int64_t window, int64_t tile_rows)
+      : head_dim(query.size(2)), block_size(kv_cache.size(2)), group(query.size(1) / kv_cache.size(3)),
+        token_stride(kv_cache.size(3) * query.size(2)), max_blocks(block_tables.size(1)),
+        tables(block_tables.data_ptr<int32_t>()), ranges(query_ranges.data_ptr<int32_t>()),
+        lens(context_lens.data_ptr<int32_t>()), k_base(kv_cache.data_ptr<cache_t>()),
+        v_base(k_base + kv_cache.size(1) * block_size * token_stride),
+        items(prefill_work_items(query_ranges, context_lens, block_tables, block_size, kv_cache.size(3), group,
+                                 window, tile_rows)) {}
+
+  const int32_t* table(int64_t c) const { return tables + c * max_blocks; }
+  int64_t query_start(int64_t c) const { return ranges[2 * c]; }
+  int64_t num_queries(int64_t c) const { return ranges[2 * c + 1] - ranges[2 * c]; }
+};
+
 template <typename q_t, typename cache_t>
 void run_paged_prefill(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
                        const torch::Tensor& query_ranges, const torch::Tensor& context_lens, double scale,
                        double softcap, int64_t window, torch::Tensor& out) {
-  const int64_t num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  const int64_t group = num_heads / num_kv_heads;
-  const int64_t max_blocks = block_tables.size(1);
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* ranges = query_ranges.data_ptr<int32_t>();
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
-  const int64_t token_stride = num_kv_heads * head_dim;
-  const cache_t* k_base = kv_cache.data_ptr<cache_t>();
-  const cache_t* v_base = k_base + num_blocks * block_size * token_stride;
-  const std::vector<PrefillItem> items = prefill_work_items(query_ranges, context_lens, block_tables, block_size,
-                                                            num_kv_heads, group, window, kPrefillTileRows);
+  const PrefillStep<cache_t> step(query, kv_cache, block_tables, query_ranges, context_lens, window, kPrefillTileRows);
   // 16 keys per tile where the vectors hold 16 floats and a block holds whole tiles, else 8.
   bool wide = false;
 #ifdef TOKENMILL_AVX512
-  wide = block_size % 16 == 0;
+  wide = step.block_size % 16 == 0;
 #endif
   const auto run_item = wide ? prefill_item<16, q_t, cache_t> : prefill_item<8, q_t, cache_t>;
   // Costs differ by the causal triangle.
   parallel_longest_first<PrefillScratch>(
-      static_cast<int64_t>(items.size()), [&](int64_t i) { return items[i].cost; },
+      static_cast<int64_t>(step.items.size()), [&](int64_t i) { return step.items[i].cost; },
       [&](int64_t i, PrefillScratch& scratch) {
-        const PrefillItem& item = items[i];
+        const PrefillItem& item = step.items[i];
         const int64_t c = item.chunk;
-        run_item(item, query.data_ptr<q_t>(), query.stride(0), k_base, v_base, tables + c * max_blocks,
-                 ranges[2 * c], lens[c], ranges[2 * c + 1] - ranges[2 * c], block_size, token_stride, group,
-                 head_dim, static_cast<float>(scale), static_cast<float>(softcap), window, out.data_ptr<q_t>(),
-                 out.stride(0), scratch);
+        run_item(item, query.data_ptr<q_t>(), query.stride(0), step.k_base, step.v_base, step.table(c),
+                 step.query_start(c), step.lens[c], step.num_queries(c), step.block_size, step.token_stride,
+                 step.group, step.head_dim, static_cast<float>(scale), static_cast<float>(softcap), window,
+                 out.data_ptr<q_t>(), out.stride(0), scratch);
       });
 }
 }  // namespace
@@ -1947,25 +1962,16 @@ template <typename q_t, typename cache_t>
 void run_paged_prefill_amx(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
                            const torch::Tensor& query_ranges, const torch::Tensor& context_lens, double scale,
                            int64_t window, torch::Tensor& out) {
-  const int64_t num_heads = query.size(1), head_dim = query.size(2);
-  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  const int64_t group = num_heads / num_kv_heads, max_blocks = block_tables.size(1);
-  const int32_t* tables = block_tables.data_ptr<int32_t>();
-  const int32_t* ranges = query_ranges.data_ptr<int32_t>();
-  const int32_t* lens = context_lens.data_ptr<int32_t>();
-  const int64_t token_stride = num_kv_heads * head_dim;
-  const cache_t* k_base = kv_cache.data_ptr<cache_t>();
-  const cache_t* v_base = k_base + num_blocks * block_size * token_stride;
-  const std::vector<PrefillItem> items = prefill_work_items(query_ranges, context_lens, block_tables, block_size,
-                                                            num_kv_heads, group, window, kAmxPrefillTileRows);
+  const PrefillStep<cache_t> step(query, kv_cache, block_tables, query_ranges, context_lens, window,
+                                  kAmxPrefillTileRows);
   parallel_longest_first<AmxPrefillScratch>(
-      static_cast<int64_t>(items.size()), [&](int64_t i) { return items[i].cost; },
+      static_cast<int64_t>(step.items.size()), [&](int64_t i) { return step.items[i].cost; },
       [&](int64_t i, AmxPrefillScratch& scratch) {
-        const PrefillItem& item = items[i];
+        const PrefillItem& item = step.items[i];
         const int64_t c = item.chunk;
-        prefill_item_amx<q_t, cache_t>(item, query.data_ptr<q_t>(), query.stride(0), k_base, v_base,
-                                       tables + c * max_blocks, ranges[2 * c], lens[c],
-                                       ranges[2 * c + 1] - ranges[2 * c], block_size, token_stride, group, head_dim,
+        prefill_item_amx<q_t, cache_t>(item, query.data_ptr<q_t>(), query.stride(0), step.k_base, step.v_base,
+                                       step.table(c), step.query_start(c), step.lens[c], step.num_queries(c),
+                                       step.block_size, step.token_stride, step.group, step.head_dim,
                                        static_cast<float>(scale), window, out.data_ptr<q_t>(), out.stride(0), scratch);
       });
 }
