@@ -282,7 +282,8 @@ class ModelRunner:
             int8_blocks.clear()  # the layers hold their packed copies now
             kept = ", ".join(f"{count} at {bits} bits" for bits, count in sorted(widths.items()))
             return (f"GGUF weights kept quantized in {self.num_gguf_layers_kept} layers ({kept}{embedding}; "
-                    + self._block_kernel_paths(kernels) + self._enable_bf16_attention(kernels) + self._enable_int8_decode(kernels))
+                    + self._block_kernel_paths(kernels) + self._enable_bf16_attention(kernels)
+                    + self._enable_int8_decode(kernels))
         if self.block_matmul != "float32":
             logger.warning("--block-matmul %s applies to block-quantized weights (a GGUF's kept blocks, "
                            "--quantization q8_0); this model's projections multiply in %s", self.block_matmul,
