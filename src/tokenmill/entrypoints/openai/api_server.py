@@ -39,6 +39,7 @@ from tokenmill.entrypoints.openai.cli_args import (
 )
 from tokenmill.entrypoints.openai.errors import error_response, install_exception_handlers
 from tokenmill.entrypoints.openai.api_servers import STOP_GRACE_S, ApiServers, StatsCollector, listening_socket
+from tokenmill.entrypoints.openai import event_loop
 from tokenmill.entrypoints.openai.middleware import GatewayMiddleware, ServerLifecycle
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -370,7 +371,7 @@ def run_server(args: argparse.Namespace) -> int:
         logger.error("invalid engine settings: %s", exc.message)
         return 2
     try:
-        return asyncio.run(_serve(args, config))
+        return event_loop.run(_serve(args, config))
     except KeyboardInterrupt:  # Ctrl-C while the model was still loading
         return 130
 

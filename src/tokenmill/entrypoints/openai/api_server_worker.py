@@ -4,7 +4,6 @@ shared port against the engine core API server 0 started, and exits when that se
 """
 from __future__ import annotations
 
-import asyncio
 import os
 import pickle
 import signal
@@ -49,7 +48,9 @@ def main() -> int:
 
     args = settings["args"]
     configure_logging(settings["log_level"], not getattr(args, "disable_log_requests", False))
-    return asyncio.run(_serve(settings))
+    from tokenmill.entrypoints.openai import event_loop
+
+    return event_loop.run(_serve(settings))
 
 
 if __name__ == "__main__":
