@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Optional
 
 import httpx
@@ -100,8 +101,10 @@ class FloorApp:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
+        # `benchmarks` is a package of the checkout, not installed: the child starts from the checkout's root.
         self.process = subprocess.Popen([sys.executable, "-m", "benchmarks.http_probe", "--serve-floor", str(port)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                        cwd=Path(__file__).resolve().parents[1])
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             try:
