@@ -48,6 +48,17 @@ def smollm2_tokenizer(smollm2_path):
 
 
 @pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """HF transformers' own model of the embedded GGUF (its weights dequantized by transformers, float32),
+    the reference of the greedy parity tests; loaded once (~13 s on 2 cores). Tests must not move it or
+    change its weights (hf_greedy clears its EOS ids, which every user of it tolerates)."""
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer)
 

@@ -62,15 +62,11 @@ def test_long_prompt_in_chunks_matches_hf(tiny_llama_dir, smollm2_tokenizer, chu
 
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_smollm2_gguf_matches_hf(request, smollm2_path, smollm2_tokenizer, backend):
-    from transformers import AutoModelForCausalLM
-
+def test_smollm2_gguf_matches_hf(request, smollm2_hf, smollm2_tokenizer, backend):
     require_backend(request, backend)
-    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                              dtype=torch.float32).eval()
     llm = LLM(device="cpu", max_num_batched_tokens=32, kv_cache_memory_bytes="256MiB", max_model_len=1024,
               attention_backend=backend)
-    check_against_hf(llm, hf, smollm2_tokenizer, [10, 16, 12, 20, 8, 12, 10, 16, 14])
+    check_against_hf(llm, smollm2_hf, smollm2_tokenizer, [10, 16, 12, 20, 8, 12, 10, 16, 14])
     assert llm.llm_engine.core.core.kv_cache.usage == 0.0
 
 

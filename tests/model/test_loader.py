@@ -74,21 +74,10 @@ def default_source():
 
 
 @pytest.fixture(scope="module")
-def transformers_reference(smollm2_path: Path, default_source) -> dict[str, torch.Tensor]:
-    """transformers' own GGUF conversion (dequantize + its reverse permutation), as a state dict.
-
-    AutoModelForCausalLM.from_pretrained(gguf_file=...) needs `accelerate`, which tokenmill does not
-    install, so the conversion routine it calls is used directly. The meta-device skeleton only
-    supplies parameter names; transformers reads head counts for its un-permutation from the file
-    itself, so reusing our config here does not make the check circular.
-    """
-    from transformers import LlamaForCausalLM
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    with torch.device("meta"):
-        skeleton = LlamaForCausalLM(default_source.hf_config)
-    parsed = load_gguf_checkpoint(str(smollm2_path), return_tensors=True, model_to_load=skeleton)
-    return parsed["tensors"]
+def transformers_reference(smollm2_hf) -> dict[str, torch.Tensor]:
+    """transformers' own GGUF conversion (dequantize + its reverse permutation), as the state dict of the
+    model it loads from the file (the session's shared reference model)."""
+    return smollm2_hf.state_dict()
 
 
 def test_default_gguf_config(default_source) -> None:

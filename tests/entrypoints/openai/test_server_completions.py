@@ -23,9 +23,8 @@ def _stream_text(chunks) -> str:
 
 
 @pytest.mark.slow
-def test_greedy_output_matches_hf_transformers(openai_client, model_name, smollm2_path, smollm2_tokenizer):
+def test_greedy_output_matches_hf_transformers(openai_client, model_name, smollm2_hf, smollm2_tokenizer):
     import torch
-    from transformers import AutoModelForCausalLM
 
     prompt_ids = smollm2_tokenizer.encode(PROMPT)
     response = openai_client.completions.create(
@@ -33,10 +32,8 @@ def test_greedy_output_matches_hf_transformers(openai_client, model_name, smollm
         extra_body={"return_tokens_as_token_ids": True})
     got = [int(token.removeprefix("token_id:")) for token in response.choices[0].logprobs.tokens]
 
-    hf = AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                              dtype=torch.float32).eval()
     with torch.no_grad():
-        out = hf.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False,
+        out = smollm2_hf.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False,
                           pad_token_id=smollm2_tokenizer.eos_token_id)
     expected = out[0, len(prompt_ids):].tolist()
     eos = smollm2_tokenizer.eos_token_id
