@@ -22,7 +22,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
 
 import httpx
 
@@ -149,7 +148,7 @@ def percentile(latencies: list[float], q: float) -> float:
     return ordered[int(q * (len(ordered) - 1))]
 
 
-def summarize(latencies: list[float]) -> dict[str, Optional[float]]:
+def summarize(latencies: list[float]) -> dict[str, float]:
     latencies = sorted(latencies)
     return {"n": len(latencies), "p50_ms": round(statistics.median(latencies), 1),
             "p99_ms": round(percentile(latencies, 0.99), 1), "max_ms": round(latencies[-1], 1)}

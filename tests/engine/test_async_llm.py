@@ -78,14 +78,14 @@ def test_a_killed_core_fails_requests_in_flight_and_marks_the_engine_dead(tiny_l
 
 
 def test_a_core_that_dies_while_idle_is_noticed_without_any_request(tiny_llama_dir):
-    """The event loop that reads the core's outputs also watches its process: a core killed while nothing
+    """The receiver also watches the core's process while no output arrives: a core killed while nothing
     is in flight (and nobody asks /health) still marks the engine dead, so the server can exit."""
     engine = AsyncLLM.from_config(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=32))
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 
     async def run():
         try:
-            await _collect(engine, [1, 2, 3], params, "first")  # the loop reads the core from here on
+            await _collect(engine, [1, 2, 3], params, "first")  # the receiver runs from the first request on
             assert not engine.errored
             os.kill(engine.client.process.pid, signal.SIGKILL)
             loop = asyncio.get_running_loop()

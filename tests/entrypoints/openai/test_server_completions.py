@@ -34,7 +34,7 @@ def test_greedy_output_matches_hf_transformers(openai_client, model_name, smollm
 
     with torch.no_grad():
         out = smollm2_hf.generate(torch.tensor([prompt_ids]), max_new_tokens=16, do_sample=False,
-                          pad_token_id=smollm2_tokenizer.eos_token_id)
+                                  pad_token_id=smollm2_tokenizer.eos_token_id)
     expected = out[0, len(prompt_ids):].tolist()
     eos = smollm2_tokenizer.eos_token_id
     if eos in expected:  # both stop at EOS; the engine may or may not report the EOS token itself
