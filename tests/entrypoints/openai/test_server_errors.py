@@ -144,6 +144,18 @@ def test_oversize_bodies_get_413(http, smollm2_server):
     assert_error_body(http.post(COMPLETIONS, content=chunked(), headers={"content-type": "application/json"}), 413)
 
 
+def test_a_json_body_without_a_json_content_type_is_told_so(http):
+    """`curl -d` sends form-urlencoded and some clients send no Content-Type: the body is valid JSON, so the
+    error names the header rather than calling the body malformed. A real non-object body still says that."""
+    body = json.dumps({"prompt": "a", "max_tokens": 1}).encode()
+    for headers in ({"content-type": "application/x-www-form-urlencoded"}, {}):
+        error = assert_error_body(http.post(COMPLETIONS, content=body, headers=headers), 400)
+        assert error["code"] == "invalid_content_type" and "Content-Type: application/json" in error["message"]
+    error = assert_error_body(http.post(COMPLETIONS, content=b"[1, 2]", headers={"content-type": "application/json"}),
+                              400)
+    assert error["code"] == "invalid_body"
+
+
 def test_unknown_routes_and_methods(http):
     assert_error_body(http.get("/v1/nothing-here"), 404)
     assert_error_body(http.get(COMPLETIONS), 405)

@@ -88,6 +88,11 @@ def validation_error_response(exc: RequestValidationError) -> JSONResponse:
     # A model-level check (the shared text check) names its field in ctx; otherwise the location does.
     param = (error.get("ctx") or {}).get("param") or _field_path(error.get("loc", ()))
     if param is None and error.get("type") in ("model_attributes_type", "missing", "dict_type", "model_type"):
+        if isinstance(error.get("input"), (bytes, bytearray)):
+            # FastAPI parses a body as JSON only under a JSON content type (no header at all is refused too,
+            # against cross-site requests); `curl -d` sends form-urlencoded, the usual way to get here.
+            return error_response(400, "the request body must be JSON sent with 'Content-Type: application/json'",
+                                  code="invalid_content_type")
         return error_response(400, "the request body must be a JSON object", code="invalid_body")
     code = {"missing": "missing_field", "invalid_text": "invalid_text"}.get(error.get("type"), "invalid_value")
     return error_response(400, _validation_message(error, param), param=param, code=code)
