@@ -20,6 +20,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PEERS=${PEERS:-"tokenmill llama.cpp vllm"}
+# LLAMA_CPP_MODELS: "q4_1 f32" by default; "q4_1" skips converting and serving the F32 GGUF.
+# TOKENMILL_VARIANTS: a subset of the tokenmill runs by label (e.g. "tokenmill tokenmill-int8"); all by default.
 BENCH=.bench
 if [ -n "${LONG_PROMPTS:-}" ]; then
   # Long prompts: random token ids (seed 1), so prefill attention over 2-3k tokens of context and decode
@@ -90,12 +92,17 @@ run_tokenmill() {
   # a float16 KV cache (the closest match to llama.cpp's Q4_1 run: same weights, and its server keeps
   # K/V in f16 by default), and the weights dequantized to float32 (as vLLM and llama.cpp's F32 run hold them).
   local variants=("tokenmill:" "tokenmill-f16kv:--kv-cache-dtype float16" "tokenmill-dense:--quantization none")
-  # On CPUs with AMX, also the fastest opt-in path: bfloat16 tiles for prefill, int8 dot products for decode.
+  # Also the fastest opt-in path with a float16 KV cache: on CPUs with AMX, bfloat16 tiles for prefill and
+  # int8 dot products for decode; elsewhere, where the int8 kernel runs (AVX-512 VNNI or AVX2), int8 for both.
   if grep -q amx_bf16 /proc/cpuinfo 2>/dev/null; then
     variants+=("tokenmill-bf16int8:--block-matmul bfloat16-int8 --kv-cache-dtype float16")
+  elif "$PY" -c "from tokenmill.model.layers import cpu_kernels, linear
+import sys; kernels = cpu_kernels.load(); sys.exit(0 if kernels and linear.runs_int8_dot(kernels) else 1)" 2>/dev/null; then
+    variants+=("tokenmill-int8:--block-matmul int8 --kv-cache-dtype float16")
   fi
   for variant in "${variants[@]}"; do
     local label=${variant%%:*} flags=${variant#*:}
+    if [ -n "${TOKENMILL_VARIANTS:-}" ] && [[ " $TOKENMILL_VARIANTS " != *" $label "* ]]; then continue; fi
     # Prefix caching off, as for the peers (llama.cpp: cache_prompt false; vLLM: --no-enable-prefix-caching):
     # the sweep sends the same prompts at every concurrency, and cached prefixes would skip their prefills.
     # shellcheck disable=SC2086
@@ -137,8 +144,9 @@ run_llama_cpp() {
   local server q4 f32
   server=$(build_llama_cpp)
   q4=$("$PY" -c "from tokenmill.model.default_model import default_model_path as p; print(p())")
-  f32=$(llama_cpp_f32_gguf)
-  for variant in "q4_1:$q4" "f32:$f32"; do
+  local variants=("q4_1:$q4")
+  [[ " ${LLAMA_CPP_MODELS:-q4_1 f32} " == *" f32 "* ]] && { f32=$(llama_cpp_f32_gguf); variants+=("f32:$f32"); }
+  for variant in "${variants[@]}"; do
     local name=${variant%%:*} model=${variant#*:}
     "$server" -m "$model" -np "$LLAMA_PARALLEL" -c 16384 -t "$THREADS" --port 8202 > "$OUT_DIR/llama.cpp-$name-server.log" 2>&1 &
     local pid=$!
