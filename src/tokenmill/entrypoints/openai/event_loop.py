@@ -1,5 +1,5 @@
-"""The API process's event loop: uvloop where it is installed (it comes with `uvicorn[standard]`), else
-asyncio's own.
+"""The API process's event loop: uvloop (a dependency everywhere but Windows, as in `uvicorn[standard]`)
+where it imports, else asyncio's own.
 
 Every stream's token costs the API process a few event-loop callbacks and a socket write; uvloop does
 those in C, so the loop's work per engine step (and the wait a /health probe sees behind it) is shorter.
