@@ -14,7 +14,7 @@ from test_block_kernels import ROWS, file_blocks
 from test_gguf_int8 import PROMPTS, hf_on_file_weights
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.gguf_loader import INT8_BLOCK_TYPES
-from tokenmill.model.layers.linear import BlockQuantLinear, Int8ActivationKernels, pack_blocks
+from tokenmill.model.layers.linear import BlockQuantLinear, Int8ActivationKernels, pack_blocks, packed_layout
 
 
 def round_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,8 +63,11 @@ def portable_kernels():
 
 
 def assert_same_bits(fast, portable, type_name, row_counts=(1, 5, 9, 70)):
+    """Both kernels, on the rows layout (repacked per step) and on the dot layout (read in place), give the
+    portable loop's bits on the rows layout."""
     blocks, _ = file_blocks(type_name, seed=4)
     packed = pack_blocks(blocks)
+    dot = pack_blocks(blocks, layout="dot")
     gen = torch.Generator().manual_seed(2)
     bias = torch.randn(37, generator=gen)
     for rows in row_counts:
@@ -72,8 +75,10 @@ def assert_same_bits(fast, portable, type_name, row_counts=(1, 5, 9, 70)):
         x[0, :32] = 0.0
         if rows > 1:
             x[1, 32:64] = x[1, 32:64].sign() * 3.0  # every value of a block rounds to +-127: the largest sums
-        assert torch.equal(fast.block_linear_q8(x, *packed, bias, 37), portable.block_linear_q8(x, *packed, bias, 37)), \
-            f"{type_name} rows={rows}"
+        expected = portable.block_linear_q8(x, *packed, bias, 37)
+        for kernels, weights, what in ((fast, packed, "rows"), (fast, dot, "dot"), (portable, dot, "portable dot")):
+            assert torch.equal(kernels.block_linear_q8(x, *weights, bias, 37), expected), \
+                f"{type_name} rows={rows} {what} layout"
 
 
 @pytest.mark.parametrize("type_name", sorted(INT8_BLOCK_TYPES))
@@ -95,6 +100,30 @@ def test_int8_dot_kernel_per_block_type(int8_simd, type_name):
         assert (y.double() - exact).abs().max() < 0.02 * exact.abs().max()
         # a row's result does not depend on the rows around it
         assert torch.equal(y[-1:], int8_simd.block_linear_q8(x[-1:].contiguous(), *packed, bias, 37))
+
+
+@pytest.mark.parametrize("type_name", sorted(INT8_BLOCK_TYPES))
+def test_int8_layers_keep_the_dot_layout_at_the_files_size(kernels, type_name):
+    """Under `--block-matmul int8` a layer keeps its integers in the dot products' layout (no repacking per
+    step) at the rows layout's size, and its scales and mins in float16 where each is a float16 value (the
+    scales of GGUF's 32-value block types are; Q4_K's products of two scales are not): Q4_1 then takes
+    the file's 0.625 bytes per weight. Unpacked, it is still the file's matrix, rows and all."""
+    blocks, dense = file_blocks(type_name, out_features=48)
+    layer = BlockQuantLinear(blocks, None, Int8ActivationKernels(kernels))
+    rows_layout = pack_blocks(blocks)
+    assert packed_layout(layer.q) == "dot" and packed_layout(rows_layout[0]) == "rows"
+    assert layer.q.dtype == rows_layout[0].dtype and layer.q.numel() == rows_layout[0].numel()
+    exact_in_half = all(torch.equal(t.half().float(), t) for t in (blocks.scales, blocks.mins) if t is not None)
+    assert layer.scales.dtype == (torch.float16 if exact_in_half else torch.float32)
+    if type_name in ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1"):
+        assert exact_in_half
+    if type_name == "Q4_1":
+        assert layer.storage_bytes() == dense.numel() * 20 // 32  # GGUF's 20 bytes per block of 32
+    assert torch.equal(layer.blocks().dequantize(), dense)
+    ids = torch.tensor([0, 7, 8, 15, 16, 47])
+    assert torch.equal(layer.dequantize_rows(ids), dense[ids])
+    with pytest.raises(RuntimeError, match="dot layout"):  # the float32 kernels read the rows layout only
+        kernels.block_linear(torch.zeros(1, dense.shape[1]), layer.q, layer.scales, layer.mins, None, 48)
 
 
 @pytest.mark.slow

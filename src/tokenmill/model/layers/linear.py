@@ -165,41 +165,81 @@ def _pack_panel_values(values: torch.Tensor, panels: int) -> torch.Tensor:
     return padded.reshape(panels, QUANT_PANEL, blocks).permute(0, 2, 1).contiguous()
 
 
-def pack_blocks(blocks: Int8Blocks, bits: Optional[int] = None
+def pack_blocks(blocks: Int8Blocks, bits: Optional[int] = None, layout: str = "rows"
                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """The C++ kernel's layout: output features in panels of 16; per panel, block of 32 inputs and
-    input k, the 16 features' integers are one row, so a panel is one sequential stream. 8-bit: q as
-    int8 [panel][block][k][16]. 4-bit: uint8 [panel][block][k][8], byte j holding feature j in its low
-    nibble and feature j + 8 in its high one (without mins each nibble is q + 8, as Q4_0 stores it).
-    Scales (and mins) as [panel][block][16]. The last panel is zero-padded to 16 features."""
+    """The C++ kernels' layouts; output features in panels of 16, the last zero-padded.
+
+    "rows" (what the float32 kernels and Triton read): per panel, block of 32 inputs and input k, the 16
+    features' integers are one row, so a panel is one sequential stream. 8-bit: q as int8
+    [panel][block][k][16]. 4-bit: uint8 [panel][block][k][8], byte j holding feature j in its low nibble
+    and feature j + 8 in its high one (without mins each nibble is q + 8, as Q4_0 stores it).
+
+    "dot" (what `--block-matmul int8`'s integer dot products read, the same bytes): per panel and block,
+    64-byte groups in which byte 4f + j holds feature f's integer for input 4g + j. 8-bit: int8
+    [panel][block][8][64]. 4-bit: uint8 [panel][block][4][64], group u holding inputs 8u..8u+3 in the low
+    nibbles and 8u+4..8u+7 in the high ones.
+
+    Scales (and mins) as float32 [panel][block][16]; in the dot layout as float16 where every one of them is
+    a float16 value (GGUF's Q4_0, Q4_1 and Q8_0 store them so; Q4_K's products of two scales are not), which
+    halves the bytes they add per weight (0.25 to 0.125 for 4-bit blocks with mins)."""
+    if layout not in ("rows", "dot"):
+        raise ValueError(f"block layout is 'rows' or 'dot', not {layout!r}")
     bits = blocks.storage_bits() if bits is None else bits
+    if bits not in (4, 8):
+        raise ValueError(f"block storage is 4 or 8 bits, not {bits}")
     q, scales, mins = blocks.q, blocks.scales, blocks.mins
     out_features, in_features = q.shape
     num_blocks = in_features // QUANT_BLOCK
     panels = -(-out_features // QUANT_PANEL)
     q_padded = torch.zeros(panels * QUANT_PANEL, in_features, dtype=torch.int8)
     q_padded[:out_features] = q
-    packed_q = q_padded.reshape(panels, QUANT_PANEL, num_blocks, QUANT_BLOCK).permute(0, 2, 3, 1).contiguous()
-    if bits == 4:
-        nibbles = packed_q.to(torch.int16) + (0 if mins is not None else 8)
+    packed_q = q_padded.reshape(panels, QUANT_PANEL, num_blocks, QUANT_BLOCK).permute(0, 2, 3, 1)  # [p][b][k][f]
+    offset = 0 if mins is not None else 8
+    if layout == "dot":
+        groups = packed_q.reshape(panels, num_blocks, QUANT_BLOCK // 4, 4, QUANT_PANEL).transpose(3, 4)  # [g][f][j]
+        if bits == 8:
+            packed_q = groups.reshape(panels, num_blocks, QUANT_BLOCK // 4, 64).contiguous()
+        else:
+            nibbles = groups.to(torch.int16).reshape(panels, num_blocks, QUANT_BLOCK // 8, 2, 64) + offset
+            packed_q = (nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)).to(torch.uint8).contiguous()
+    elif bits == 4:
+        nibbles = packed_q.to(torch.int16) + offset
         packed_q = (nibbles[..., :8] | (nibbles[..., 8:] << 4)).to(torch.uint8).contiguous()
-    elif bits != 8:
-        raise ValueError(f"block storage is 4 or 8 bits, not {bits}")
+    else:
+        packed_q = packed_q.contiguous()
+    packed_scales = _pack_panel_values(scales, panels)
     packed_mins = None if mins is None else _pack_panel_values(mins, panels)
-    return packed_q, _pack_panel_values(scales, panels), packed_mins
+    if layout == "dot" and all(_exact_in_float16(t) for t in (packed_scales, packed_mins) if t is not None):
+        packed_scales, packed_mins = (None if t is None else t.half() for t in (packed_scales, packed_mins))
+    return packed_q, packed_scales, packed_mins
+
+
+def _exact_in_float16(values: torch.Tensor) -> bool:
+    return bool(torch.equal(values.half().float(), values))
+
+
+def packed_layout(q: torch.Tensor) -> str:
+    """Which of `pack_blocks`'s layouts a packed q is in."""
+    return "dot" if q.shape[-1] == 64 else "rows"
 
 
 def unpack_blocks(q: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor], out_features: int
                   ) -> Int8Blocks:
-    """`pack_blocks` undone: the integers, scales and mins per output feature."""
-    if q.dtype == torch.uint8:
-        low, high = (q & 0x0F).to(torch.int16), (q >> 4).to(torch.int16)
-        q = torch.cat([low, high], dim=-1) - (0 if mins is not None else 8)
+    """`pack_blocks` undone (either layout): the integers, scales and mins per output feature."""
+    offset = 0 if mins is not None else 8
     panels, num_blocks = q.shape[0], q.shape[1]
+    if packed_layout(q) == "dot":
+        if q.dtype == torch.uint8:  # [p][b][u][64]: inputs 8u..8u+3 low, 8u+4..8u+7 high
+            q = torch.stack([(q & 0x0F).to(torch.int16), (q >> 4).to(torch.int16)], dim=3) - offset
+        groups = q.reshape(panels, num_blocks, QUANT_BLOCK // 4, QUANT_PANEL, 4)  # [g][f][j]
+        q = groups.transpose(3, 4).reshape(panels, num_blocks, QUANT_BLOCK, QUANT_PANEL)  # [k][f]
+    elif q.dtype == torch.uint8:
+        low, high = (q & 0x0F).to(torch.int16), (q >> 4).to(torch.int16)
+        q = torch.cat([low, high], dim=-1) - offset
     rows = q.to(torch.int8).permute(0, 3, 1, 2).reshape(panels * QUANT_PANEL, num_blocks * QUANT_BLOCK)
 
     def per_feature(values: torch.Tensor) -> torch.Tensor:
-        return values.permute(0, 2, 1).reshape(panels * QUANT_PANEL, num_blocks)[:out_features].contiguous()
+        return values.float().permute(0, 2, 1).reshape(panels * QUANT_PANEL, num_blocks)[:out_features].contiguous()
 
     return Int8Blocks(rows[:out_features].contiguous(), per_feature(scales),
                       None if mins is None else per_feature(mins))
@@ -221,7 +261,8 @@ class BlockQuantLinear(nn.Module):
         if self.in_features % QUANT_BLOCK:
             raise ValueError(f"block-quantized weights need in_features divisible by {QUANT_BLOCK}")
         # Packed where the loader left them (the CPU), then moved: a GPU holds no int16 intermediate.
-        packed = pack_blocks(blocks)
+        # In the layout the kernels read: `--block-matmul int8` keeps the integer dot products' own.
+        packed = pack_blocks(blocks, layout=getattr(kernels, "weight_layout", "rows"))
         self.q, self.scales, self.mins = (t if t is None or device is None else t.to(device) for t in packed)
         self.bits = 4 if self.q.dtype == torch.uint8 else 8
         self.bias = None if bias is None else bias.detach().float().to(device or bias.device)
@@ -247,15 +288,23 @@ class BlockQuantLinear(nn.Module):
         """Rows `ids` of the float weight, [len(ids), in_features]: q * scale (+ min) in float32 exactly
         as `Int8Blocks.dequantize` computes them, read from the packed storage (embedding lookups)."""
         panel, lane = ids // QUANT_PANEL, ids % QUANT_PANEL
-        if self.bits == 8:
+        if packed_layout(self.q) == "dot":  # lane f's integers are bytes 4f..4f+3 of every group
+            byte = 4 * lane.view(-1, 1) + torch.arange(4, device=ids.device)
+            group = self.q[panel.view(-1, 1), :, :, byte].permute(0, 2, 3, 1)  # [tokens, blocks, group, 4]
+            if self.bits == 8:
+                q = group.reshape(ids.numel(), -1, QUANT_BLOCK).float()
+            else:
+                nibbles = torch.stack([group & 0x0F, group >> 4], dim=3).to(torch.int16)  # [tokens, blocks, u, 2, 4]
+                q = (nibbles.reshape(ids.numel(), -1, QUANT_BLOCK) - (0 if self.mins is not None else 8)).float()
+        elif self.bits == 8:
             q = self.q[panel, :, :, lane].float()  # [tokens, blocks, 32]
         else:
             byte = self.q[panel, :, :, lane % 8].to(torch.int16)
             q = ((byte >> (4 * (lane // 8)).view(-1, 1, 1)) & 0x0F) - (0 if self.mins is not None else 8)
             q = q.float()
-        w = q * self.scales[panel, :, lane].unsqueeze(-1)
+        w = q * self.scales[panel, :, lane].float().unsqueeze(-1)
         if self.mins is not None:
-            w = w + self.mins[panel, :, lane].unsqueeze(-1)
+            w = w + self.mins[panel, :, lane].float().unsqueeze(-1)
         return w.reshape(ids.numel(), self.in_features)
 
     def storage_bytes(self) -> int:
@@ -291,6 +340,7 @@ class Int8ActivationKernels:
     outputs differ from the float32 path by that rounding of x (the same bits on either path)."""
 
     int8_activations = True
+    weight_layout = "dot"  # BlockQuantLinear keeps the weights as the dot products read them: no repacking per step
 
     def __init__(self, module: Any) -> None:
         self._module = module

@@ -2040,9 +2040,12 @@ struct BlockLinearArgs {
   int bits;
   int zero;  // 4-bit blocks without mins (Q4_0) store q + 8 in each nibble
   const uint8_t* q;
-  const float* scales;
-  const float* mins;  // null without
-  const float* bias;  // null without
+  const float* scales;  // float32 scales and mins (null where float16)
+  const float* mins;    // null without
+  const float* bias;    // null without
+  bool dot_layout;      // q in the integer dot products' layout (block_linear_q8 only), else pack_blocks's rows
+  const at::Half* half_scales = nullptr;  // the dot layout's float16 scales and mins, where pack_blocks kept them so
+  const at::Half* half_mins = nullptr;
 };
 
 BlockLinearArgs check_block_linear_args(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
@@ -2054,16 +2057,19 @@ BlockLinearArgs check_block_linear_args(const torch::Tensor& x, const torch::Ten
               "q: int8 (8-bit blocks) or uint8 (4-bit blocks, two per byte)");
   const int bits = q.scalar_type() == torch::kChar ? 8 : 4;
   const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel, blocks = x.size(1) / kQ8Block;
-  TORCH_CHECK(out_features > 0 && q.is_contiguous() &&
+  TORCH_CHECK(out_features > 0 && q.is_contiguous() && q.dim() == 4 && q.size(0) == panels && q.size(1) == blocks &&
               q.numel() == panels * blocks * kQ8Block * kQ8Panel * bits / 8,
-              "q: contiguous, in pack_blocks's layout [panels, K / 32, 32, 16 * bits / 8] matching x and out_features");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == torch::kFloat &&
-              scales.numel() == panels * blocks * kQ8Panel, "scales: contiguous float32 [panels, K / 32, 16]");
-  const float* mins_ptr = nullptr;
-  if (mins.has_value() && mins->defined() && mins->numel() > 0) {
-    TORCH_CHECK(mins->is_contiguous() && mins->scalar_type() == torch::kFloat && mins->numel() == scales.numel(),
-                "mins: contiguous float32 shaped like scales");
-    mins_ptr = mins->data_ptr<float>();
+              "q: contiguous, in pack_blocks's layout ([panels, K / 32, 32, 16 * bits / 8], or the dot layout "
+              "[panels, K / 32, bits / 2, 64]) matching x and out_features");
+  const bool dot_layout = q.size(3) == 64;
+  const bool half = scales.scalar_type() == torch::kHalf;
+  TORCH_CHECK(scales.is_contiguous() && (scales.scalar_type() == torch::kFloat || (half && dot_layout)) &&
+              scales.numel() == panels * blocks * kQ8Panel,
+              "scales: contiguous float32 [panels, K / 32, 16] (float16 in the dot layout)");
+  const bool with_mins = mins.has_value() && mins->defined() && mins->numel() > 0;
+  if (with_mins) {
+    TORCH_CHECK(mins->is_contiguous() && mins->scalar_type() == scales.scalar_type() && mins->numel() == scales.numel(),
+                "mins: contiguous, shaped like scales and of their dtype");
   }
   const float* bias_ptr = nullptr;
   if (bias.has_value() && bias->defined() && bias->numel() > 0) {
@@ -2071,8 +2077,16 @@ BlockLinearArgs check_block_linear_args(const torch::Tensor& x, const torch::Ten
                 "bias: float32 [N]");
     bias_ptr = bias->data_ptr<float>();
   }
-  const int zero = bits == 4 && mins_ptr == nullptr ? 8 : 0;
-  return {bits, zero, static_cast<const uint8_t*>(q.data_ptr()), scales.data_ptr<float>(), mins_ptr, bias_ptr};
+  const int zero = bits == 4 && !with_mins ? 8 : 0;
+  BlockLinearArgs args{bits, zero, static_cast<const uint8_t*>(q.data_ptr()), nullptr, nullptr, bias_ptr, dot_layout};
+  if (half) {
+    args.half_scales = scales.data_ptr<at::Half>();
+    args.half_mins = with_mins ? mins->data_ptr<at::Half>() : nullptr;
+  } else {
+    args.scales = scales.data_ptr<float>();
+    args.mins = with_mins ? mins->data_ptr<float>() : nullptr;
+  }
+  return args;
 }
 }  // namespace
 
@@ -2080,6 +2094,7 @@ namespace {
 // The row kernel up to kRowKernelMaxRows rows, dequantized tiles above (rounded to bfloat16 with bf16_tiles).
 torch::Tensor run_block_linear(const torch::Tensor& x, const BlockLinearArgs& a, int64_t out_features,
                                bool bf16_tiles) {
+  TORCH_CHECK(!a.dot_layout, "weights packed in the dot layout (--block-matmul int8) are read by block_linear_q8 only");
   const int64_t rows = x.size(0);
   auto y = torch::empty({rows, out_features}, x.options());
   if (rows <= kRowKernelMaxRows) {
@@ -2131,8 +2146,11 @@ torch::Tensor block_linear_bf16(torch::Tensor x, torch::Tensor q, torch::Tensor 
 // where a is the weight's integer as an unsigned byte: the nibble (0..15; Q4_0's carry + 8, zero = 8)
 // or the int8 value + 128 (zero = 128). xsum is the float sum of the block's x (the min term is not
 // rounded). VPDPBUSD multiplies 4 unsigned bytes by 4 signed ones and adds them into one int32 lane,
-// so the weight's panel is repacked, once per work item into an L1-sized buffer, from pack_blocks's
-// layout (one input's 16 features per row) to 16 features x 4 consecutive inputs per 64 bytes.
+// so it wants the weights as 16 features x 4 consecutive inputs per 64 bytes (the dot layout below).
+// `--block-matmul int8` keeps its weights in that layout from load on (pack_blocks(layout="dot"), the
+// same bytes as pack_blocks's rows layout), so a step reads them as stored; weights in the rows layout
+// (one input's 16 features per row, what the float kernels read) are repacked once per work item into an
+// L1-sized buffer first, which at one row costs more than the dot products themselves.
 // The arithmetic is the same on every path: the per-block float update is
 //   acc = fma(float(idot), sw * sx, acc); acc = fma(mins, xsum, acc)
 // so the portable loop and the AVX-512 VNNI kernel give the same bits.
@@ -2149,14 +2167,22 @@ namespace {
 #elif defined(TOKENMILL_AVX2)
 #define TOKENMILL_DOT_AVX2 1
 #endif
-#if defined(TOKENMILL_DOT_AVX2)
-constexpr bool kSignedQ8Panels = true;  // 8-bit panels repacked as the signed values (see above)
+// VPDPBUSD wants unsigned weights: the VNNI kernel reads an 8-bit weight as w + 128 (zero = 128); AVX2
+// and the portable loop multiply the signed values (zero = 0).
+#if defined(TOKENMILL_VNNI)
+constexpr int kQ8DotZero = 128;
 #else
-constexpr bool kSignedQ8Panels = false;
+constexpr int kQ8DotZero = 0;
 #endif
 
-constexpr int64_t kDotGroupBytes = 64;                          // 16 features x 4 inputs
-constexpr int64_t kDotBlockBytes = kQ8Block / 4 * kDotGroupBytes;  // 512 per (panel, block)
+// The dot layout: per (panel, block) of 32 inputs, 64-byte groups where byte 4f + j holds feature f's
+// integer for input 4g + j (VPDPBUSD's operand; each 32-byte half, 8 features, is VPMADDUBSW's). 8-bit
+// blocks: 8 groups of the signed values. 4-bit blocks: 4 groups of 64 bytes that hold two each, inputs
+// 8u..8u+3 in the low nibbles and 8u+4..8u+7 in the high ones (the nibble as pack_blocks stores it: q,
+// or q + 8 for Q4_0), so unpacking is a mask and a shift. Either is as large as the rows layout.
+constexpr int64_t kDotGroupBytes = 64;  // 16 features x 4 inputs
+template <int Bits>
+constexpr int64_t kDotBlockBytes = kQ8Block * kQ8Panel * Bits / 8;  // 512 or 256 per (panel, block)
 constexpr int64_t kDotRowChunk = 64;
 #if defined(TOKENMILL_DOT_AVX2)
 constexpr int kDotTileRows = 6;  // 6 int16 + 6 float accumulators, the weights and x in 16 ymm registers
@@ -2251,13 +2277,14 @@ void quantize_rows(const float* x, int64_t rows, int64_t in_features, bool with_
   });
 }
 
-// One panel (all its blocks) repacked: out[b][g][f][j] = a(feature f, input 4g + j of block b) (8-bit
-// panels: the signed value where kSignedQ8Panels).
+// One panel (all its blocks) from pack_blocks's rows layout (one input's 16 features per row) into the
+// dot layout (above).
 template <int Bits>
 void repack_panel_for_dot(const uint8_t* qp, int64_t blocks, uint8_t* out) {
 #if defined(TOKENMILL_VNNI)
   if constexpr (Bits == 4) {
-    // 8 inputs' rows (64 bytes) at a time: low nibbles hold features 0-7, high ones 8-15.
+    // 8 inputs' rows (64 bytes) become one 64-byte group pair: low nibbles hold features 0-7, high ones 8-15;
+    // idx0 gathers inputs 0-3 of each feature, idx1 inputs 4-7, which go to the high nibbles.
     alignas(64) uint8_t idx[64];
     for (int f = 0; f < 16; ++f)
       for (int j = 0; j < 4; ++j) idx[f * 4 + j] = static_cast<uint8_t>(f < 8 ? j * 8 + f : 64 + j * 8 + f - 8);
@@ -2266,18 +2293,16 @@ void repack_panel_for_dot(const uint8_t* qp, int64_t blocks, uint8_t* out) {
     for (int64_t i = 0; i < blocks * kQ8Block / 8; ++i) {
       const __m512i v = _mm512_loadu_si512(qp + i * 64);
       const __m512i lo = _mm512_and_si512(v, low4), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
-      _mm512_storeu_si512(out + i * 128, _mm512_permutex2var_epi8(lo, idx0, hi));
-      _mm512_storeu_si512(out + i * 128 + 64, _mm512_permutex2var_epi8(lo, idx1, hi));
+      const __m512i first = _mm512_permutex2var_epi8(lo, idx0, hi), second = _mm512_permutex2var_epi8(lo, idx1, hi);
+      _mm512_storeu_si512(out + i * 64, _mm512_or_si512(first, _mm512_slli_epi16(second, 4)));  // bytes <= 15
     }
   } else {
     alignas(64) uint8_t idx[64];
     for (int f = 0; f < 16; ++f)
       for (int j = 0; j < 4; ++j) idx[f * 4 + j] = static_cast<uint8_t>(j * 16 + f);
-    const __m512i perm = _mm512_load_si512(idx), bias = _mm512_set1_epi8(static_cast<char>(0x80));
-    for (int64_t i = 0; i < blocks * kQ8Block / 4; ++i) {
-      const __m512i v = _mm512_loadu_si512(qp + i * 64);
-      _mm512_storeu_si512(out + i * 64, _mm512_xor_si512(_mm512_permutexvar_epi8(perm, v), bias));
-    }
+    const __m512i perm = _mm512_load_si512(idx);
+    for (int64_t i = 0; i < blocks * kQ8Block / 4; ++i)
+      _mm512_storeu_si512(out + i * 64, _mm512_permutexvar_epi8(perm, _mm512_loadu_si512(qp + i * 64)));
   }
 #elif defined(TOKENMILL_DOT_AVX2)
   // A 4 x 16 byte transpose per group of 4 inputs: bytes interleaved pairwise, then pairs of pairs.
@@ -2286,18 +2311,24 @@ void repack_panel_for_dot(const uint8_t* qp, int64_t blocks, uint8_t* out) {
     // interleaved byte by byte within their 16 bytes, as unpacklo_epi8 of the two rows would.
     const __m128i pairs = _mm_setr_epi8(0, 8, 1, 9, 2, 10, 3, 11, 4, 12, 5, 13, 6, 14, 7, 15);
     const __m128i low4 = _mm_set1_epi8(0x0F);
-    for (int64_t g = 0; g < blocks * kQ8Block / 4; ++g) {
-      const __m128i r01 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + g * 32));
-      const __m128i r23 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qp + g * 32 + 16));
+    auto group = [&](const uint8_t* rows, __m128i (&o)[4]) {
+      const __m128i r01 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows));
+      const __m128i r23 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows + 16));
       const __m128i a = _mm_shuffle_epi8(_mm_and_si128(r01, low4), pairs);
       const __m128i b = _mm_shuffle_epi8(_mm_and_si128(r23, low4), pairs);
       const __m128i c = _mm_shuffle_epi8(_mm_and_si128(_mm_srli_epi16(r01, 4), low4), pairs);
       const __m128i d = _mm_shuffle_epi8(_mm_and_si128(_mm_srli_epi16(r23, 4), low4), pairs);
-      __m128i* o = reinterpret_cast<__m128i*>(out + g * kDotGroupBytes);
-      _mm_storeu_si128(o, _mm_unpacklo_epi16(a, b));
-      _mm_storeu_si128(o + 1, _mm_unpackhi_epi16(a, b));
-      _mm_storeu_si128(o + 2, _mm_unpacklo_epi16(c, d));
-      _mm_storeu_si128(o + 3, _mm_unpackhi_epi16(c, d));
+      o[0] = _mm_unpacklo_epi16(a, b);
+      o[1] = _mm_unpackhi_epi16(a, b);
+      o[2] = _mm_unpacklo_epi16(c, d);
+      o[3] = _mm_unpackhi_epi16(c, d);
+    };
+    for (int64_t u = 0; u < blocks * kQ8Block / 8; ++u) {
+      __m128i first[4], second[4];
+      group(qp + u * 64, first);
+      group(qp + u * 64 + 32, second);
+      __m128i* o = reinterpret_cast<__m128i*>(out + u * kDotGroupBytes);
+      for (int i = 0; i < 4; ++i) _mm_storeu_si128(o + i, _mm_or_si128(first[i], _mm_slli_epi16(second[i], 4)));
     }
   } else {
     for (int64_t g = 0; g < blocks * kQ8Block / 4; ++g) {
@@ -2315,40 +2346,78 @@ void repack_panel_for_dot(const uint8_t* qp, int64_t blocks, uint8_t* out) {
   }
 #else
   constexpr int64_t row_bytes = PanelRow<Bits>::kBytes;
+  if constexpr (Bits == 4) std::memset(out, 0, blocks * kDotBlockBytes<4>);
   for (int64_t k = 0; k < blocks * kQ8Block; ++k) {
     const uint8_t* row = qp + k * row_bytes;
-    uint8_t* group = out + (k / 4) * kDotGroupBytes + k % 4;
     for (int64_t f = 0; f < kQ8Panel; ++f) {
-      const int a = Bits == 4 ? (f < 8 ? row[f] & 0x0F : row[f - 8] >> 4) : (row[f] ^ 0x80);
-      group[f * 4] = static_cast<uint8_t>(a);
+      if constexpr (Bits == 4) {
+        const int a = f < 8 ? row[f] & 0x0F : row[f - 8] >> 4;
+        out[(k / 8) * kDotGroupBytes + f * 4 + k % 4] |= static_cast<uint8_t>(k % 8 < 4 ? a : a << 4);
+      } else {
+        out[(k / 4) * kDotGroupBytes + f * 4 + k % 4] = row[f];
+      }
     }
   }
 #endif
 }
 
+// The integer of (feature f, input k) of one (panel, block) in the dot layout: the signed value (8-bit) or
+// the nibble (4-bit).
+template <int Bits>
+inline int dot_layout_value(const uint8_t* wb, int64_t f, int64_t k) {
+  if constexpr (Bits == 8) return static_cast<int8_t>(wb[(k / 4) * kDotGroupBytes + f * 4 + k % 4]);
+  const uint8_t byte = wb[(k / 8) * kDotGroupBytes + f * 4 + k % 4];
+  return k % 8 < 4 ? byte & 0x0F : byte >> 4;
+}
+
+// A (panel, block)'s scales (or mins) widened to float: float32 as stored, float16 (the dot layout's, where
+// every value is one) exactly converted.
+inline float scale_value(float s) { return s; }
+inline float scale_value(at::Half s) { return static_cast<float>(s); }
+#if defined(TOKENMILL_AVX2)
+inline __m256 load_scales8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_scales8(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#endif
+#if defined(TOKENMILL_AVX512)
+inline __m512 load_scales16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales16(const at::Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
+
 #if defined(TOKENMILL_DOT_AVX2)
 // One half (8 features) of a panel for rows [r0, r0 + R): the weight groups at wa + 32 * half.
-template <int Bits, int R>
+template <int Bits, int R, typename scale_t>
 inline void dot_half_tile_avx2(const int8_t* xrow, int64_t in_features, int64_t blocks, const uint8_t* wa,
-                               const float* sp, const float* mp, const float* xd, const int32_t* xs,
+                               const scale_t* sp, const scale_t* mp, const float* xd, const int32_t* xs,
                                const float* xf, int zero, __m256 (&acc)[R]) {
   const __m256i ones = _mm256_set1_epi16(1);
+  const __m256i low4 = _mm256_set1_epi8(0x0F);
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* wb = wa + b * kDotBlockBytes;
+    const uint8_t* wb = wa + b * kDotBlockBytes<Bits>;
     const int8_t* xb = xrow + b * kQ8Block;
     __m256i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int g = 0; g < kQ8Block / 4; ++g) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * kDotGroupBytes));
-      if constexpr (Bits == 4) {
+    if constexpr (Bits == 4) {
+#pragma GCC unroll 4
+      for (int u = 0; u < kQ8Block / 8; ++u) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + u * kDotGroupBytes));
+        const __m256i lo = _mm256_and_si256(v, low4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low4);
         for (int r = 0; r < R; ++r) {
-          int32_t four;
-          std::memcpy(&four, xb + r * in_features + g * 4, 4);
-          dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(w, _mm256_set1_epi32(four)));
+          int32_t first, second;
+          std::memcpy(&first, xb + r * in_features + u * 8, 4);
+          std::memcpy(&second, xb + r * in_features + u * 8 + 4, 4);
+          dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(first)));
+          dot[r] = _mm256_add_epi16(dot[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(second)));
         }
-      } else {
+      }
+    } else {
+#pragma GCC unroll 8
+      for (int g = 0; g < kQ8Block / 4; ++g) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * kDotGroupBytes));
         const __m256i magnitude = _mm256_abs_epi8(w);
         for (int r = 0; r < R; ++r) {
           int32_t four;
@@ -2358,8 +2427,8 @@ inline void dot_half_tile_avx2(const int8_t* xrow, int64_t in_features, int64_t 
         }
       }
     }
-    const __m256 scale = _mm256_loadu_ps(sp + b * kQ8Panel);
-    const __m256 offset = mp == nullptr ? _mm256_setzero_ps() : _mm256_loadu_ps(mp + b * kQ8Panel);
+    const __m256 scale = load_scales8(sp + b * kQ8Panel);
+    const __m256 offset = mp == nullptr ? _mm256_setzero_ps() : load_scales8(mp + b * kQ8Panel);
     for (int r = 0; r < R; ++r) {
       __m256i d = Bits == 4 ? _mm256_madd_epi16(dot[r], ones) : dot[r];
       if (zero != 0) d = _mm256_sub_epi32(d, _mm256_set1_epi32(zero * xs[r * blocks + b]));
@@ -2371,36 +2440,49 @@ inline void dot_half_tile_avx2(const int8_t* xrow, int64_t in_features, int64_t 
 }
 #endif
 
-// Rows [r0, r0 + R) of the quantized x against one repacked panel.
-template <int Bits, int R>
-void dot_panel_tile(const QuantizedRows& xq, int64_t r0, int64_t in_features, const uint8_t* wa, const float* sp,
-                    const float* mp, int zero, int64_t width, const float* bias, float* y, int64_t y_stride) {
+// Rows [r0, r0 + R) of the quantized x against one panel in the dot layout. zero: what each integer a
+// carries over the weight's value (kQ8DotZero for 8-bit blocks, 8 for Q4_0's nibbles, else 0).
+template <int Bits, int R, typename scale_t>
+void dot_panel_tile(const QuantizedRows& xq, int64_t r0, int64_t in_features, const uint8_t* wa, const scale_t* sp,
+                    const scale_t* mp, int zero, int64_t width, const float* bias, float* y, int64_t y_stride) {
   const int64_t blocks = in_features / kQ8Block;
   const int8_t* xrow = xq.q.data() + r0 * in_features;
   const float* xd = xq.scale.data() + r0 * blocks;
   const int32_t* xs = xq.qsum.data() + r0 * blocks;
   const float* xf = mp == nullptr ? nullptr : xq.sum.data() + r0 * blocks;
 #if defined(TOKENMILL_VNNI)
+  const __m512i low4 = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(static_cast<char>(0x80));
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
-    const uint8_t* wb = wa + b * kDotBlockBytes;
+    const uint8_t* wb = wa + b * kDotBlockBytes<Bits>;
     const int8_t* xb = xrow + b * kQ8Block;
-    __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_setzero_si512();
-#pragma GCC unroll 8
-    for (int g = 0; g < kQ8Block / 4; ++g) {
-      const __m512i w = _mm512_loadu_si512(wb + g * kDotGroupBytes);
+    // Two chains per row (inputs 4-7 of every 8 in the second): integer sums, exact in any order.
+    __m512i first[R], second[R];
+    for (int r = 0; r < R; ++r) first[r] = second[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int u = 0; u < kQ8Block / 8; ++u) {
+      __m512i w0, w1;
+      if constexpr (Bits == 4) {
+        const __m512i v = _mm512_loadu_si512(wb + u * kDotGroupBytes);
+        w0 = _mm512_and_si512(v, low4);
+        w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+      } else {  // signed bytes as w + 128
+        w0 = _mm512_xor_si512(_mm512_loadu_si512(wb + 2 * u * kDotGroupBytes), flip);
+        w1 = _mm512_xor_si512(_mm512_loadu_si512(wb + (2 * u + 1) * kDotGroupBytes), flip);
+      }
       for (int r = 0; r < R; ++r) {
-        int32_t four;
-        std::memcpy(&four, xb + r * in_features + g * 4, 4);
-        dot[r] = _mm512_dpbusd_epi32(dot[r], w, _mm512_set1_epi32(four));
+        int32_t x0, x1;
+        std::memcpy(&x0, xb + r * in_features + u * 8, 4);
+        std::memcpy(&x1, xb + r * in_features + u * 8 + 4, 4);
+        first[r] = _mm512_dpbusd_epi32(first[r], w0, _mm512_set1_epi32(x0));
+        second[r] = _mm512_dpbusd_epi32(second[r], w1, _mm512_set1_epi32(x1));
       }
     }
-    const __m512 scale = _mm512_loadu_ps(sp + b * kQ8Panel);
-    const __m512 offset = mp == nullptr ? _mm512_setzero_ps() : _mm512_loadu_ps(mp + b * kQ8Panel);
+    const __m512 scale = load_scales16(sp + b * kQ8Panel);
+    const __m512 offset = mp == nullptr ? _mm512_setzero_ps() : load_scales16(mp + b * kQ8Panel);
     for (int r = 0; r < R; ++r) {
-      __m512i d = dot[r];
+      __m512i d = _mm512_add_epi32(first[r], second[r]);
       if (zero != 0) d = _mm512_sub_epi32(d, _mm512_set1_epi32(zero * xs[r * blocks + b]));
       const __m512 factor = _mm512_mul_ps(scale, _mm512_set1_ps(xd[r * blocks + b]));
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), factor, acc[r]);
@@ -2414,7 +2496,7 @@ void dot_panel_tile(const QuantizedRows& xq, int64_t r0, int64_t in_features, co
   for (int half = 0; half < 2 && half * 8 < width; ++half) {
     const int64_t lanes = std::min<int64_t>(8, width - half * 8);
     __m256 acc[R];
-    dot_half_tile_avx2<Bits, R>(xrow, in_features, blocks, wa + half * 32, sp + half * 8,
+    dot_half_tile_avx2<Bits, R, scale_t>(xrow, in_features, blocks, wa + half * 32, sp + half * 8,
                                 mp == nullptr ? nullptr : mp + half * 8, xd, xs, xf, zero, acc);
     alignas(32) float bias_lanes[8] = {};
     if (bias != nullptr) std::memcpy(bias_lanes, bias + half * 8, lanes * sizeof(float));
@@ -2434,15 +2516,15 @@ void dot_panel_tile(const QuantizedRows& xq, int64_t r0, int64_t in_features, co
   for (int r = 0; r < R; ++r) {
     float acc[kQ8Panel] = {};
     for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* wb = wa + b * kDotBlockBytes;
+      const uint8_t* wb = wa + b * kDotBlockBytes<Bits>;
       const int8_t* xb = xrow + r * in_features + b * kQ8Block;
       for (int64_t f = 0; f < kQ8Panel; ++f) {
         int32_t dot = 0;
-        for (int64_t k = 0; k < kQ8Block; ++k) dot += static_cast<int32_t>(wb[(k / 4) * kDotGroupBytes + f * 4 + k % 4]) * xb[k];
+        for (int64_t k = 0; k < kQ8Block; ++k) dot += dot_layout_value<Bits>(wb, f, k) * xb[k];
         dot -= zero * xs[r * blocks + b];
-        const float factor = sp[b * kQ8Panel + f] * xd[r * blocks + b];
+        const float factor = scale_value(sp[b * kQ8Panel + f]) * xd[r * blocks + b];
         acc[f] = std::fma(static_cast<float>(dot), factor, acc[f]);
-        if (mp != nullptr) acc[f] = std::fma(mp[b * kQ8Panel + f], xf[r * blocks + b], acc[f]);
+        if (mp != nullptr) acc[f] = std::fma(scale_value(mp[b * kQ8Panel + f]), xf[r * blocks + b], acc[f]);
       }
     }
     for (int64_t f = 0; f < width; ++f) y[r * y_stride + f] = acc[f] + (bias == nullptr ? 0.0f : bias[f]);
@@ -2450,59 +2532,72 @@ void dot_panel_tile(const QuantizedRows& xq, int64_t r0, int64_t in_features, co
 #endif
 }
 
-template <int Bits, int... Rs>
+template <int Bits, typename scale_t, int... Rs>
 constexpr auto make_dot_tiles(std::integer_sequence<int, Rs...>) {
-  using Fn = void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, const float*, const float*, int, int64_t,
-                      const float*, float*, int64_t);
-  return std::array<Fn, sizeof...(Rs)>{dot_panel_tile<Bits, Rs + 1>...};
+  using Fn = void (*)(const QuantizedRows&, int64_t, int64_t, const uint8_t*, const scale_t*, const scale_t*, int,
+                      int64_t, const float*, float*, int64_t);
+  return std::array<Fn, sizeof...(Rs)>{dot_panel_tile<Bits, Rs + 1, scale_t>...};
 }
-template <int Bits>
-constexpr auto kDotTileByRows = make_dot_tiles<Bits>(std::make_integer_sequence<int, kDotTileRows>{});
+template <int Bits, typename scale_t>
+constexpr auto kDotTileByRows = make_dot_tiles<Bits, scale_t>(std::make_integer_sequence<int, kDotTileRows>{});
 
-template <int Bits>
-void block_linear_dot(const float* x, int64_t rows, int64_t in_features, const uint8_t* q, int zero,
-                      const float* scales, const float* mins, int64_t out_features, const float* bias, float* y) {
+// dot_layout: q is in the dot layout (read in place); else in the rows layout (each panel repacked first).
+template <int Bits, typename scale_t>
+void block_linear_dot(const float* x, int64_t rows, int64_t in_features, const uint8_t* q, bool dot_layout, int zero,
+                      const scale_t* scales, const scale_t* mins, int64_t out_features, const float* bias, float* y) {
   if (rows == 0) return;
   const int64_t blocks = in_features / kQ8Block;
-  const int64_t panel_bytes = blocks * kQ8Block * PanelRow<Bits>::kBytes;
+  const int64_t panel_bytes = blocks * kDotBlockBytes<Bits>;  // either layout
   const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel;
   const int64_t chunks = (rows + kDotRowChunk - 1) / kDotRowChunk;
   QuantizedRows xq;
   quantize_rows(x, rows, in_features, mins != nullptr, xq);
-  const int a_zero = Bits == 8 ? (kSignedQ8Panels ? 0 : 128) : zero;
+  const int a_zero = Bits == 8 ? kQ8DotZero : zero;
   // Work item = (row chunk, panel), panels innermost so a thread's consecutive items share x.
   at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> repacked;
-    if (static_cast<int64_t>(repacked.size()) < blocks * kDotBlockBytes) repacked.resize(blocks * kDotBlockBytes);
+    if (!dot_layout && static_cast<int64_t>(repacked.size()) < panel_bytes) repacked.resize(panel_bytes);
     int64_t repacked_panel = -1;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t p = item % panels, chunk = item / panels;
-      if (p != repacked_panel) {
-        repack_panel_for_dot<Bits>(q + p * panel_bytes, blocks, repacked.data());
-        repacked_panel = p;
+      const uint8_t* wa = q + p * panel_bytes;
+      if (!dot_layout) {
+        if (p != repacked_panel) {
+          repack_panel_for_dot<Bits>(wa, blocks, repacked.data());
+          repacked_panel = p;
+        }
+        wa = repacked.data();
       }
       const int64_t n0 = p * kQ8Panel, width = std::min(kQ8Panel, out_features - n0);
-      const float* sp = scales + p * blocks * kQ8Panel;
-      const float* mp = mins == nullptr ? nullptr : mins + p * blocks * kQ8Panel;
+      const scale_t* sp = scales + p * blocks * kQ8Panel;
+      const scale_t* mp = mins == nullptr ? nullptr : mins + p * blocks * kQ8Panel;
       const float* bp = bias == nullptr ? nullptr : bias + n0;
       const int64_t r_end = std::min(rows, (chunk + 1) * kDotRowChunk);
       for (int64_t r0 = chunk * kDotRowChunk; r0 < r_end; r0 += kDotTileRows) {
         const int64_t tile = std::min<int64_t>(kDotTileRows, r_end - r0);
-        kDotTileByRows<Bits>[tile - 1](xq, r0, in_features, repacked.data(), sp, mp, a_zero, width, bp,
-                                 y + r0 * out_features + n0, out_features);
+        kDotTileByRows<Bits, scale_t>[tile - 1](xq, r0, in_features, wa, sp, mp, a_zero, width, bp,
+                                       y + r0 * out_features + n0, out_features);
       }
     }
   });
 }
 }  // namespace
 
+// y = x @ w^T (+ bias) with x rounded to int8 per block of 32 and integer dot products. q in either layout:
+// pack_blocks's rows layout [panels, K / 32, 32, 16 * bits / 8] or the dot layout [panels, K / 32, bits / 2, 64].
 torch::Tensor block_linear_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                               c10::optional<torch::Tensor> bias, int64_t out_features) {
   const BlockLinearArgs a = check_block_linear_args(x, q, scales, mins, bias, out_features);
   auto y = torch::empty({x.size(0), out_features}, x.options());
-  const auto run = a.bits == 8 ? block_linear_dot<8> : block_linear_dot<4>;
-  run(x.data_ptr<float>(), x.size(0), x.size(1), a.q, a.zero, a.scales, a.mins, out_features, a.bias,
-      y.data_ptr<float>());
+  if (a.half_scales != nullptr) {
+    const auto run = a.bits == 8 ? block_linear_dot<8, at::Half> : block_linear_dot<4, at::Half>;
+    run(x.data_ptr<float>(), x.size(0), x.size(1), a.q, a.dot_layout, a.zero, a.half_scales, a.half_mins,
+        out_features, a.bias, y.data_ptr<float>());
+  } else {
+    const auto run = a.bits == 8 ? block_linear_dot<8, float> : block_linear_dot<4, float>;
+    run(x.data_ptr<float>(), x.size(0), x.size(1), a.q, a.dot_layout, a.zero, a.scales, a.mins, out_features, a.bias,
+        y.data_ptr<float>());
+  }
   return y;
 }
 
