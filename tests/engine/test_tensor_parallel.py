@@ -130,10 +130,12 @@ def test_two_ranks_match_one_on_every_family(family, tmp_path, smollm2_tokenizer
 
 
 @pytest.mark.slow
-def test_two_ranks_match_one_with_kept_gguf_int8_blocks(tiny_gguf_path, tiny_llama_dir):
+@pytest.mark.parametrize("block_matmul", ["float32", "int8"])
+def test_two_ranks_match_one_with_kept_gguf_int8_blocks(tiny_gguf_path, tiny_llama_dir, block_matmul):
     # Row-parallel o_proj/down_proj keep their int8 blocks (32 and 64 inputs per rank); the fused C++
-    # decode stack is off under tensor parallelism.
-    kwargs = dict(tokenizer=str(tiny_llama_dir))
+    # decode stack is off under tensor parallelism. Under --block-matmul int8 each rank keeps its shards in
+    # the dot products' layout and rounds its slice of x per block of 32, as one process does.
+    kwargs = dict(tokenizer=str(tiny_llama_dir), block_matmul=block_matmul)
     assert _greedy(str(tiny_gguf_path), 2, **kwargs) == _greedy(str(tiny_gguf_path), 1, **kwargs)
 
 
