@@ -98,6 +98,27 @@ def test_simd_paths_agree_bit_for_bit_on_the_row_path(kernels):
                            narrower.block_linear(x[:rows], *packed, None, 37))
 
 
+@pytest.mark.parametrize("in_features", [96, 576])
+def test_row_path_bits_do_not_depend_on_the_batch_at_any_width(kernels, in_features):
+    """A row's bits are its bits in any batch (tiles of 1-3 rows against the 9-row tile) and on the AVX2
+    path, at block counts that are not powers of two (3, and 18: the embedded model's hidden size)."""
+    from tokenmill.model.layers import cpu_kernels
+
+    gen = torch.Generator().manual_seed(in_features)
+    blocks = Int8Blocks(torch.randint(0, 16, (40, in_features), generator=gen).to(torch.int8),
+                        torch.rand(40, in_features // 32, generator=gen), torch.randn(40, in_features // 32, generator=gen))
+    packed = pack_blocks(blocks)
+    x = torch.randn(9, in_features, generator=gen)
+    batch = kernels.block_linear(x, *packed, None, 40)
+    for rows in (1, 2, 3):
+        assert torch.equal(kernels.block_linear(x[:rows], *packed, None, 40), batch[:rows]), f"rows={rows}"
+    torch.testing.assert_close(batch.double(), x.double() @ blocks.dequantize().double().T, atol=1e-4, rtol=1e-4)
+    if kernels.simd == "avx512":
+        narrower = cpu_kernels.load_variant("avx2")
+        for rows in (1, 2, 9):
+            assert torch.equal(narrower.block_linear(x[:rows], *packed, None, 40), batch[:rows]), f"avx2 rows={rows}"
+
+
 def test_kernel_rejects_mismatched_storage(kernels):
     blocks, _ = file_blocks("Q4_1")
     q, scales, mins = pack_blocks(blocks)
