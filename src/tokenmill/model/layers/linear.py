@@ -336,8 +336,9 @@ class Int8ActivationKernels:
     (`--block-matmul int8`): `block_linear` is `block_linear_q8`, which rounds each row of x to int8 per
     block of 32 inputs (scale max|x| / 127, as llama.cpp rounds activations for its quantized matmuls)
     and multiplies the weight's integers with AVX-512 VNNI (VPDPBUSD) or AVX2 (VPMADDUBSW), whichever
-    the kernels were built for; the fused decode stack does the same. The weights are unchanged; the
-    outputs differ from the float32 path by that rounding of x (the same bits on either path)."""
+    the kernels were built for; the fused decode stack does the same. The weights' values are unchanged
+    (`BlockQuantLinear` keeps them in the dot products' layout, `weight_layout`, with float16 scales where
+    exact); the outputs differ from the float32 path by that rounding of x (the same bits on either path)."""
 
     int8_activations = True
     weight_layout = "dot"  # BlockQuantLinear keeps the weights as the dot products read them: no repacking per step
