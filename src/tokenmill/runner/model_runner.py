@@ -313,7 +313,8 @@ class ModelRunner:
                     "above, no float copy")
         if getattr(kernels, "int8_activations", False):
             path = INT8_DOT_PATHS.get(getattr(kernels, "int8_dot", ""), "portable")
-            return f"activations rounded to int8 per block of 32, {path} integer dot products, no float copy"
+            return (f"activations rounded to int8 per block of 32, {path} integer dot products on weights kept in "
+                    "their layout, no float copy")
         if isinstance(kernels, Bf16TileKernels):
             return (f"row kernel for steps of up to {BLOCK_KERNEL_MAX_ROWS} rows, tiles rounded to bfloat16 "
                     f"{self._bf16_tile_path(kernels)} above, no float copy")
