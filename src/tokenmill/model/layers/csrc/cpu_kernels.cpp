@@ -2370,21 +2370,11 @@ inline int dot_layout_value(const uint8_t* wb, int64_t f, int64_t k) {
   return k % 8 < 4 ? byte & 0x0F : byte >> 4;
 }
 
-// A (panel, block)'s scales (or mins) widened to float: float32 as stored, float16 (the dot layout's, where
-// every value is one) exactly converted.
-inline float scale_value(float s) { return s; }
-inline float scale_value(at::Half s) { return static_cast<float>(s); }
-#if defined(TOKENMILL_AVX2)
-inline __m256 load_scales8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load_scales8(const at::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-#endif
+// A (panel, block)'s scales (or mins), float32 or the dot layout's float16, widen as the attention kernels
+// widen a 16-bit cache (to_float, load8); load16 is load8 on 16 lanes.
 #if defined(TOKENMILL_AVX512)
-inline __m512 load_scales16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load_scales16(const at::Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 #endif
 
 #if defined(TOKENMILL_DOT_AVX2)
@@ -2427,8 +2417,8 @@ inline void dot_half_tile_avx2(const int8_t* xrow, int64_t in_features, int64_t 
         }
       }
     }
-    const __m256 scale = load_scales8(sp + b * kQ8Panel);
-    const __m256 offset = mp == nullptr ? _mm256_setzero_ps() : load_scales8(mp + b * kQ8Panel);
+    const __m256 scale = load8(sp + b * kQ8Panel);
+    const __m256 offset = mp == nullptr ? _mm256_setzero_ps() : load8(mp + b * kQ8Panel);
     for (int r = 0; r < R; ++r) {
       __m256i d = Bits == 4 ? _mm256_madd_epi16(dot[r], ones) : dot[r];
       if (zero != 0) d = _mm256_sub_epi32(d, _mm256_set1_epi32(zero * xs[r * blocks + b]));
@@ -2479,8 +2469,8 @@ void dot_panel_tile(const QuantizedRows& xq, int64_t r0, int64_t in_features, co
         second[r] = _mm512_dpbusd_epi32(second[r], w1, _mm512_set1_epi32(x1));
       }
     }
-    const __m512 scale = load_scales16(sp + b * kQ8Panel);
-    const __m512 offset = mp == nullptr ? _mm512_setzero_ps() : load_scales16(mp + b * kQ8Panel);
+    const __m512 scale = load16(sp + b * kQ8Panel);
+    const __m512 offset = mp == nullptr ? _mm512_setzero_ps() : load16(mp + b * kQ8Panel);
     for (int r = 0; r < R; ++r) {
       __m512i d = _mm512_add_epi32(first[r], second[r]);
       if (zero != 0) d = _mm512_sub_epi32(d, _mm512_set1_epi32(zero * xs[r * blocks + b]));
@@ -2522,9 +2512,9 @@ void dot_panel_tile(const QuantizedRows& xq, int64_t r0, int64_t in_features, co
         int32_t dot = 0;
         for (int64_t k = 0; k < kQ8Block; ++k) dot += dot_layout_value<Bits>(wb, f, k) * xb[k];
         dot -= zero * xs[r * blocks + b];
-        const float factor = scale_value(sp[b * kQ8Panel + f]) * xd[r * blocks + b];
+        const float factor = to_float(sp[b * kQ8Panel + f]) * xd[r * blocks + b];
         acc[f] = std::fma(static_cast<float>(dot), factor, acc[f]);
-        if (mp != nullptr) acc[f] = std::fma(scale_value(mp[b * kQ8Panel + f]), xf[r * blocks + b], acc[f]);
+        if (mp != nullptr) acc[f] = std::fma(to_float(mp[b * kQ8Panel + f]), xf[r * blocks + b], acc[f]);
       }
     }
     for (int64_t f = 0; f < width; ++f) y[r * y_stride + f] = acc[f] + (bias == nullptr ? 0.0f : bias[f]);
