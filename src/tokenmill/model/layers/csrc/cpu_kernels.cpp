@@ -1071,6 +1071,11 @@ constexpr int64_t kQ8Panel = 16;
 // the 8 running sums are touched once per 32 inputs, so the compiler may keep them on the stack.
 constexpr int64_t kQ8TileRows = 4;
 constexpr int64_t kQ8PrefetchBytes = 1024;
+// Asks for `bytes` starting `distance` past p into L1, a line at a time: a weight stream read ahead of its use
+// (prefetcht0, as _mm_prefetch(..., _MM_HINT_T0)).
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes, int64_t distance) {
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + distance + line, 0, 3);
+}
 // Rows of x per work item for larger steps: the panel stays in L1/L2 while a chunk of x streams past.
 constexpr int64_t kQ8RowChunk = 64;
 // Up to this many rows the row kernel runs; above it, dequantized tiles through sgemm.
@@ -1157,9 +1162,8 @@ inline void panel_tile(const float* x, int64_t in_features, const uint8_t* qp, i
   for (int r = 0; r < R; ++r) sum[r][0] = sum[r][1] = _mm256_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* qb = qp + b * kQ8Block * row_bytes;
-    if (prefetch)  // the first tile streams the panel from DRAM; later tiles find it in cache
-      for (int64_t line = 0; line < kQ8Block * row_bytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(qb + kQ8PrefetchBytes + line), _MM_HINT_T0);
+    // The first tile streams the panel from DRAM; later tiles find it in cache.
+    if (prefetch) prefetch_ahead(qb, kQ8Block * row_bytes, kQ8PrefetchBytes);
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const float* xb = x + b * kQ8Block;
@@ -1235,9 +1239,7 @@ void panel_tile16(const float* x, int64_t in_features, const uint8_t* qp, const 
   for (int r = 0; r < R; ++r) sum[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* qb = qp + b * kQ8Block * row_bytes;
-    if (prefetch)
-      for (int64_t line = 0; line < kQ8Block * row_bytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(qb + kQ8PrefetchBytes + line), _MM_HINT_T0);
+    if (prefetch) prefetch_ahead(qb, kQ8Block * row_bytes, kQ8PrefetchBytes);
     __m512 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     const float* xb = x + b * kQ8Block;
@@ -2405,9 +2407,7 @@ inline void dot_half_tile_avx2(const int8_t* xrow, int64_t in_features, int64_t 
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = wa + b * kDotBlockBytes<Bits>;
     const int8_t* xb = xrow + b * kQ8Block;
-    if (prefetch)
-      for (int64_t line = 0; line < kDotBlockBytes<Bits>; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wb + kDotPrefetchBytes + line), _MM_HINT_T0);
+    if (prefetch) prefetch_ahead(wb, kDotBlockBytes<Bits>, kDotPrefetchBytes);
     __m256i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm256_setzero_si256();
     if constexpr (Bits == 4) {
@@ -2468,9 +2468,7 @@ void dot_panel_tile(const QuantizedRows& xq, int64_t r0, int64_t in_features, co
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = wa + b * kDotBlockBytes<Bits>;
     const int8_t* xb = xrow + b * kQ8Block;
-    if (prefetch)
-      for (int64_t line = 0; line < kDotBlockBytes<Bits>; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(wb + kDotPrefetchBytes + line), _MM_HINT_T0);
+    if (prefetch) prefetch_ahead(wb, kDotBlockBytes<Bits>, kDotPrefetchBytes);
     // Two chains per row (inputs 4-7 of every 8 in the second): integer sums, exact in any order.
     __m512i first[R], second[R];
     for (int r = 0; r < R; ++r) first[r] = second[r] = _mm512_setzero_si512();
