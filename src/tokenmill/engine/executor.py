@@ -55,8 +55,7 @@ class UniprocExecutor:
         from tokenmill.runner.model_runner import ModelRunner
 
         self.runner = ModelRunner(config, source.hf_config, source.architecture, device, max_model_len)
-        int8_blocks = {} if self.runner.keeps_int8_blocks(source.is_gguf) else None
-        self.runner.load_weights(source.iter_weights(self.runner.dtype, int8_blocks), int8_blocks)
+        self.runner.load_checkpoint(source)
         self.linear_layers = self.runner.linear_layers
         self.bytes_per_block = self.runner.kv_spec.bytes_per_block
         self.num_kv_blocks = self.runner.kv_cache_capacity(config)

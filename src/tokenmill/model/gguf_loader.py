@@ -9,7 +9,6 @@ checkpoint and are undone here:
 """
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +22,6 @@ from tokenmill.model import tokenizer_cache
 from tokenmill.model.gguf_families import GGUF_FAMILIES, GgufFamily, block_tensor_names, family_settings
 from tokenmill.model.layers.linear import Int8Blocks
 
-logger = logging.getLogger("tokenmill")
 
 if TYPE_CHECKING:
     import gguf
@@ -128,19 +126,23 @@ def read_gguf_config(reader: gguf.GGUFReader, path: Path) -> tuple[PretrainedCon
 
 def iter_gguf_weights(
     path: Path, config: PretrainedConfig, dtype: torch.dtype, reader: gguf.GGUFReader | None = None,
-    int8_blocks: dict[str, Int8Blocks] | None = None,
+    int8_blocks: dict[str, Int8Blocks] | None = None, dense_kept: bool = False,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, tensor) one tensor at a time, dequantized and in HF layout.
 
     Pass the reader that read the config to skip a second parse of the header (seconds for a
-    50k-token vocabulary: gguf-py builds a numpy view per metadata array element). With
-    `int8_blocks`, every matrix stored in a type `Int8Blocks` represents exactly is also put there
-    under its HF name, checked bit for bit against the dequantized tensor.
+    50k-token vocabulary: gguf-py builds a numpy view per metadata array element). Matrices in a type
+    `Int8Blocks` represents (INT8_BLOCK_TYPES) are decoded by `gguf_int8_blocks` and dequantized from
+    those blocks, which reproduces gguf-py's values bit for bit (tests/model/test_gguf_int8.py) in a
+    fraction of its time; other types go through gguf-py. With `int8_blocks` (float32 only), such a
+    matrix is put there under its HF name and yielded as a shape-only `meta` tensor, for a consumer
+    that skips the names it finds there, unless `dense_kept` asks for its dense values too.
     """
     from gguf import quants
 
     reader = reader if reader is not None else open_gguf(path)
     _, family = gguf_architecture(reader, path)
+    keep = int8_blocks is not None and dtype == torch.float32
     for tensor in reader.tensors:
         if tensor.name in _NON_PARAMETER_TENSORS:
             continue
@@ -152,31 +154,35 @@ def iter_gguf_weights(
             raise ModelLoadError(
                 f"tensor {tensor.name} in {path.name} uses the unsupported GGUF type {type_name}"
             )
-        array = quants.dequantize(tensor.data, tensor.tensor_type)
         # GGUF shape [ne0, ne1] is innermost-first; torch wants [ne1, ne0] = [out, in].
-        array = array.reshape(tuple(int(d) for d in reversed(tensor.shape.tolist())))
-        # Unquantized tensors come back as read-only memmap views; torch needs its own copy.
-        weight = torch.from_numpy(np.array(array, copy=not array.flags.writeable)).to(dtype)
+        shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
         unpermute = None
         if family.unpermute_qk and ".attn_q." in tensor.name:
             unpermute = config.num_attention_heads
         elif family.unpermute_qk and ".attn_k." in tensor.name:
             unpermute = config.num_key_value_heads
-        if unpermute is not None:
-            weight = unpermute_rotary_rows(weight, unpermute)
+        blocks = gguf_int8_blocks(tensor)
+        if blocks is not None and unpermute is not None:
+            blocks = blocks.map_rows(lambda rows: unpermute_rotary_rows(rows, unpermute))
+        if blocks is not None and keep:
+            int8_blocks[hf_name] = blocks
+            if not dense_kept:
+                yield hf_name, torch.empty(shape, dtype=dtype, device="meta")
+                continue
+        if blocks is not None:
+            weight = blocks.dequantize()
+        else:
+            array = quants.dequantize(tensor.data, tensor.tensor_type).reshape(shape)
+            # Unquantized tensors come back as read-only memmap views; torch needs its own copy.
+            weight = torch.from_numpy(np.array(array, copy=not array.flags.writeable))
+            if unpermute is not None:
+                weight = unpermute_rotary_rows(weight, unpermute)
+            del array
+        weight = weight.to(dtype)
         if family.norm_offset and tensor.name.endswith("norm.weight"):
             weight = weight - family.norm_offset
-        if int8_blocks is not None and dtype == torch.float32 and weight.dim() == 2:
-            blocks = gguf_int8_blocks(tensor)
-            if blocks is not None and unpermute is not None:
-                blocks = blocks.map_rows(lambda rows: unpermute_rotary_rows(rows, unpermute))
-            if blocks is not None and torch.equal(blocks.dequantize(), weight):
-                int8_blocks[hf_name] = blocks
-            elif blocks is not None:  # a decoding bug, never a property of the file: keep the dense weight
-                logger.warning("%s: GGUF %s blocks do not reproduce gguf-py's values; using dense weights",
-                               tensor.name, type_name)
         yield hf_name, weight.contiguous()
-        del array, weight  # keep at most one tensor alive between yields
+        del weight, blocks  # keep at most one tensor alive between yields
 
 
 # ---- GGUF blocks kept as block-int8 --------------------------------------------------------------

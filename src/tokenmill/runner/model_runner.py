@@ -224,6 +224,13 @@ class ModelRunner:
             return True
         return self.quantization is None and is_gguf and self.block_kernels is not None
 
+    def load_checkpoint(self, source) -> None:
+        """Streams `source`'s weights into the model. A GGUF's block-quantized matrices are kept as stored
+        where this runner multiplies them so (`keeps_int8_blocks`), without a float copy; a tensor-parallel
+        rank reads their float values too, for a shard whose inputs do not fall on 32-value blocks."""
+        int8_blocks = {} if self.keeps_int8_blocks(source.is_gguf) else None
+        self.load_weights(source.iter_weights(self.dtype, int8_blocks, dense_kept=self.tp is not None), int8_blocks)
+
     def load_weights(self, weights, int8_blocks: Optional[dict[str, Int8Blocks]] = None) -> None:
         """Copies `weights` into the model, then builds its linear layers; `int8_blocks` (filled while
         `weights` is consumed) holds the checkpoint matrices to keep in block-int8 form."""

@@ -85,8 +85,7 @@ def _load(config, rank: int, size: int, store_port: int, max_model_len: int):
     tp = init_tensor_parallel(rank, size, store_port, device)
     source = load_model_source(config.model, config.tokenizer)
     runner = ModelRunner(config, source.hf_config, source.architecture, device, max_model_len, tp)
-    int8_blocks = {} if runner.keeps_int8_blocks(source.is_gguf) else None
-    runner.load_weights(source.iter_weights(runner.dtype, int8_blocks), int8_blocks)
+    runner.load_checkpoint(source)
     return runner
 
 
