@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 from benchmarks.engine_options import effective, given
 from benchmarks.paths import default_workload_path, module_command, repo_root
 from benchmarks.tables import markdown_table, text_table
+from tokenmill.entrypoints.engine_args import add_engine_args
 
 SECTION = "engine-core"
 ENGINE_LABELS = {
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="tokens per step (default: the engine's, which depends on the device)")
     p.add_argument("--block-size", type=positive, default=None)
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
+    add_engine_args(p, ("kv_cache_memory_bytes",))
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads (default: usable cores)")
     p.add_argument("--output", default=None, help="markdown report (default: docs/benchmarks.md)")
     p.add_argument("--results-json", default=None, help="raw numbers (default: bench-results/engine-core.json)")
@@ -141,7 +143,8 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
     engine_options = engine_options or {}
     llm = LLM(model=args.model, dtype=args.dtype, num_threads=threads, device=args.device,
               **given(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                      block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching),
+                      block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+                      kv_cache_memory_bytes=args.kv_cache_memory_bytes),
               **engine_options)
     settings = effective(llm)
     shown = "".join(f", {k}={v}" for k, v in {**settings, **engine_options}.items())

@@ -27,6 +27,7 @@ from benchmarks.make_bench import _display_path, _usable_cores, machine_info, po
 from benchmarks.paths import module_command
 from benchmarks.tables import markdown_table, text_table
 from tokenmill.benchmarks.throughput import BenchmarkError, percentile
+from tokenmill.entrypoints.engine_args import add_engine_args
 
 SECTION = "scheduling"
 START_MARK = f"<!-- bench:{SECTION}:start -->"
@@ -164,7 +165,8 @@ def run_both(args: argparse.Namespace, threads: int) -> tuple[dict[str, Any], di
     workload: list[MixedRequest] = []
     for mode, threshold in (("isolation on", args.threshold), ("isolation off", None)):
         llm = LLM(model=args.model, dtype=args.dtype, device="cpu" if args.cpu else None,
-                  **given(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+                  **given(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes),
                   long_prefill_token_threshold=threshold, max_long_partial_prefills=args.max_long_partial_prefills,
                   enable_prefix_caching=False, num_threads=threads, max_model_len=args.max_model_len)
         vocab_size = llm.llm_engine.hf_config.vocab_size
@@ -227,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=positive, default=None,
                    help="tokens per step (default: the engine's, which depends on the device)")
     p.add_argument("--max-model-len", type=positive, default=4096)
+    add_engine_args(p, ("kv_cache_memory_bytes",))
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic token ids")
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads (default: usable cores)")
     p.add_argument("--output", default=None, help="markdown report (default: docs/benchmarks.md)")

@@ -14,7 +14,8 @@ def test_make_bench_runs_every_engine(tiny_llama_dir, workload_file, workload_re
     md.parent.mkdir()
     md.write_text("# Benchmarks\n\n<!-- bench:other:start -->\nkeep me\n<!-- bench:other:end -->\n")
     argv = ["--model", str(tiny_llama_dir), "--workload", str(workload_file), "--output", str(md),
-            "--results-json", str(raw), "--batch-size", "2", "--max-num-seqs", "4", "--no-tqdm", "--device", "cpu"]
+            "--results-json", str(raw), "--batch-size", "2", "--max-num-seqs", "4", "--no-tqdm", "--device", "cpu",
+            "--kv-cache-memory-bytes", "64MiB"]
     report = make_bench.main(argv)
 
     assert report["settings"]["dtype"] == "float32" and report["section"] == "engine-core"
@@ -48,7 +49,7 @@ def test_make_bench_runs_every_engine(tiny_llama_dir, workload_file, workload_re
 def test_make_bench_without_quantized_run(tiny_llama_dir, workload_file, tmp_path):
     argv = ["--model", str(tiny_llama_dir), "--workload", str(workload_file), "--output", str(tmp_path / "b.md"),
             "--results-json", str(tmp_path / "b.json"), "--skip-baselines", "--no-quantized", "--no-tqdm",
-            "--device", "cpu"]
+            "--device", "cpu", "--kv-cache-memory-bytes", "64MiB"]
     report = make_bench.main(argv)
     assert set(report["results"]) == {"tokenmill"} and report["settings"]["quantized_run"] is None
 

@@ -9,7 +9,8 @@ from benchmarks import mixed_bench
 def test_mixed_bench_smoke_runs_isolation_on_and_off(tiny_llama_dir, tmp_path):
     md, raw = tmp_path / "benchmarks.md", tmp_path / "scheduling.json"
     md.write_text("# Benchmarks\n\n<!-- bench:engine-core:start -->\nkeep me\n<!-- bench:engine-core:end -->\n")
-    argv = ["--model", str(tiny_llama_dir), "--cpu", "--max-model-len", "512", "--limit", "3", "--num-long", "1",
+    argv = ["--model", str(tiny_llama_dir), "--cpu", "--max-model-len", "512", "--kv-cache-memory-bytes", "64MiB",
+            "--limit", "3", "--num-long", "1",
             "--long-prompt-len", "300", "--short-prompt-len", "8", "--short-max-tokens", "6", "--threshold", "32",
             "--max-num-batched-tokens", "128", "--threads", "1", "--output", str(md), "--results-json", str(raw)]
     threads = torch.get_num_threads()

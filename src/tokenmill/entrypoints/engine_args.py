@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import typing
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from tokenmill.config import BOUNDS, EngineConfig, engine_options, option_types
 from tokenmill.errors import InvalidRequestError
@@ -61,10 +61,13 @@ def _flag_reader(f: dataclasses.Field, base: Any) -> Optional[Callable[[str], An
     return read
 
 
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
+def add_engine_args(parser: argparse.ArgumentParser, names: Optional[Sequence[str]] = None) -> None:
+    """Every engine option as a flag (`names`: only those, e.g. for a benchmark tool's command line)."""
     group = parser.add_argument_group("engine")
     types = option_types()
     for f in engine_options():
+        if names is not None and f.name not in names:
+            continue
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata["help"]}
         base = _base_type(types[f.name])
