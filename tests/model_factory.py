@@ -64,6 +64,22 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     return tokens
 
 
+def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """`hf_greedy` of several prompts in one left-padded `generate` (HF derives each row's positions from
+    its attention mask): the weights stream once per step for all of them, not once per prompt."""
+    model.generation_config.eos_token_id = None
+    model.config.eos_token_id = None
+    width = max(len(ids) for ids in prompts)
+    padded = torch.tensor([[0] * (width - len(ids)) + list(ids) for ids in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(ids)) + [1] * len(ids) for ids in prompts], device=model.device)
+    with torch.inference_mode():
+        out = model.generate(padded, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=0)
+    rows = [row[width:].tolist() for row in out]
+    assert all(len(row) == max_new_tokens for row in rows)
+    return rows
+
+
 # ---- GGUF files written the way llama.cpp's converter writes them --------------------------------
 
 def gguf_permute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
