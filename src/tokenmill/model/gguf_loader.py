@@ -207,7 +207,7 @@ def gguf_int8_blocks(tensor: Any) -> Int8Blocks | None:
     q, scales, mins = _UNPACKERS[type_name](raw)
     subblocks = in_features // 32
     return Int8Blocks(
-        torch.from_numpy(np.ascontiguousarray(q.reshape(out_features, in_features).astype(np.int8))),
+        torch.from_numpy(np.ascontiguousarray(q.reshape(out_features, in_features).astype(np.int8, copy=False))),
         torch.from_numpy(np.ascontiguousarray(scales.reshape(out_features, subblocks), dtype=np.float32)),
         None if mins is None else torch.from_numpy(
             np.ascontiguousarray(mins.reshape(out_features, subblocks), dtype=np.float32)),
