@@ -52,21 +52,13 @@ GOLDEN_PROMPTS = [
 
 def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
     """HF greedy `generate` that, like ignore_eos, neither stops at nor suppresses EOS."""
-    # generate() falls back to the model's own EOS ids wherever the config leaves them unset.
-    model.generation_config.eos_token_id = None
-    model.config.eos_token_id = None
-    with torch.inference_mode():
-        ids = torch.tensor([prompt_ids], device=model.device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=0)
-    tokens = out[0, len(prompt_ids):].tolist()
-    assert len(tokens) == max_new_tokens
-    return tokens
+    return hf_greedy_batch(model, [prompt_ids], max_new_tokens)[0]
 
 
 def hf_greedy_batch(model, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
     """`hf_greedy` of several prompts in one left-padded `generate` (HF derives each row's positions from
     its attention mask): the weights stream once per step for all of them, not once per prompt."""
+    # generate() falls back to the model's own EOS ids wherever the config leaves them unset.
     model.generation_config.eos_token_id = None
     model.config.eos_token_id = None
     width = max(len(ids) for ids in prompts)

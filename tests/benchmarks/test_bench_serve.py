@@ -274,8 +274,8 @@ def test_bench_throughput_offline(tiny_llama_dir, tmp_path, capsys):
     code = cli.main(["bench", "throughput", "--model", str(tiny_llama_dir), "--dataset", "shared-prefix",
                            "--num-prefixes", "2", "--prefix-len", "24", "--suffix-len", "4",
                            "--random-output-len", "3", "--num-prompts", "4", "--max-num-seqs", "2",
-                           "--max-num-batched-tokens", "64", "--max-model-len", "128", "--num-kv-blocks", "64", "--disable-tqdm",
-                           "--result-json", str(out)])
+                           "--max-num-batched-tokens", "64", "--max-model-len", "128", "--num-kv-blocks", "64",
+                           "--disable-tqdm", "--result-json", str(out)])
     assert code == 0 and "Throughput:" in capsys.readouterr().out
     result = json.loads(out.read_text())
     assert (result["kind"], result["num_requests"], result["prompt_tokens"], result["output_tokens"]) == \

@@ -16,8 +16,8 @@ MODEL = "tiny"
 
 def _start_two(start_server, tiny_llama_dir, *extra: str):
     return start_server(["--model", str(tiny_llama_dir), "--served-model-name", MODEL, "--api-server-count", "2",
-                         "--max-model-len", "256", "--num-kv-blocks", "256", "--disable-access-log", "--disable-log-stats",
-                         *extra])
+                         "--max-model-len", "256", "--num-kv-blocks", "256", "--disable-access-log",
+                         "--disable-log-stats", *extra])
 
 
 def _processes(server) -> tuple[int, int]:
