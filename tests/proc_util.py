@@ -18,6 +18,17 @@ def child_pids(pid: int) -> list[int]:
     return children
 
 
+def thread_niceness(pid: int) -> set[int]:
+    """The niceness of each of the process's threads (field 19 of /proc/PID/task/TID/stat)."""
+    values = set()
+    for task in (Path("/proc") / str(pid) / "task").iterdir():
+        try:
+            values.add(int((task / "stat").read_text().rsplit(")", 1)[1].split()[16]))
+        except OSError:
+            continue  # a thread that ended meanwhile
+    return values
+
+
 def is_alive(pid: int) -> bool:
     """True while the process exists and is not a zombie."""
     try:

@@ -83,7 +83,7 @@ def test_no_flags_give_the_defaults():
         "attention_backend": "auto", "packed_linear": True, "quantization": None, "block_matmul": "float32",
         "kv_cache_dtype": "auto",
         "structured_outputs_fast_forward": True, "data_parallel_size": 1, "data_parallel_routing": "prefix",
-        "tensor_parallel_size": 1, "speculative_config": None}
+        "tensor_parallel_size": 1, "engine_core_nice": None, "speculative_config": None}
 
 
 def test_every_old_flag_parses_to_the_same_value():
@@ -99,7 +99,7 @@ def test_every_old_flag_parses_to_the_same_value():
         "--long-prefill-token-threshold", "64",
         "--max-long-partial-prefills", "2", "--swap-space", "1.5", "--preemption-mode", "swap", "--seed", "7",
         "--num-threads", "2", "--attention-backend", "torch", "--no-packed-linear", "-q", "q8_0",
-        "--kv-cache-dtype", "float16", "--no-structured-outputs-fast-forward",
+        "--kv-cache-dtype", "float16", "--no-structured-outputs-fast-forward", "--engine-core-nice", "5",
         "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": 2}))
     assert config == EngineConfig(
         model="m", tokenizer="t", served_model_name="s", dtype="bfloat16", device="cpu", max_model_len=512,
@@ -109,6 +109,7 @@ def test_every_old_flag_parses_to_the_same_value():
         max_queue_time=3.5, max_prompt_tokens=100, max_mixed_prefill_tokens=128, long_prefill_token_threshold=64,
         max_long_partial_prefills=2, swap_space=1.5, preemption_mode="swap", seed=7, num_threads=2, attention_backend="torch",
         packed_linear=False, quantization="q8_0", kv_cache_dtype="float16", structured_outputs_fast_forward=False,
+        engine_core_nice=5,
         speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=4))
     assert config.kv_cache_memory_bytes == 4294967296
 
@@ -147,6 +148,7 @@ def test_a_parser_without_some_engine_flags_leaves_their_defaults():
     (("--gpu-memory-utilization", "1.5"), "argument --gpu-memory-utilization: expected a number in (0, 1], got '1.5'"),
     (("--kv-cache-memory-bytes", "lots"), "argument --kv-cache-memory-bytes: cannot read memory size 'lots'"),
     (("--speculative-config", "[1]"), "argument --speculative-config: expected a JSON object, got '[1]'"),
+    (("--engine-core-nice", "20"), "argument --engine-core-nice: expected an integer between 0 and 19, got '20'"),
 ])
 def test_bad_flags_are_argparse_errors(argv, message):
     assert parse_error(*argv).startswith(message)
@@ -160,6 +162,7 @@ def test_bad_flags_are_argparse_errors(argv, message):
     ({"max_num_seqs": 0}, "max_num_seqs must be positive, got 0"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1], got 1.5"),
     ({"swap_space": -1}, "swap_space must be non-negative, got -1"),
+    ({"engine_core_nice": -5}, "engine_core_nice must be between 0 and 19, got -5"),
     ({"kv_cache_memory_bytes": "lots"}, "cannot read memory size 'lots'"),
 ])
 def test_bad_values_are_refused_by_the_config(kwargs, message):
@@ -200,7 +203,7 @@ def test_validation_keeps_every_value_as_given():
                   preemption_mode=None, seed=3, max_logprobs=0, num_threads=1, attention_backend="cpu",
                   packed_linear=False, quantization="q8_0", block_matmul="int8", kv_cache_dtype="bfloat16",
                   structured_outputs_fast_forward=False, data_parallel_size=2, data_parallel_routing="round_robin",
-                  tensor_parallel_size=2, speculative_config=None)
+                  tensor_parallel_size=2, engine_core_nice=0, speculative_config=None)
     assert set(values) == {f.name for f in engine_options()}
     config = EngineConfig(**values)
     assert dataclasses.asdict(config) == values  # dtype stays "auto" under q8_0

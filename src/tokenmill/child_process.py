@@ -4,6 +4,7 @@ the messages it receives and a PUSH socket for those it sends."""
 from __future__ import annotations
 
 import logging
+import os
 import signal
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -48,3 +49,24 @@ def start_child_process(tag: str, log_level: str, input_address: str, output_add
         socket.connect(peer_output)
         more_outputs.append(socket)
     return ChildChannels(context, inputs, outputs, more_outputs)
+
+
+def lower_priority(increment: int) -> int:
+    """Add `increment` to the niceness of every thread of this process (as `nice -n increment` would
+    for a process started with it), capped at 19; threads and processes it starts later inherit it.
+    Returns the niceness now in force. Raising niceness needs no privilege; where the OS refuses (or
+    has no per-thread niceness), the process keeps its priority."""
+    if increment <= 0:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+    target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + increment)
+    try:
+        # On Linux niceness is per thread: the zmq I/O threads already run, so each is set by its id.
+        thread_ids = [int(name) for name in os.listdir("/proc/self/task")]
+    except OSError:
+        thread_ids = [0]  # elsewhere PRIO_PROCESS 0 is the whole process
+    for thread_id in thread_ids:
+        try:
+            os.setpriority(os.PRIO_PROCESS, thread_id, target)
+        except OSError:
+            pass  # a thread that ended meanwhile, or a platform that refuses
+    return os.getpriority(os.PRIO_PROCESS, 0)

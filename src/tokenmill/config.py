@@ -80,6 +80,20 @@ def default_max_mixed_prefill_tokens(device_type: str, max_num_batched_tokens: i
     return max(1, max_num_batched_tokens // 2) if device_type == "cpu" else None
 
 
+def default_engine_core_nice(device_type: str) -> int:
+    """The niceness the engine-core process adds to its own when none is given: 10 on CPU (what `nice`
+    adds by default), 0 elsewhere.
+
+    On CPU the model's compute threads hold every core for the whole of each step, and the API process
+    (HTTP, detokenizing, streaming) waits for the kernel to give it a time slice: at 64 streams on
+    2 cores a /health answer's p99 was 7-10 ms, most of it that wait. Niced, the core still gets every
+    cycle nobody else wants (its throughput tied), and the frontend gets a core as soon as it wakes:
+    4.7-5.9 ms (docs/benchmarks.md). On an accelerator the core's thread mostly waits on the device,
+    and its kernel launches are what must not wait, so it keeps the server's priority.
+    """
+    return 10 if device_type == "cpu" else 0
+
+
 # ---- value converters: applied to every value, whether it comes from the CLI or from LLM(**kwargs) -----
 def _kv_cache_dtype(value: str) -> str:
     return KV_CACHE_DTYPE_ALIASES.get(value, value)
@@ -107,6 +121,7 @@ BOUNDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "positive": (lambda v: v > 0, "positive"),
     "non_negative": (lambda v: v >= 0, "non-negative"),
     "fraction": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "niceness": (lambda v: 0 <= v <= 19, "between 0 and 19"),
 }
 
 
@@ -228,6 +243,12 @@ class EngineConfig:
         "vocabulary) and of every KV block, joined by all-reduces (gloo on CPU, nccl on CUDA: one GPU per "
         "worker); the model's attention heads, KV heads and intermediate size must divide by N. "
         "--kv-cache-memory-bytes is each worker's", bound="positive")
+    engine_core_nice: Optional[int] = option(
+        None, "niceness the engine-core process (and its tensor-parallel workers) adds to its own, as `nice -n N`: "
+        "on CPU the model's compute threads hold every core, and a lower priority lets the HTTP frontend answer "
+        "and stream as soon as it wakes while the core keeps every idle cycle (default: 10 on CPU, 0 on GPU; 0 "
+        "keeps the server's priority). A CPU-bound process of default priority on the same machine then takes "
+        "the cores first", bound="niceness")
     speculative_config: Optional[Any] = option(
         None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": '
         '4}\' (greedy requests; drafts from n-grams already in the sequence)',

@@ -6,6 +6,7 @@ import os
 import signal
 
 import pytest
+from proc_util import thread_niceness
 
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM
@@ -30,6 +31,8 @@ def test_outputs_from_the_core_process_match_the_offline_engine(tiny_llama_dir):
     async def run():
         try:
             assert engine.client.process.pid != os.getpid() and engine.client.process.is_alive()
+            # On CPU the core (every thread: compute, zmq I/O) runs niced by 10 below this process.
+            assert thread_niceness(engine.client.process.pid) == {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)}
             delta = await _collect(engine, [1, 2, 3, 4], params.clone(output_kind=RequestOutputKind.DELTA), "d")
             final = await _collect(engine, [1, 2, 3, 4], params.clone(output_kind=RequestOutputKind.FINAL_ONLY), "f")
             return delta, final
@@ -80,11 +83,12 @@ def test_a_killed_core_fails_requests_in_flight_and_marks_the_engine_dead(tiny_l
 def test_a_core_that_dies_while_idle_is_noticed_without_any_request(tiny_llama_dir):
     """The receiver also watches the core's process while no output arrives: a core killed while nothing
     is in flight (and nobody asks /health) still marks the engine dead, so the server can exit."""
-    engine = AsyncLLM.from_config(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=32))
+    engine = AsyncLLM.from_config(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=32, engine_core_nice=0))
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
 
     async def run():
         try:
+            assert thread_niceness(engine.client.process.pid) == {os.getpriority(os.PRIO_PROCESS, 0)}
             await _collect(engine, [1, 2, 3], params, "first")  # the receiver runs from the first request on
             assert not engine.errored
             os.kill(engine.client.process.pid, signal.SIGKILL)

@@ -200,7 +200,7 @@ def test_worker_messages_hold_plain_data():
 def test_data_parallel_cores_each_run_their_own_tensor_parallel_workers(tiny_llama_dir):
     import asyncio
 
-    from proc_util import child_pids
+    from proc_util import child_pids, thread_niceness
 
     from tokenmill.engine.async_llm import AsyncLLM
     from tokenmill.sampling_params import RequestOutputKind
@@ -211,6 +211,9 @@ def test_data_parallel_cores_each_run_their_own_tensor_parallel_workers(tiny_lla
     params = GREEDY.clone(output_kind=RequestOutputKind.FINAL_ONLY)
     workers = [pid for client in engine.clients for pid in child_pids(client.process.pid)]
     assert len(workers) == 4  # two per core
+    # The workers inherit their core's niceness (10 on CPU) from the thread that starts them.
+    niced = {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)}
+    assert all(thread_niceness(pid) == niced for pid in [client.process.pid for client in engine.clients] + workers)
 
     async def run() -> list[list[int]]:
         async def one(i: int, prompt: str) -> list[int]:

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from tokenmill.child_process import start_child_process
+from tokenmill.child_process import lower_priority, start_child_process
 from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFailure, EngineCoreFork, EngineCoreOutputs,
                                        EngineCoreRequest, EngineCoreShutdown, decode_input, encode)
 from tokenmill.runner.host_memory import freeze_startup_heap
@@ -45,6 +45,7 @@ def run_engine_core(config, input_address: str, output_address: str, log_level: 
         from tokenmill.engine.engine_core import EngineCore
 
         try:
+            _lower_priority(config)
             core = EngineCore(config)
         except BaseException as exc:
             outputs.send(EngineCoreFailure(getattr(exc, "message", None) or str(exc), type(exc).__name__))
@@ -70,6 +71,19 @@ def run_engine_core(config, input_address: str, output_address: str, log_level: 
         channels.close()
         sys.stdout.flush()
         os._exit(code)  # no atexit handlers or torch teardown: the frontend is waiting on the exit
+
+
+def _lower_priority(config) -> None:
+    """Before the model loads and torch starts its compute threads (which, like tensor-parallel worker
+    processes, inherit the niceness of the thread that starts them)."""
+    from tokenmill.config import default_engine_core_nice
+    from tokenmill.runner.model_runner import resolve_device
+
+    increment = config.engine_core_nice
+    if increment is None:
+        increment = default_engine_core_nice(resolve_device(config.device).type)
+    if increment:
+        logger.info("engine core niceness %d", lower_priority(increment))
 
 
 class FrontendOutputs:

@@ -38,7 +38,8 @@ def _flag_reader(f: dataclasses.Field, base: Any) -> Optional[Callable[[str], An
         wanted = _BASE_TYPES[base]
         if bound is not None:
             noun, must_be = wanted.split()[-1], BOUNDS[bound][1]
-            wanted = f"a {noun} {must_be}" if must_be.startswith("in ") else f"a {must_be} {noun}"
+            wanted = f"{noun} {must_be}" if must_be.startswith(("in ", "between ")) else f"{must_be} {noun}"
+            wanted = ("an " if wanted[0] in "aeiou" else "a ") + wanted
         return argparse.ArgumentTypeError(f"expected {wanted}, got {text!r}")
 
     def read(text: str) -> Any:
