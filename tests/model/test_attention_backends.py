@@ -173,11 +173,12 @@ def test_backends_agree_on_a_mixed_batch(kernels, backend_name, cache_dtype, chu
         assert inputs.last_token_index[index] == flat - 1
 
 
-@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("window", [None, 5, 64])
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 def test_softcapped_attention_matches_reference(kernels, backend_name, window):
     """Gemma 2's score capping in every path of both backends: decodes (the C++ kernel, the torch
-    buckets, windowed decodes), a whole prompt and a chunk after cached context, full and windowed."""
+    buckets, windowed decodes), a whole prompt and a chunk after cached context, full and windowed.
+    A window of 64 holds every context here: the cpu backend's windowed decodes then take the C++ kernel."""
     gen = torch.Generator().manual_seed(5)
     num_heads, num_kv_heads, head_dim, scale, cap = 6, 2, 8, 0.5, 0.7
     cache = torch.randn(2, 32, BLOCK, num_kv_heads, head_dim, generator=gen) * 2

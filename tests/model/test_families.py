@@ -165,11 +165,12 @@ def test_unsupported_rope_is_a_load_error(tmp_path, family_dirs, smollm2_tokeniz
         engine(str(directory), "torch", "phi3")
 
 
-def test_windowed_paged_decode_attends_only_the_window():
+@pytest.mark.parametrize("window", [6, 40])  # 40: wider than every context (only the table's blocks are read)
+def test_windowed_paged_decode_attends_only_the_window(window):
     from tokenmill.model.layers.attention import windowed_paged_decode
 
     torch.manual_seed(0)
-    block_size, heads, kv_heads, dim, window = 4, 4, 2, 8, 6
+    block_size, heads, kv_heads, dim = 4, 4, 2, 8
     cache = torch.randn(2, 12, block_size, kv_heads, dim)
     tables = torch.tensor([[3, 7, 1, 9, 0], [5, 2, 0, 0, 0], [11, 4, 6, 8, 10]], dtype=torch.int32)
     lengths = torch.tensor([19, 5, 20], dtype=torch.int32)

@@ -22,8 +22,9 @@ visiting only the key tiles a causal (or windowed) query can see. Longer chunks 
 
 Sliding-window layers (Mistral, Gemma 3's local layers) pass `window`: a query at position p then
 sees only keys at positions p - window < k <= p (transformers' convention). The torch paths add it
-to their masks; the C++ decode kernel has no window, so windowed decodes run `windowed_paged_decode`,
-which gathers only the blocks a window can touch.
+to their masks. The C++ decode kernel has no window: while every decoding row's context fits in the
+window (the window then hides nothing) windowed layers use it all the same; beyond that they run
+`windowed_paged_decode`, which gathers only the blocks the window (or the longest context) can touch.
 
 Layers with attention logit soft-capping (Gemma 2) pass `softcap`: every score becomes
 cap * tanh(score / cap) before the softmax. SDPA cannot do that, so the torch paths then run
@@ -328,8 +329,11 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
 
     def decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, window: int | None = None, softcap: float | None = None) -> None:
-        if meta.num_decodes and window is not None:
-            # The C++ kernel attends a whole context; windowed layers take the torch path.
+        # The C++ kernel attends a whole context: a windowed layer uses it while the decode table's width (the
+        # longest context, rounded up to whole blocks) fits in the window, and takes the torch path beyond.
+        windowed = window is not None and meta.num_decodes and \
+            meta.decode_block_tables.shape[1] * kv_cache.shape[2] > window
+        if windowed:
             out[:meta.num_decodes] = windowed_paged_decode(q[:meta.num_decodes], kv_cache, meta.decode_block_tables,
                                                            meta.decode_context_lens, scale, window, softcap)
         elif meta.num_decodes:
@@ -369,7 +373,8 @@ def windowed_paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     num_blocks, block_size, num_kv_heads = kv_cache.shape[1:4]
     lengths = context_lens.long().unsqueeze(1)  # [rows, 1]
     max_blocks = block_tables.shape[1]
-    span = -(-window // block_size) + 1
+    # A window touches at most ceil(window / block_size) + 1 blocks, and no row more than the table holds.
+    span = min(-(-window // block_size) + 1, max_blocks)
     cols = (lengths - window).clamp(min=0) // block_size + torch.arange(span, device=q.device)  # [rows, span]
     ids = block_tables.long().gather(1, cols.clamp(max=max_blocks - 1))
     blocks = kv_cache.view(2, num_blocks, block_size * num_kv_heads * head_dim)
