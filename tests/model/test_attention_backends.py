@@ -173,6 +173,32 @@ def test_backends_agree_on_a_mixed_batch(kernels, backend_name, cache_dtype, chu
         assert inputs.last_token_index[index] == flat - 1
 
 
+@pytest.mark.parametrize("softcap", [None, 0.7])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_windowed_decodes_through_the_cpu_kernels_match_reference(kernels, cache_dtype, softcap):
+    """Gemma 3's local layers: decodes whose contexts outrun the window (one-token chunks through the
+    prefill kernel), one that does not, and a step whose contexts all fit (the whole-context kernel)."""
+    gen = torch.Generator().manual_seed(3)
+    block, num_heads, num_kv_heads, head_dim, window, scale = 16, 4, 1, 32, 20, 0.4
+    cache = (torch.randn(2, 40, block, num_kv_heads, head_dim, generator=gen) * 2).to(cache_dtype)
+    backend = CpuPagedAttentionBackend(kernels)
+    for lengths in ([50, 7, 33, 20], [9, 16]):
+        max_blocks = -(-max(lengths) // block)
+        tables = torch.stack([torch.randperm(40, generator=gen)[:max_blocks] for _ in lengths]).to(torch.int32)
+        meta = attention.AttentionMetadata(slot_mapping=torch.zeros(len(lengths), dtype=torch.long),
+                                           num_decodes=len(lengths), decode_block_tables=tables,
+                                           decode_context_lens=torch.tensor(lengths, dtype=torch.int32))
+        q = torch.randn(len(lengths), num_heads, head_dim, generator=gen) * 2
+        out = torch.full_like(q, float("nan"))
+        backend.decode_into(out, q, cache, meta, scale, window, softcap)
+        for row, length in enumerate(lengths):
+            slots = [int(tables[row, p // block]) * block + p % block for p in range(max(0, length - window), length)]
+            keys = cache[0].reshape(-1, num_kv_heads, head_dim)[slots]
+            values = cache[1].reshape(-1, num_kv_heads, head_dim)[slots]
+            expected = reference(q[row:row + 1], keys, values, scale, softcap=softcap)
+            torch.testing.assert_close(out[row:row + 1], expected, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("window", [None, 5, 64])
 @pytest.mark.parametrize("backend_name", ["torch", "cpu"])
 def test_softcapped_attention_matches_reference(kernels, backend_name, window):

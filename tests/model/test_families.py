@@ -291,6 +291,20 @@ def test_sliding_window_kv_stays_bounded_and_matches_hf(request, window_dirs, sm
     assert kv.usage == 0.0
 
 
+@pytest.mark.parametrize("family", WINDOW_FAMILIES)
+def test_windowed_decodes_through_the_cpu_prefill_kernel_match_hf(kernels, window_dirs, smollm2_tokenizer, family):
+    """Blocks of 8 tokens (the C++ prefill kernel's multiple): decodes past the 12-token window run as one-token
+    chunks through that kernel, which applies the window; greedy tokens equal HF's."""
+    directory = window_dirs[family]
+    llm = LLM(str(directory), device="cpu", block_size=8, max_num_batched_tokens=32, max_model_len=128,
+              num_kv_blocks=120, attention_backend="cpu")
+    prompts = long_prompts(smollm2_tokenizer)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    hf = hf_model(directory)
+    assert [out.outputs[0].token_ids for out in outputs] == [hf_greedy(hf, p, 24) for p in prompts]
+
+
 def random_workload(rng, tokenizer, max_model_len: int) -> tuple[list[list[int]], list[SamplingParams]]:
     """3-9 greedy requests, most behind one shared system prompt, some sampled n = 2 or 3 times (forks)."""
     pieces = [tokenizer.encode(p) for p in GOLDEN_PROMPTS]

@@ -23,7 +23,9 @@ visiting only the key tiles a causal (or windowed) query can see. Longer chunks 
 Sliding-window layers (Mistral, Gemma 3's local layers) pass `window`: a query at position p then
 sees only keys at positions p - window < k <= p (transformers' convention). The torch paths add it
 to their masks. The C++ decode kernel has no window: while every decoding row's context fits in the
-window (the window then hides nothing) windowed layers use it all the same; beyond that they run
+window (the window then hides nothing) windowed layers use it all the same; beyond that each decode
+row goes through the prefill kernel as a one-token chunk, which takes a window. The torch backend
+(and the C++ one where the prefill kernel does not fit: a block size not a multiple of 8) runs
 `windowed_paged_decode`, which gathers only the blocks the window (or the longest context) can touch.
 
 Layers with attention logit soft-capping (Gemma 2) pass `softcap`: every score becomes
@@ -74,6 +76,9 @@ class AttentionMetadata:
     prefill_tables: PrefillTables | None = None
     # The same for the C++ prefill kernel (CpuPagedAttentionBackend), built by the first layer of the step.
     cpu_prefill_tables: CpuPrefillTables | None = None
+    # Each decode row as a one-token chunk, [num_decodes, 2] int32, for windowed decodes through the C++
+    # prefill kernel (CpuPagedAttentionBackend); built by the first windowed layer of the step.
+    cpu_decode_ranges: torch.Tensor | None = None
 
 
 @dataclass
@@ -304,15 +309,20 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         # through paged_prefill_attention_bf16 (SDPA's float32 GEMMs no longer win on long chunks).
         self.bf16_prefill = False
 
+    @staticmethod
+    def _prefill_kernel_fits(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+        """Whether paged_prefill_attention takes these tensors: the query in the cache's dtype or float32 over a
+        16-bit cache, blocks of a multiple of 8 tokens, heads contiguous, a contiguous output."""
+        dtypes_fit = q.dtype == kv_cache.dtype or (q.dtype == torch.float32 and
+                                                   kv_cache.dtype in (torch.float16, torch.bfloat16))
+        return dtypes_fit and kv_cache.shape[2] % 8 == 0 and q.stride(-1) == 1 and q.stride(1) == q.shape[2] \
+            and out.is_contiguous()
+
     def prefill_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                      scale: float, window: int | None = None, softcap: float | None = None) -> None:
         if not meta.prefill_query_ranges:
             return
-        # The kernel reads the query in the cache's dtype, or a float32 query over a 16-bit cache.
-        dtypes_fit = q.dtype == kv_cache.dtype or (q.dtype == torch.float32 and
-                                                   kv_cache.dtype in (torch.float16, torch.bfloat16))
-        if not dtypes_fit or kv_cache.shape[2] % 8 or q.stride(-1) != 1 or q.stride(1) != q.shape[2] \
-                or not out.is_contiguous():
+        if not self._prefill_kernel_fits(out, q, kv_cache):
             super().prefill_into(out, q, kv_cache, meta, scale, window, softcap)
             return
         tables = meta.cpu_prefill_tables
@@ -333,7 +343,15 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         # longest context, rounded up to whole blocks) fits in the window, and takes the torch path beyond.
         windowed = window is not None and meta.num_decodes and \
             meta.decode_block_tables.shape[1] * kv_cache.shape[2] > window
-        if windowed:
+        if windowed and self._prefill_kernel_fits(out, q, kv_cache):
+            # The prefill kernel takes a window: each decode row is a one-token chunk at the end of its context,
+            # and only the key tiles its window reaches are read.
+            if meta.cpu_decode_ranges is None:
+                rows = torch.arange(meta.num_decodes, dtype=torch.int32)
+                meta.cpu_decode_ranges = torch.stack((rows, rows + 1), dim=1)
+            self.kernels.paged_prefill_attention(q, kv_cache, meta.decode_block_tables, meta.cpu_decode_ranges,
+                                                 meta.decode_context_lens, scale, softcap or 0.0, window, out)
+        elif windowed:
             out[:meta.num_decodes] = windowed_paged_decode(q[:meta.num_decodes], kv_cache, meta.decode_block_tables,
                                                            meta.decode_context_lens, scale, window, softcap)
         elif meta.num_decodes:
