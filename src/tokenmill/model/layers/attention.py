@@ -339,8 +339,8 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
 
     def decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, window: int | None = None, softcap: float | None = None) -> None:
-        # The C++ kernel attends a whole context: a windowed layer uses it while the decode table's width (the
-        # longest context, rounded up to whole blocks) fits in the window, and takes the torch path beyond.
+        # The C++ decode kernel attends a whole context: a windowed layer uses it while the decode table's width
+        # (the longest context, rounded up to whole blocks) fits in the window, and the prefill kernel beyond.
         windowed = window is not None and meta.num_decodes and \
             meta.decode_block_tables.shape[1] * kv_cache.shape[2] > window
         if windowed and self._prefill_kernel_fits(out, q, kv_cache):
