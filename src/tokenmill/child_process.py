@@ -56,8 +56,6 @@ def lower_priority(increment: int) -> int:
     for a process started with it), capped at 19; threads and processes it starts later inherit it.
     Returns the niceness now in force. Raising niceness needs no privilege; where the OS refuses (or
     has no per-thread niceness), the process keeps its priority."""
-    if increment <= 0:
-        return os.getpriority(os.PRIO_PROCESS, 0)
     target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + increment)
     try:
         # On Linux niceness is per thread: the zmq I/O threads already run, so each is set by its id.
