@@ -2,7 +2,9 @@
 
 The fixed workload (../shared/bench/workload-64.jsonl) runs through tokenmill's `LLM.generate`, a
 naive one-at-a-time `generate` loop and static left-padded batches of 16, all on the same weights,
-dtype and threads, in one process, one after another; with float32, tokenmill also runs once more
+dtype and threads, in one process, one after another (tokenmill at its default numerics, which it
+chooses from the hardware and the report names, unless --dtype is given; its dense run, the weights
+dequantized, in the exact mode, float32 like the baselines); with float32, tokenmill also runs once more
 with Q8_0 weights and a float16 KV cache (`--no-quantized` to skip), reported apart. Prints a
 table, refreshes the `bench:engine-core` section of docs/benchmarks.md and writes the raw numbers
 to bench-results/engine-core.json.
@@ -88,6 +90,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("make bench: --device cuda, but torch sees no CUDA device")
+    args.dtype_given = args.dtype is not None  # else tokenmill runs at its own default numerics
     if args.dtype is None:
         args.dtype = "bfloat16" if args.device == "cuda" else "float32"
     section = section_name(args.device)
@@ -108,7 +111,8 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     report["settings"].update(report["results"]["tokenmill"]["engine_settings"])
     if report["results"]["tokenmill"]["gguf_layers_kept"]:
         # The baselines hold the file's weights dequantized to float32; so does this run.
-        report["results"]["tokenmill-dense"] = run_tokenmill(args, requests, threads, {"quantization": "none"})
+        dense = {"quantization": "none", **({"numerics": "exact"} if args.dtype == "float32" else {})}
+        report["results"]["tokenmill-dense"] = run_tokenmill(args, requests, threads, dense)
     if quantized_run(args):
         report["results"]["tokenmill-q8_0"] = run_tokenmill(args, requests, threads, QUANTIZED)
     if not args.skip_baselines:
@@ -141,7 +145,8 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
     from tokenmill.benchmarks.throughput import run_offline_throughput
 
     engine_options = engine_options or {}
-    llm = LLM(model=args.model, dtype=args.dtype, num_threads=threads, device=args.device,
+    dtype = {"dtype": args.dtype} if getattr(args, "dtype_given", True) else {}
+    llm = LLM(model=args.model, num_threads=threads, device=args.device, **dtype,
               **given(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
                       kv_cache_memory_bytes=args.kv_cache_memory_bytes),
@@ -151,6 +156,7 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
     print(f"tokenmill: {len(requests)} requests, device={args.device}, dtype={args.dtype}{shown}", flush=True)
     runner = llm.llm_engine.core.core.runner
     linear_layers, gguf_layers_kept = runner.linear_layers, runner.num_gguf_layers_kept
+    numerics = llm.llm_engine.numerics
     try:
         result = run_offline_throughput(llm, requests, use_tqdm=not args.no_tqdm)
     finally:
@@ -160,6 +166,7 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
     result["engine_options"] = engine_options
     result["engine_settings"] = settings
     result["linear_layers"] = linear_layers
+    result["numerics"] = {name: choice["value"] for name, choice in numerics.items()}
     result["gguf_layers_kept"] = gguf_layers_kept
     _print_result(result)
     return result
@@ -307,7 +314,7 @@ def render_section(report: dict[str, Any], json_path: Path) -> str:
         + f", {w['num_requests']} requests, {w['prompt_tokens']} prompt tokens, {w['output_tokens']} output "
         "tokens; every request generates exactly its `max_tokens` (greedy, EOS ignored), all queued at t=0.",
         "",
-        f"Settings: model {s['model']}, dtype {s['dtype']} for all engines, max_num_seqs {s['max_num_seqs']}, "
+        f"Settings: model {s['model']}, dtype {s['dtype']} for the baselines (tokenmill's numerics below), max_num_seqs {s['max_num_seqs']}, "
         f"max_num_batched_tokens {s['max_num_batched_tokens']}, block size {s['block_size']}, prefix caching "
         f"{'on' if s['enable_prefix_caching'] else 'off'}."
         + (" The Q8_0 row rounds the decoder projections and the LM head to GGUF's Q8_0 at load and keeps K/V in "
@@ -328,12 +335,17 @@ def _notes(report: dict[str, Any]) -> list[str]:
     ratios_ = report.get("ratios") or {}
     same_dtype = {k: v for k, v in ratios_.items() if "q8_0" not in k}
     quantized = {k: v for k, v in ratios_.items() if "q8_0" in k}
+    for name in ("tokenmill", "tokenmill-dense", "tokenmill-q8_0"):
+        chosen = results.get(name, {}).get("numerics")
+        if chosen:
+            notes.append(f"{name} numerics: dtype {chosen['dtype']}, block matmul {chosen['block_matmul']}, KV cache "
+                         f"{chosen['kv_cache_dtype']}.")
     if results.get("tokenmill", {}).get("gguf_layers_kept"):
         notes.append("tokenmill keeps the GGUF's quantized matrices as stored (4-bit or int8 values with a float32 "
-                     "scale and offset per 32, the very values transformers dequantizes them to) and computes in float32; "
-                     "the dense row and the baselines hold the same values as float32 tensors.")
+                     "scale and offset per 32, the very values transformers dequantizes them to); the dense row and "
+                     "the baselines hold the same values as float32 tensors.")
     if same_dtype:
-        notes.append("Ratios of output tok/s, same weight values and float32 compute: "
+        notes.append("Ratios of output tok/s, same weight values (tokenmill in the numerics above): "
                      + ", ".join(f"{k} **{v:.2f}x**" for k, v in same_dtype.items()) + ".")
     if quantized:
         notes.append("With Q8_0 weights and a float16 KV cache (weights rounded to 8 bits at load, so not the "

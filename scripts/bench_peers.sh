@@ -88,18 +88,11 @@ hf_copy() {  # an HF-format directory of the embedded model (vLLM and the F32 GG
 }
 
 run_tokenmill() {
-  # The default (the GGUF's Q4_1/Q8_0 blocks kept as stored, float32 compute and cache), the same with
-  # a float16 KV cache (the closest match to llama.cpp's Q4_1 run: same weights, and its server keeps
-  # K/V in f16 by default), and the weights dequantized to float32 (as vLLM and llama.cpp's F32 run hold them).
-  local variants=("tokenmill:" "tokenmill-f16kv:--kv-cache-dtype float16" "tokenmill-dense:--quantization none")
-  # Also the fastest opt-in path with a float16 KV cache: on CPUs with AMX, bfloat16 tiles for prefill and
-  # int8 dot products for decode; elsewhere, where the int8 kernel runs (AVX-512 VNNI or AVX2), int8 for both.
-  if grep -q amx_bf16 /proc/cpuinfo 2>/dev/null; then
-    variants+=("tokenmill-bf16int8:--block-matmul bfloat16-int8 --kv-cache-dtype float16")
-  elif "$PY" -c "from tokenmill.model.layers import cpu_kernels, linear
-import sys; kernels = cpu_kernels.load(); sys.exit(0 if kernels and linear.runs_int8_dot(kernels) else 1)" 2>/dev/null; then
-    variants+=("tokenmill-int8:--block-matmul int8 --kv-cache-dtype float16")
-  fi
+  # The default (the fastest numerics this CPU runs, chosen at start-up: int8 dot products on the GGUF's kept
+  # Q4_1/Q8_0 blocks and a 16-bit KV cache where the kernels run, bfloat16 tiles for prefill with AMX), the exact
+  # mode (float32 throughout, HF transformers' outputs token for token), and the weights dequantized to float32
+  # in the exact mode (as vLLM's float32 run and llama.cpp's F32 run hold them).
+  local variants=("tokenmill:" "tokenmill-exact:--numerics exact" "tokenmill-dense:--quantization none --numerics exact")
   for variant in "${variants[@]}"; do
     local label=${variant%%:*} flags=${variant#*:}
     if [ -n "${TOKENMILL_VARIANTS:-}" ] && [[ " $TOKENMILL_VARIANTS " != *" $label "* ]]; then continue; fi
@@ -116,7 +109,7 @@ import sys; kernels = cpu_kernels.load(); sys.exit(0 if kernels and linear.runs_
 
 build_llama_cpp() {
   local server="$BENCH/llama.cpp/build/bin/llama-server"
-  if [ ! -x "$server" ]; then
+  if [ ! -x "$server" ] || [ ! -x "$BENCH/llama.cpp/build/bin/llama-perplexity" ]; then
     log "building llama.cpp from llama-cpp-python==$LLAMA_CPP_VERSION's sdist (~12 min on 2 cores)"
     "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$BENCH/sdist"
     rm -rf "$BENCH/llama.cpp" && mkdir -p "$BENCH/llama.cpp"
@@ -124,7 +117,7 @@ build_llama_cpp() {
     cp -r "$BENCH/sdist/llama_cpp_python-$LLAMA_CPP_VERSION/vendor/llama.cpp/." "$BENCH/llama.cpp/"
     cmake -S "$BENCH/llama.cpp" -B "$BENCH/llama.cpp/build" -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF \
       -DGGML_NATIVE=ON > "$BENCH/llama.cpp-cmake.log" 2>&1
-    cmake --build "$BENCH/llama.cpp/build" --target llama-server -j "$THREADS" > "$BENCH/llama.cpp-build.log" 2>&1
+    cmake --build "$BENCH/llama.cpp/build" --target llama-server llama-perplexity -j "$THREADS" > "$BENCH/llama.cpp-build.log" 2>&1
   fi
   echo "$server"
 }

@@ -73,15 +73,15 @@ def test_bools_take_a_no_form():
 def test_no_flags_give_the_defaults():
     assert parse() == EngineConfig()
     assert dataclasses.asdict(parse()) == {
-        "model": None, "served_model_name": None, "tokenizer": None, "dtype": "float32", "device": None,
+        "model": None, "served_model_name": None, "tokenizer": None, "dtype": "auto", "device": None,
         "max_model_len": None, "block_size": 16, "max_num_seqs": 64, "max_num_batched_tokens": None,
         "kv_cache_memory_bytes": None, "gpu_memory_utilization": 0.9, "num_kv_blocks": None,
         "enable_chunked_prefill": True, "enable_prefix_caching": True, "scheduling_policy": "fcfs",
         "lpm_max_wait": 5.0, "max_preemptions": 4, "max_num_queued_requests": None, "max_queue_time": None,
         "max_prompt_tokens": None, "max_mixed_prefill_tokens": None, "long_prefill_token_threshold": None,
         "max_long_partial_prefills": 1, "swap_space": 0.0, "preemption_mode": None, "seed": 0, "max_logprobs": 20, "num_threads": None,
-        "attention_backend": "auto", "packed_linear": True, "quantization": None, "block_matmul": "float32",
-        "kv_cache_dtype": "auto",
+        "attention_backend": "auto", "packed_linear": True, "quantization": None, "block_matmul": "auto",
+        "kv_cache_dtype": "auto", "numerics": "auto",
         "structured_outputs_fast_forward": True, "data_parallel_size": 1, "data_parallel_routing": "prefix",
         "tensor_parallel_size": 1, "engine_core_nice": None, "speculative_config": None}
 
@@ -203,12 +203,11 @@ def test_validation_keeps_every_value_as_given():
                   preemption_mode=None, seed=3, max_logprobs=0, num_threads=1, attention_backend="cpu",
                   packed_linear=False, quantization="q8_0", block_matmul="int8", kv_cache_dtype="bfloat16",
                   structured_outputs_fast_forward=False, data_parallel_size=2, data_parallel_routing="round_robin",
-                  tensor_parallel_size=2, engine_core_nice=0, speculative_config=None)
+                  tensor_parallel_size=2, engine_core_nice=0, speculative_config=None, numerics="auto")
     assert set(values) == {f.name for f in engine_options()}
     config = EngineConfig(**values)
     assert dataclasses.asdict(config) == values  # dtype stays "auto" under q8_0
     assert dataclasses.replace(config) == config
-    assert config.resolved_dtype == "float32"
 
 
 def test_input_forms_are_converted_once_and_stably():
@@ -226,15 +225,15 @@ def test_with_resolved_defaults_returns_a_new_config():
     gpu = config.with_resolved_defaults("cuda")
     assert config == before and config.max_num_batched_tokens is None and config.dtype == "auto"
     assert cpu is not config
-    assert (cpu.max_num_batched_tokens, cpu.dtype, cpu.preemption_mode) == (1024, "float32", "recompute")
+    # the numerics (dtype ...) are resolved from the hardware by runner.numerics, not here
+    assert (cpu.max_num_batched_tokens, cpu.dtype, cpu.preemption_mode) == (1024, "auto", "recompute")
     assert cpu.max_mixed_prefill_tokens == 512  # half the step budget on CPU, no cap on GPU
-    # on CUDA the triton block kernel computes in the device's own dtype (auto: bfloat16 or float16)
     assert (gpu.max_num_batched_tokens, gpu.dtype, gpu.preemption_mode) == (2048, "auto", "swap")
     assert gpu.max_mixed_prefill_tokens is None
-    assert dataclasses.replace(cpu, max_num_batched_tokens=None, max_mixed_prefill_tokens=None, dtype="auto",
+    assert dataclasses.replace(cpu, max_num_batched_tokens=None, max_mixed_prefill_tokens=None,
                                preemption_mode=None) == config
     explicit = EngineConfig(max_num_batched_tokens=96, preemption_mode="swap").with_resolved_defaults("cpu")
-    assert (explicit.max_num_batched_tokens, explicit.dtype, explicit.preemption_mode) == (96, "float32", "swap")
+    assert (explicit.max_num_batched_tokens, explicit.preemption_mode) == (96, "swap")
     assert explicit.max_mixed_prefill_tokens == 48
     assert EngineConfig(enable_chunked_prefill=False).with_resolved_defaults("cpu").max_mixed_prefill_tokens is None
     given = EngineConfig(max_mixed_prefill_tokens=1024).with_resolved_defaults("cpu")

@@ -46,12 +46,11 @@ DEVICES = ("cpu", "cuda")
 SCHEDULING_POLICIES = POLICIES
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 QUANTIZATIONS = ("gguf", "q8_0", "none")  # or None (unset)
-BLOCK_MATMULS = ("float32", "int8", "bfloat16", "bfloat16-int8")
+BLOCK_MATMULS = ("auto", "float32", "int8", "bfloat16", "bfloat16-int8")
+NUMERICS = ("auto", "exact")
 KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
 PREEMPTION_MODES = ("swap", "recompute")
-# Weight formats whose int8 kernels compute in float32, so `dtype auto` means float32 under them.
-FLOAT32_QUANTIZATIONS = ("gguf", "q8_0")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 
@@ -153,9 +152,9 @@ class EngineConfig:
     served_model_name: Optional[str] = option(None, "name the model is served under")
     tokenizer: Optional[str] = option(None, "tokenizer directory (default: the model's)")
     dtype: str = option(
-        "float32", "weights and activations; auto: bfloat16 where the hardware has it natively (CUDA, CPUs with "
-        "AVX-512 BF16 or AMX), else float32 (float32 under gguf/q8_0 weights). float32 (the default) matches HF "
-        "transformers' float32 outputs token for token", choices=DTYPES)
+        "auto", "weights and activations; auto: float32 under block-quantized weights the CPU kernels run (a GGUF's "
+        "kept blocks, q8_0), else bfloat16 where the hardware has it natively (CUDA, CPUs with AVX-512 BF16 or AMX), "
+        "else float32 (chosen at start-up and logged; --numerics exact pins float32)", choices=DTYPES)
     device: Optional[str] = option(None, "default: cuda when available, else cpu", choices=DEVICES)
     max_model_len: Optional[int] = option(None, "longest sequence, prompt and output (default: the model's)",
                                           bound="positive")
@@ -215,19 +214,25 @@ class EngineConfig:
         "dequantized; gguf: insist on that; q8_0: "
         "round any model's projection and LM-head weights to Q8_0 at load; none: dequantize everything to --dtype",
         choices=QUANTIZATIONS, aliases=("-q",))
+    numerics: str = option(
+        "auto", "auto: --dtype, --block-matmul and --kv-cache-dtype left at auto take the fastest path this machine "
+        "runs whose accuracy is measured (chosen at start-up and logged); exact: float32 weights math, activations "
+        "and KV cache, which match HF transformers' float32 outputs token for token (what --dtype float32 "
+        "--block-matmul float32 --kv-cache-dtype float32 also give)", choices=NUMERICS)
     block_matmul: str = option(
-        "float32", "CPU, how block-quantized weights (kept GGUF blocks, q8_0) multiply: float32 widens their integers "
-        "to float32 (matches HF transformers' float32 outputs token for token); int8 also rounds each activation "
-        "row to int8 per block of 32 inputs, as llama.cpp does, and takes integer dot products (AVX-512 VNNI or AVX2): "
-        "faster prefill and decode matmuls (3-4x and ~2x with VNNI), outputs differ slightly from float32; bfloat16 "
-        "multiplies steps of more than 64 rows (prefill chunks) in bfloat16 (AMX tiles, else MKL's AVX-512 BF16 "
-        "GEMM), decode-sized steps as float32 does: the fastest prefill on CPUs with AMX, outputs differ slightly; "
-        "bfloat16-int8: prefill-sized steps as bfloat16, decode-sized steps as int8 (both fast paths, for CPUs with "
-        "AMX). With AMX, both bfloat16 modes also run prefill attention on bfloat16 tiles",
+        "auto", "CPU, how block-quantized weights (kept GGUF blocks, q8_0) multiply. auto: bfloat16-int8 on CPUs with "
+        "AMX, int8 where the integer dot kernels run (AVX-512 VNNI or AVX2), else float32. float32 widens their "
+        "integers to float32 (matches HF transformers' float32 outputs token for token); int8 also rounds each "
+        "activation row to int8 per block of 32 inputs, as llama.cpp does, and takes integer dot products: faster "
+        "prefill and decode matmuls, outputs differ slightly from float32; bfloat16 multiplies steps of more than 64 "
+        "rows (prefill chunks) in bfloat16 (AMX tiles, else MKL's AVX-512 BF16 GEMM), decode-sized steps as float32 "
+        "does; bfloat16-int8: prefill-sized steps as bfloat16, decode-sized steps as int8. With AMX, both bfloat16 "
+        "modes also run prefill attention on bfloat16 tiles",
         choices=BLOCK_MATMULS)
     kv_cache_dtype: str = option(
-        "auto", "KV cache storage; auto: the model's dtype. float16/bfloat16 under a float32 model halve the "
-        "cache's memory and the bytes a decode step reads (attention still computes in float32)",
+        "auto", "KV cache storage; auto: on CPU a 16-bit cache under a float32 model (bfloat16 where the CPU has "
+        "native bfloat16, else float16: half the memory and half the bytes a decode step reads; attention still "
+        "computes in float32), elsewhere the model's dtype",
         choices=KV_CACHE_DTYPES, convert=_kv_cache_dtype)
     structured_outputs_fast_forward: bool = option(
         True, "structured outputs: append the tokens a grammar forces (JSON keys, punctuation) without a model "
@@ -266,15 +271,6 @@ class EngineConfig:
             check_value(f, getattr(self, f.name))
 
     # ---- derived values: computed, never written back -----------------------------------------------
-    @property
-    def resolved_dtype(self) -> str:
-        """The dtype a CPU runner should use: `auto` with gguf/q8_0 weights computes in float32 (the C++
-        block-int8 kernels' dtype); otherwise `dtype` as given (`auto` is resolved on the device). On
-        CUDA the triton block kernel takes any float dtype, so `auto` stays the device's choice there."""
-        if self.dtype == "auto" and self.quantization in FLOAT32_QUANTIZATIONS:
-            return "float32"
-        return self.dtype
-
     def resolved_preemption_mode(self, device_type: str) -> str:
         """`preemption_mode`, or its default: swap where there is swap space and the device is not the CPU."""
         if self.preemption_mode is not None:
@@ -282,17 +278,17 @@ class EngineConfig:
         return "swap" if self.swap_space > 0 and device_type != "cpu" else "recompute"
 
     def with_resolved_defaults(self, device_type: str) -> "EngineConfig":
-        """A NEW config whose device-dependent defaults are filled in: max_num_batched_tokens
-        (default_max_num_batched_tokens(device_type)), dtype (resolved_dtype on the CPU) and preemption_mode
-        (resolved_preemption_mode(device_type)). `self` is left as it is."""
+        """A NEW config whose device-dependent scheduling defaults are filled in: max_num_batched_tokens
+        (default_max_num_batched_tokens(device_type)) and preemption_mode (resolved_preemption_mode(device_type)).
+        `self` is left as it is. The numerics (dtype, block matmul, KV cache dtype) are resolved from the
+        hardware by runner.numerics."""
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = default_max_num_batched_tokens(device_type)
         mixed = self.max_mixed_prefill_tokens
         if mixed is None and self.enable_chunked_prefill:
             mixed = default_max_mixed_prefill_tokens(device_type, budget)
-        dtype = self.resolved_dtype if device_type == "cpu" else self.dtype
-        return dataclasses.replace(self, max_num_batched_tokens=budget, max_mixed_prefill_tokens=mixed, dtype=dtype,
+        return dataclasses.replace(self, max_num_batched_tokens=budget, max_mixed_prefill_tokens=mixed,
                                    preemption_mode=self.resolved_preemption_mode(device_type))
 
     def scheduler_config(self, max_model_len: int, preemption_mode: Optional[str] = None):

@@ -9,7 +9,7 @@ from tokenmill.benchmarks.workloads import WorkloadRequest
 
 
 def test_phases_partition_the_run_and_unpatch(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=16)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256, max_num_batched_tokens=16, numerics="exact")
     requests = [WorkloadRequest(id=i, prompt_token_ids=list(range(5, 5 + n)), max_tokens=m)
                 for i, (n, m) in enumerate([(20, 6), (9, 4), (33, 3)])]
     runner = llm.llm_engine.core.core.runner

@@ -23,7 +23,7 @@ def _collect(engine: AsyncLLM, prompt: list[int], params: SamplingParams, reques
 
 
 def test_outputs_from_the_core_process_match_the_offline_engine(tiny_llama_dir):
-    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=32)
+    config = EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=32, numerics="exact")
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     expected = LLM.from_config(config).generate([[1, 2, 3, 4]], params, use_tqdm=False)[0].outputs[0]
     engine = AsyncLLM.from_config(config)

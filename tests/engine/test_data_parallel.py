@@ -57,7 +57,7 @@ def _hit_rate(engine: AsyncLLM) -> float:
 @pytest.mark.slow
 def test_requests_sharing_a_prefix_land_on_the_core_that_holds_it(tiny_llama_dir):
     engine = AsyncLLM.from_config(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256,
-                                               data_parallel_size=2))
+                                               data_parallel_size=2, numerics="exact"))
     async def run() -> list[dict]:
         try:
             a, b = _prefix(0), _prefix(1)
@@ -84,7 +84,8 @@ def test_prefix_routing_at_least_doubles_the_hit_rate_of_round_robin(tiny_llama_
     rates = {}
     for policy in ("prefix", "round_robin"):
         engine = AsyncLLM.from_config(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=26, max_model_len=256,
-                                                   data_parallel_size=2, data_parallel_routing=policy))
+                                                   data_parallel_size=2, data_parallel_routing=policy,
+                                                   numerics="exact"))
         async def run() -> float:
             try:
                 await _serve(engine, prompts, concurrent=False)

@@ -38,7 +38,7 @@ def test_tiny_llama_matches_hf(request, tiny_llama_dir, smollm2_tokenizer, backe
     require_backend(request, backend)
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     llm = LLM(str(tiny_llama_dir), device="cpu", max_num_batched_tokens=24, num_kv_blocks=64, max_model_len=512,
-              attention_backend=backend, packed_linear=packed_linear)
+              attention_backend=backend, packed_linear=packed_linear, numerics="exact")
     runner = llm.llm_engine.core.core.runner
     assert runner.attention_backend.name == backend
     assert runner.packed_linear == (packed_linear and torch.backends.mkldnn.is_available())
@@ -54,7 +54,8 @@ def test_long_prompt_in_chunks_matches_hf(tiny_llama_dir, smollm2_tokenizer, chu
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     prompt = smollm2_tokenizer.encode(" ".join(PROMPTS) * 6)[:700]
     assert len(prompt) == 700
-    llm = LLM(str(tiny_llama_dir), device="cpu", max_num_batched_tokens=160, num_kv_blocks=128, max_model_len=1024)
+    llm = LLM(str(tiny_llama_dir), device="cpu", max_num_batched_tokens=160, num_kv_blocks=128, max_model_len=1024,
+              numerics="exact")
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                        use_tqdm=False)
     assert out[0].outputs[0].token_ids == hf_greedy(hf, prompt, 12)
@@ -65,7 +66,7 @@ def test_long_prompt_in_chunks_matches_hf(tiny_llama_dir, smollm2_tokenizer, chu
 def test_smollm2_gguf_matches_hf(request, smollm2_hf, smollm2_tokenizer, backend):
     require_backend(request, backend)
     llm = LLM(device="cpu", max_num_batched_tokens=32, kv_cache_memory_bytes="256MiB", max_model_len=1024,
-              attention_backend=backend)
+              attention_backend=backend, numerics="exact")
     check_against_hf(llm, smollm2_hf, smollm2_tokenizer, [10, 16, 12, 20, 8, 12, 10, 16, 14])
     assert llm.llm_engine.core.core.kv_cache.usage == 0.0
 
@@ -85,7 +86,7 @@ def test_gemma3_270m_gguf_matches_hf_on_chat_prompts(kernels, gemma3_270m_gguf):
     hf = AutoModelForCausalLM.from_pretrained(str(gemma3_270m_gguf.parent), gguf_file=gemma3_270m_gguf.name,
                                               dtype=torch.float32).eval()
     llm = LLM(str(gemma3_270m_gguf), device="cpu", max_num_batched_tokens=64, num_kv_blocks=400,
-              max_model_len=512)
+              max_model_len=512, numerics="exact")
     tokenizer = llm.get_tokenizer()
     prompts = [tokenizer.apply_chat_template([{"role": "user", "content": chat}], add_generation_prompt=True,
                                              tokenize=True) for chat in GEMMA_CHATS]

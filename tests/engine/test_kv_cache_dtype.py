@@ -32,9 +32,10 @@ def test_16_bit_cache_halves_its_memory_and_backends_agree(request, tiny_llama_d
     prompts = [smollm2_tokenizer.encode(p) for p in GOLDEN_PROMPTS[:4]]
     # The "cpu" attention backend runs on the CPU device only, so every engine here is pinned to it.
     base = LLM(str(tiny_llama_dir), kv_cache_memory_bytes=budget, max_num_batched_tokens=24, max_model_len=512,
-               device="cpu")
+               device="cpu", numerics="exact")
     runs = {backend: LLM(str(tiny_llama_dir), kv_cache_memory_bytes=budget, max_num_batched_tokens=24,
-                         max_model_len=512, kv_cache_dtype=kv_cache_dtype, attention_backend=backend, device="cpu")
+                         max_model_len=512, kv_cache_dtype=kv_cache_dtype, attention_backend=backend, device="cpu",
+                         dtype="float32", block_matmul="float32")
             for backend in ("torch", "cpu")}
     dtype = getattr(torch, kv_cache_dtype)
     for llm in runs.values():

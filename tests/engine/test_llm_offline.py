@@ -20,11 +20,11 @@ def greedy(max_tokens: int = 24) -> SamplingParams:
 
 
 def test_preemption_gives_identical_outputs_and_frees_every_block(tiny_llama_dir):
-    big = LLM(str(tiny_llama_dir), num_kv_blocks=256, max_model_len=256, enable_prefix_caching=False)
+    big = LLM(str(tiny_llama_dir), num_kv_blocks=256, max_model_len=256, enable_prefix_caching=False, numerics="exact")
     reference = [o.outputs[0].token_ids for o in big.generate(PROMPTS, greedy(40), use_tqdm=False)]
     # 12 blocks of 16 tokens cannot hold five 50-token sequences at once: requests must be preempted.
     small = LLM(str(tiny_llama_dir), num_kv_blocks=12, max_model_len=192, enable_prefix_caching=False,
-                max_num_batched_tokens=32)
+                max_num_batched_tokens=32, numerics="exact")
     outputs = small.generate(PROMPTS, greedy(40), use_tqdm=False)
     core = small.llm_engine.core.core
     assert core.scheduler.num_preemptions > 0
@@ -34,7 +34,7 @@ def test_preemption_gives_identical_outputs_and_frees_every_block(tiny_llama_dir
 
 
 def test_outputs_come_back_in_input_order_with_prompt_fields(tiny_llama_dir, tokenizer):
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, numerics="exact")
     outputs = llm.generate(PROMPTS, [greedy(m) for m in (3, 9, 1, 5, 7)], use_tqdm=False)
     assert [o.prompt for o in outputs] == PROMPTS
     assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 9, 1, 5, 7]
@@ -45,7 +45,7 @@ def test_outputs_come_back_in_input_order_with_prompt_fields(tiny_llama_dir, tok
 
 
 def test_seeded_sampling_is_reproducible_regardless_of_batch(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, numerics="exact")
     params = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=16, ignore_eos=True)
     alone = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].token_ids
     batched = llm.generate(PROMPTS[::-1], [greedy(8)] * 4 + [params], use_tqdm=False)[-1].outputs[0].token_ids
@@ -55,7 +55,7 @@ def test_seeded_sampling_is_reproducible_regardless_of_batch(tiny_llama_dir):
 
 
 def test_stop_strings_and_stop_token_ids(tiny_llama_dir, tokenizer):
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, numerics="exact")
     full = llm.generate(PROMPTS[1], greedy(30), use_tqdm=False)[0].outputs[0]
     # Stop on a piece of text that greedy decoding will produce; the text ends right before it.
     stop = full.text[len(full.text) // 2:len(full.text) // 2 + 3]
@@ -75,7 +75,7 @@ def test_stop_strings_and_stop_token_ids(tiny_llama_dir, tokenizer):
 
 
 def test_n_samples_and_logprobs(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, numerics="exact")
     out = llm.generate(PROMPTS[0], SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=12, logprobs=2,
                                                   ignore_eos=True), use_tqdm=False)[0]
     assert [c.index for c in out.outputs] == [0, 1, 2]
@@ -90,7 +90,7 @@ def test_n_samples_and_logprobs(tiny_llama_dir):
 
 
 def test_prompt_logprobs_cover_the_prompt(tiny_llama_dir, tokenizer):
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=5)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=5, numerics="exact")
     out = llm.generate(PROMPTS[1], SamplingParams(max_tokens=2, prompt_logprobs=1), use_tqdm=False)[0]
     ids = out.prompt_token_ids
     assert out.prompt_logprobs[0] is None
@@ -100,7 +100,7 @@ def test_prompt_logprobs_cover_the_prompt(tiny_llama_dir, tokenizer):
 
 
 def test_chat_applies_the_template(tiny_llama_dir, tokenizer):
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, numerics="exact")
     messages = [{"role": "user", "content": "Hi!"}]
     out = llm.chat(messages, greedy(4), use_tqdm=False)[0]
     expected = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -109,7 +109,7 @@ def test_chat_applies_the_template(tiny_llama_dir, tokenizer):
 
 
 def test_bad_input_is_refused_before_anything_runs(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=64)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=64, numerics="exact")
     with pytest.raises(InvalidRequestError):
         llm.generate("", greedy(4), use_tqdm=False)
     with pytest.raises(InvalidRequestError):
@@ -130,7 +130,8 @@ def test_lpm_wait_bound_reaches_the_policy(tiny_llama_dir):
     add_engine_args(parser)
     config = engine_config_from_args(parser.parse_args(["--scheduling-policy", "lpm", "--lpm-max-wait", "0.5"]))
     assert config.lpm_max_wait == 0.5
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=32, max_model_len=128, scheduling_policy="lpm", lpm_max_wait=0.5)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=32, max_model_len=128, scheduling_policy="lpm", lpm_max_wait=0.5,
+              numerics="exact")
     policy = llm.llm_engine.core.core.scheduler.policy
     assert policy.name == "lpm" and policy.max_wait_s == 0.5
 
@@ -139,14 +140,14 @@ def test_step_budget_defaults_by_device_and_fits_unchunked_prompts(tiny_llama_di
     from model_factory import build_tiny_llama
     from tokenmill.errors import ModelLoadError
 
-    cpu = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64)
+    cpu = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, numerics="exact")
     assert cpu.llm_engine.core.core.scheduler.config.max_num_batched_tokens == 1024
-    explicit = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, max_num_batched_tokens=96)
+    explicit = LLM(str(tiny_llama_dir), device="cpu", num_kv_blocks=64, max_num_batched_tokens=96, numerics="exact")
     assert explicit.llm_engine.core.core.scheduler.config.max_num_batched_tokens == 96
 
     # Without chunked prefill a prompt must fit one step: the default budget grows to the model length ...
     long_model = build_tiny_llama(tmp_path / "long", tokenizer, max_position_embeddings=1536)
-    unchunked = LLM(str(long_model), device="cpu", num_kv_blocks=100, enable_chunked_prefill=False)
+    unchunked = LLM(str(long_model), device="cpu", num_kv_blocks=100, enable_chunked_prefill=False, numerics="exact")
     assert unchunked.llm_engine.core.core.max_model_len == 1536
     assert unchunked.llm_engine.core.core.scheduler.config.max_num_batched_tokens == 1536
     long_prompt = {"prompt_token_ids": [5 + i % 300 for i in range(1400)]}
@@ -155,4 +156,4 @@ def test_step_budget_defaults_by_device_and_fits_unchunked_prompts(tiny_llama_di
     # ... and an explicit budget that could never hold a full prompt is refused at startup.
     with pytest.raises(ModelLoadError, match=r"max_num_batched_tokens \(1024\) is smaller than max_model_len \(1536\)"):
         LLM(str(long_model), device="cpu", num_kv_blocks=100, enable_chunked_prefill=False,
-            max_num_batched_tokens=1024)
+            max_num_batched_tokens=1024, numerics="exact")

@@ -62,7 +62,7 @@ def test_engine_with_every_message_round_tripped_matches_in_process_and_hf(tiny_
     monkeypatch.setattr("tokenmill.engine.core_client.roundtrip", counting)
     # A small budget and a tight cache: chunked prefills, forks, copy-on-write and preemptions happen.
     config = EngineConfig(model=str(tiny_llama_dir), device="cpu", max_num_batched_tokens=32, num_kv_blocks=10,
-                          max_model_len=160)
+                          max_model_len=160, numerics="exact")
     across = LLM.from_config(config, message_roundtrip=True)
     prompt_ids, outputs, beams = _mixed_workload(across, smollm2_tokenizer)
     assert encoded["runner"] > 20 and encoded["core"] > 20

@@ -41,7 +41,7 @@ def prompt_tokens_scheduled(outputs: list, prompt_len: int) -> int:
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir) -> LLM:
     # No prefix cache: a shared prompt must come from forking, never from cache hits.
-    return LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256, enable_prefix_caching=False)
+    return LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256, enable_prefix_caching=False, numerics="exact")
 
 
 # ---- n > 1 -------------------------------------------------------------------------------
@@ -151,7 +151,7 @@ def check_beams(llm: LLM, hf_model, tokenizer, width: int, max_tokens: int, eos:
 
 
 def test_beam_width_1_is_greedy(tiny_llama_dir, smollm2_tokenizer):
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256, numerics="exact")
     prompt = smollm2_tokenizer.encode(BEAM_PROMPTS[0])
     expected = llm.generate({"prompt_token_ids": prompt}, greedy(12), use_tqdm=False)[0].outputs[0].token_ids
     out = llm.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(beam_width=1, max_tokens=12, ignore_eos=True))
@@ -164,7 +164,7 @@ def test_beam_width_1_is_greedy(tiny_llama_dir, smollm2_tokenizer):
 
 @pytest.mark.parametrize("width", [2, 3])
 def test_beam_search_matches_a_full_recompute_reference(peaky_dir, hf_peaky, smollm2_tokenizer, width, monkeypatch):
-    llm = LLM(str(peaky_dir), num_kv_blocks=64, max_model_len=256, enable_prefix_caching=False)
+    llm = LLM(str(peaky_dir), num_kv_blocks=64, max_model_len=256, enable_prefix_caching=False, numerics="exact")
     outputs = record_schedules(llm, monkeypatch)
     max_tokens = 8
     results = check_beams(llm, hf_peaky, smollm2_tokenizer, width, max_tokens, {smollm2_tokenizer.eos_token_id},
@@ -185,13 +185,13 @@ def test_eos_finishes_a_beam_that_stays_a_candidate(tmp_path, hf_peaky, peaky_di
     from model_factory import build_tiny_llama
 
     prompt = smollm2_tokenizer.encode(BEAM_PROMPTS[0])
-    probe = LLM(str(peaky_dir), num_kv_blocks=64, max_model_len=256)
+    probe = LLM(str(peaky_dir), num_kv_blocks=64, max_model_len=256, numerics="exact")
     first = probe.beam_search({"prompt_token_ids": prompt}, BeamSearchParams(beam_width=2, max_tokens=3))[0]
     stop_token = first.sequences[0].tokens[len(prompt) + 1]
     # Same seed, same weights; only the config's EOS id differs.
     eos_dir = build_tiny_llama(tmp_path / "eos", smollm2_tokenizer, initializer_range=PEAKY_INIT,
                                eos_token_id=stop_token)
-    llm = LLM(str(eos_dir), num_kv_blocks=64, max_model_len=256)
+    llm = LLM(str(eos_dir), num_kv_blocks=64, max_model_len=256, numerics="exact")
     eos = {smollm2_tokenizer.eos_token_id, stop_token}
     results = check_beams(llm, hf_peaky, smollm2_tokenizer, 2, 5, eos)
     finished = [s for s in results[0].sequences if s.finish_reason == "stop"]
@@ -201,7 +201,7 @@ def test_eos_finishes_a_beam_that_stays_a_candidate(tmp_path, hf_peaky, peaky_di
 
 
 def test_an_interrupted_beam_search_leaves_nothing_behind(tiny_llama_dir, monkeypatch):
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256, numerics="exact")
     core = llm.llm_engine.core.core
     step, calls = core.step, []
 
@@ -225,7 +225,7 @@ def test_beam_search_validates_its_params(tiny_llama_dir):
         BeamSearchParams(beam_width=0, max_tokens=4)
     with pytest.raises(InvalidRequestError):
         BeamSearchParams(beam_width=11, max_tokens=4)  # 2 * width logprobs exceed the cap of 20
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=64)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=64, numerics="exact")
     with pytest.raises(InvalidRequestError):
         llm.beam_search("hello", BeamSearchParams(beam_width=2, max_tokens=100))
     assert not llm.llm_engine.core.core.has_unfinished_requests()

@@ -36,12 +36,12 @@ def cacheable(prompt: list[int]) -> int:
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir) -> LLM:
     return LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, enable_prefix_caching=False,
-               max_num_batched_tokens=32)
+               max_num_batched_tokens=32, numerics="exact")
 
 
 def test_identical_prompts(tiny_llama_dir, reference):
     prompt = ids(5, 45)
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, numerics="exact")
     stats = llm.llm_engine.core.core.kv_cache.prefix_stats
     expected = tokens(run(reference, [prompt] * 3))
     # Submitted together: the first registers its blocks as it allocates them, so the next two hit in
@@ -61,7 +61,7 @@ def test_shared_prefix_of_three_blocks_then_diverging(tiny_llama_dir, reference)
     prompts = [prefix + ids(7 + 11 * i, 4 + 9 * i) for i in range(4)]  # suffixes of 4..31 tokens
     expected = tokens(run(reference, prompts))
     # A budget of 32 tokens a step: prompts are chunked and hit blocks an earlier chunk registered.
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=32)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=32, numerics="exact")
     outputs = run(llm, prompts)
     assert tokens(outputs) == expected
     hits = [o.num_cached_tokens for o in outputs]
@@ -74,7 +74,7 @@ def test_shared_prefix_of_three_blocks_then_diverging(tiny_llama_dir, reference)
 
 def test_evicted_prefix_is_recomputed_correctly(tiny_llama_dir, reference):
     # 12 blocks of 16 tokens = 192 token slots.
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=12, max_model_len=192)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=12, max_model_len=192, numerics="exact")
     kv = llm.llm_engine.core.core.kv_cache
     a = ids(3, 60)  # 60 + 4 tokens -> blocks 0-2 full (cached), block 3 partial
     big = ids(20000, 170)  # 170 + 4 tokens -> 11 blocks

@@ -24,7 +24,7 @@ def greedy(max_tokens: int) -> SamplingParams:
 
 
 def make_engine(model_dir, **overrides) -> LLMEngine:
-    settings = dict(model=str(model_dir), num_kv_blocks=128, max_model_len=256)
+    settings = dict(model=str(model_dir), num_kv_blocks=128, max_model_len=256, numerics="exact")
     settings.update(overrides)
     return LLMEngine(EngineConfig(**settings))
 
@@ -49,7 +49,7 @@ def step_until_done(engine: LLMEngine, first_token_step: dict[str, int], outputs
 # ---- priority --------------------------------------------------------------------------------
 def test_llm_generate_priority_runs_the_urgent_prompt_first(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, max_num_seqs=1,
-              scheduling_policy="priority")
+              scheduling_policy="priority", numerics="exact")
     priorities = [1] * (len(PROMPTS) - 1) + [0]  # the last prompt is the urgent one
     outputs = llm.generate(PROMPTS, greedy(6), use_tqdm=False, priority=priorities)
     first = [o.metrics.first_token_time for o in outputs]
@@ -81,7 +81,7 @@ PREEMPTION_MAX_TOKENS = 40
 
 @pytest.fixture(scope="module")
 def unconstrained_outputs(tiny_llama_dir) -> list[list[int]]:
-    big = LLM(str(tiny_llama_dir), num_kv_blocks=256, max_model_len=256, enable_prefix_caching=False)
+    big = LLM(str(tiny_llama_dir), num_kv_blocks=256, max_model_len=256, enable_prefix_caching=False, numerics="exact")
     outputs = big.generate(PROMPTS, greedy(PREEMPTION_MAX_TOKENS), use_tqdm=False)
     assert big.llm_engine.core.core.scheduler.num_preemptions == 0
     return [o.outputs[0].token_ids for o in outputs]
@@ -95,7 +95,7 @@ def test_preemption_under_a_tiny_kv_cache_loses_nothing_and_respects_the_cap(tin
     priorities = [i % 3 for i in range(len(PROMPTS))]
     # 10 blocks of 16 tokens; every sequence grows to ~50 tokens (4 blocks): constant preemption.
     small = LLM(str(tiny_llama_dir), num_kv_blocks=10, max_model_len=160, enable_prefix_caching=False,
-                max_num_batched_tokens=32, scheduling_policy=policy, max_preemptions=cap)
+                max_num_batched_tokens=32, scheduling_policy=policy, max_preemptions=cap, numerics="exact")
     engine = small.llm_engine
     for i, prompt in enumerate(PROMPTS):
         engine.add_request(f"r{i}", engine.input_processor.process_prompt(prompt), params[i],
@@ -118,7 +118,7 @@ def test_preemption_under_a_tiny_kv_cache_loses_nothing_and_respects_the_cap(tin
 def test_swap_space_is_accepted_and_preemption_recomputes(tiny_llama_dir):
     """--swap-space is recorded but no KV is swapped anywhere yet: a preempted request recomputes."""
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=10, max_model_len=160, enable_prefix_caching=False,
-              max_num_batched_tokens=32, swap_space=1.0, device="cpu")
+              max_num_batched_tokens=32, swap_space=1.0, device="cpu", numerics="exact")
     outputs = llm.generate(PROMPTS[:5], greedy(40), use_tqdm=False)
     assert llm.llm_engine.config.swap_space == 1.0
     assert llm.llm_engine.core.core.scheduler.num_preemptions > 0
@@ -162,7 +162,7 @@ def test_queue_timeout_finishes_a_waiting_request_with_a_clear_reason(tiny_llama
 
 # ---- length limit ----------------------------------------------------------------------------
 def test_max_prompt_tokens_refuses_longer_prompts(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, max_prompt_tokens=16)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, max_prompt_tokens=16, numerics="exact")
     ok = llm.generate({"prompt_token_ids": list(range(1, 17))}, greedy(2), use_tqdm=False)
     assert len(ok[0].outputs[0].token_ids) == 2
     with pytest.raises(InvalidRequestError) as info:
@@ -173,7 +173,7 @@ def test_max_prompt_tokens_refuses_longer_prompts(tiny_llama_dir):
 
 
 def test_a_refused_prompt_in_a_batch_leaves_nothing_queued(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, max_prompt_tokens=16)
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, max_prompt_tokens=16, numerics="exact")
     with pytest.raises(InvalidRequestError):
         llm.generate([{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": list(range(1, 40))}], greedy(2),
                      use_tqdm=False)

@@ -42,10 +42,10 @@ def _prompts(tokenizer):
 def test_greedy_outputs_equal_plain_decoding_and_drafts_are_kept(tiny_llama_dir, smollm2_tokenizer, backend):
     prompts = [{"prompt_token_ids": p} for p in _prompts(smollm2_tokenizer)]
     params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 33, 25, 7)]
-    plain = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=512, attention_backend=backend)
+    plain = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=512, attention_backend=backend, numerics="exact")
     reference = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     spec = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=512, speculative_config=NGRAM,
-               attention_backend=backend)
+               attention_backend=backend, numerics="exact")
     outputs = spec.generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert [len(o.outputs[0].token_ids) for o in outputs] == [40, 33, 25, 7]
@@ -62,7 +62,8 @@ def test_speculation_under_preemption_and_beside_sampled_requests(tiny_llama_dir
               SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
-    kwargs = dict(num_kv_blocks=9, max_model_len=128, max_num_batched_tokens=32, enable_prefix_caching=True)
+    kwargs = dict(num_kv_blocks=9, max_model_len=128, max_num_batched_tokens=32, enable_prefix_caching=True,
+                  numerics="exact")
     plain = LLM(str(tiny_llama_dir), **kwargs)
     reference = plain.generate(prompts, params, use_tqdm=False)
     spec = LLM(str(tiny_llama_dir), speculative_config=NGRAM, **kwargs)
@@ -79,8 +80,8 @@ def test_smollm2_copying_prompt_keeps_drafts_and_matches_plain_decoding():
     text = "def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n"
     messages = [{"role": "user", "content": "Copy this code exactly:\n" + text}]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
-    plain = LLM(kv_cache_memory_bytes="128MiB", max_model_len=512)
-    spec = LLM(kv_cache_memory_bytes="128MiB", max_model_len=512, speculative_config=NGRAM)
+    plain = LLM(kv_cache_memory_bytes="128MiB", max_model_len=512, numerics="exact")
+    spec = LLM(kv_cache_memory_bytes="128MiB", max_model_len=512, speculative_config=NGRAM, numerics="exact")
     reference = plain.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids
     assert spec.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids == reference
     stats = spec.llm_engine.core.core.get_stats()
@@ -93,7 +94,7 @@ def test_q8_0_verify_steps_run_the_fused_decode_stack(request, tiny_llama_dir, s
     request.getfixturevalue("kernels")
     prompts = [{"prompt_token_ids": p} for p in _prompts(smollm2_tokenizer)]
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    kwargs = dict(num_kv_blocks=128, max_model_len=512, quantization="q8_0", device="cpu")
+    kwargs = dict(num_kv_blocks=128, max_model_len=512, quantization="q8_0", device="cpu", numerics="exact")
     reference = [o.outputs[0].token_ids for o in LLM(str(tiny_llama_dir), **kwargs).generate(prompts, params,
                                                                                             use_tqdm=False)]
     spec = LLM(str(tiny_llama_dir), speculative_config=NGRAM, **kwargs)

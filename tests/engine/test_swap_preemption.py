@@ -12,10 +12,10 @@ PROMPTS = ["Hello there, how are", "The quick brown fox jumps over the lazy dog 
 
 def test_swap_preemption_gives_identical_outputs(tiny_llama_dir):
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    big = LLM(str(tiny_llama_dir), num_kv_blocks=256, max_model_len=256, enable_prefix_caching=False)
+    big = LLM(str(tiny_llama_dir), num_kv_blocks=256, max_model_len=256, enable_prefix_caching=False, numerics="exact")
     reference = [o.outputs[0].token_ids for o in big.generate(PROMPTS, params, use_tqdm=False)]
     small = LLM(str(tiny_llama_dir), num_kv_blocks=12, max_model_len=192, enable_prefix_caching=False,
-                max_num_batched_tokens=32, preemption_mode="swap", swap_space=0.01)
+                max_num_batched_tokens=32, preemption_mode="swap", swap_space=0.01, numerics="exact")
     scheduler = small.llm_engine.core.core.scheduler
     computed = []
     original = scheduler.schedule
@@ -43,9 +43,9 @@ def test_swap_preemption_on_cuda(tiny_llama_dir):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device (swap to host memory applies where the device is not the CPU)")
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
-    big = LLM(str(tiny_llama_dir), num_kv_blocks=256, max_model_len=256, device="cuda")
+    big = LLM(str(tiny_llama_dir), num_kv_blocks=256, max_model_len=256, device="cuda", numerics="exact")
     reference = [o.outputs[0].token_ids for o in big.generate(PROMPTS, params, use_tqdm=False)]
     small = LLM(str(tiny_llama_dir), num_kv_blocks=12, max_model_len=192, max_num_batched_tokens=32,
-                device="cuda", swap_space=0.01)
+                device="cuda", swap_space=0.01, numerics="exact")
     assert [o.outputs[0].token_ids for o in small.generate(PROMPTS, params, use_tqdm=False)] == reference
     assert small.llm_engine.core.core.scheduler.num_swap_outs > 0

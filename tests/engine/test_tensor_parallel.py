@@ -26,6 +26,8 @@ PROMPTS = GOLDEN_PROMPTS[:4]
 
 def _greedy(model: str, tp: int, **kwargs) -> list[list[int]]:
     # A small step budget: Gemma 3's five windowed KV groups then need only a few of the 64 blocks each.
+    # The exact numerics unless the test names its own: one rank's and N ranks' sums then round alike.
+    kwargs = kwargs if "block_matmul" in kwargs else {"numerics": "exact", **kwargs}
     llm = LLM(model, tensor_parallel_size=tp, max_model_len=256, num_kv_blocks=64, max_num_batched_tokens=32,
               **kwargs)
     try:
@@ -113,7 +115,7 @@ def test_a_row_parallel_int8_shard_off_the_block_grid_stays_dense():
 def test_heads_that_do_not_split_are_refused_before_any_worker_starts(smollm2_path):
     # SmolLM2-135M: 9 attention heads, 3 KV heads.
     with pytest.raises(ModelLoadError, match=r"^num_key_value_heads \(3\) is not divisible by --tensor-parallel-size 2$"):
-        LLM(str(smollm2_path), tensor_parallel_size=2)
+        LLM(str(smollm2_path), tensor_parallel_size=2, numerics="exact")
 
 
 def test_tensor_parallel_size_must_be_positive():
@@ -135,7 +137,7 @@ def test_two_ranks_match_one_with_kept_gguf_int8_blocks(tiny_gguf_path, tiny_lla
     # Row-parallel o_proj/down_proj keep their int8 blocks (32 and 64 inputs per rank); the fused C++
     # decode stack is off under tensor parallelism. Under --block-matmul int8 each rank keeps its shards in
     # the dot products' layout and rounds its slice of x per block of 32, as one process does.
-    kwargs = dict(tokenizer=str(tiny_llama_dir), block_matmul=block_matmul)
+    kwargs = dict(tokenizer=str(tiny_llama_dir), block_matmul=block_matmul, dtype="float32", kv_cache_dtype="float32")
     assert _greedy(str(tiny_gguf_path), 2, **kwargs) == _greedy(str(tiny_gguf_path), 1, **kwargs)
 
 
@@ -160,7 +162,7 @@ def test_three_ranks_match_one_on_the_embedded_smollm2(smollm2_path):
 # ---- worker lifetime --------------------------------------------------------------------------------
 @pytest.mark.slow
 def test_shutdown_leaves_no_worker_and_a_dead_worker_fails_the_step(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, max_model_len=256, num_kv_blocks=64)
+    llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, max_model_len=256, num_kv_blocks=64, numerics="exact")
     executor = llm.llm_engine.core.core.executor
     pids = [worker.pid for worker in executor.workers]
     assert len(pids) == 2 and all(is_alive(pid) for pid in pids)
@@ -171,7 +173,8 @@ def test_shutdown_leaves_no_worker_and_a_dead_worker_fails_the_step(tiny_llama_d
     # Started from a thread that then ends: the workers live on (they follow the process, not the thread).
     holder: dict = {}
     starter = threading.Thread(target=lambda: holder.update(llm=LLM(str(tiny_llama_dir), tensor_parallel_size=2,
-                                                                    max_model_len=256, num_kv_blocks=64)))
+                                                                    max_model_len=256, num_kv_blocks=64,
+                                                                    numerics="exact")))
     starter.start()
     starter.join()
     llm = holder["llm"]
@@ -207,7 +210,7 @@ def test_data_parallel_cores_each_run_their_own_tensor_parallel_workers(tiny_lla
 
     expected = _greedy(str(tiny_llama_dir), 1)
     engine = AsyncLLM.from_config(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256,
-                                               data_parallel_size=2, tensor_parallel_size=2))
+                                               data_parallel_size=2, tensor_parallel_size=2, numerics="exact"))
     params = GREEDY.clone(output_kind=RequestOutputKind.FINAL_ONLY)
     workers = [pid for client in engine.clients for pid in child_pids(client.process.pid)]
     assert len(workers) == 4  # two per core

@@ -109,7 +109,7 @@ def test_engine_prefills_smollm2_through_the_bf16_tiles(bf16_attention, smollm2_
     kernel; greedy tokens equal those of the same engine with float32 prefill attention, and the first
     token's logprob moves by the rounding only."""
     llm = LLM(str(smollm2_path), block_matmul="bfloat16-int8", max_model_len=2048, num_kv_blocks=160,
-              enable_prefix_caching=False, max_num_batched_tokens=1024)
+              enable_prefix_caching=False, max_num_batched_tokens=1024, dtype="float32", kv_cache_dtype="float32")
     runner = llm.llm_engine.core.core.runner
     if not isinstance(runner.block_kernels, Bf16TileInt8RowKernels):
         pytest.skip("bfloat16-int8 fell back on this CPU")

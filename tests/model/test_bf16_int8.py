@@ -119,7 +119,7 @@ def test_falls_back_to_the_half_this_cpu_runs(monkeypatch, kernels, tiny_gguf_pa
     monkeypatch.setattr(linear, "cpu_flags", lambda: set())
     monkeypatch.setattr(kernels, "bf16_tiles", lambda: "mkl")
     llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=128,
-              block_matmul="bfloat16-int8")
+              block_matmul="bfloat16-int8", dtype="float32", kv_cache_dtype="float32")
     runner = llm.llm_engine.core.core.runner
     kernels = next(m.kernels for m in runner.model.modules() if isinstance(m, BlockQuantLinear))
     if kernels.int8_dot == "portable":

@@ -65,7 +65,7 @@ KV_BLOCKS = {"gemma3": 60, "gemma2": 24}  # blocks shared by 6 and 2 layer group
 
 def engine(model: str, backend: str, family: str, **kwargs) -> LLM:
     return LLM(model, device="cpu", max_num_batched_tokens=24, num_kv_blocks=KV_BLOCKS.get(family, 12),
-               max_model_len=192, attention_backend=backend, **kwargs)
+               max_model_len=192, attention_backend=backend, numerics="exact", **kwargs)
 
 
 @pytest.mark.parametrize("backend", ["torch", "cpu"])
@@ -240,7 +240,7 @@ def test_sliding_window_kv_stays_bounded_and_matches_hf(request, window_dirs, sm
     directory = window_dirs[family]
     llm = LLM(str(directory), device="cpu", block_size=4, max_num_batched_tokens=16, max_model_len=128,
               num_kv_blocks=WINDOW_KV_BLOCKS[family], attention_backend=backend,
-              max_mixed_prefill_tokens=mixed_cap)
+              max_mixed_prefill_tokens=mixed_cap, numerics="exact")
     core = llm.llm_engine.core.core
     kv = core.kv_cache
     window, block = 12, 4
@@ -297,7 +297,7 @@ def test_windowed_decodes_through_the_cpu_prefill_kernel_match_hf(kernels, windo
     chunks through that kernel, which applies the window; greedy tokens equal HF's."""
     directory = window_dirs[family]
     llm = LLM(str(directory), device="cpu", block_size=8, max_num_batched_tokens=32, max_model_len=128,
-              num_kv_blocks=120, attention_backend="cpu")
+              num_kv_blocks=120, attention_backend="cpu", numerics="exact")
     prompts = long_prompts(smollm2_tokenizer)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -334,7 +334,7 @@ def test_random_workloads_on_sliding_window_groups_match_hf(request, family_dirs
         request.getfixturevalue("kernels")
     directory = family_dirs["gemma3"]
     llm = LLM(str(directory), device="cpu", block_size=block_size, max_num_batched_tokens=budget, max_model_len=160,
-              num_kv_blocks=num_blocks, attention_backend=backend, max_mixed_prefill_tokens=mixed_cap)
+              num_kv_blocks=num_blocks, attention_backend=backend, max_mixed_prefill_tokens=mixed_cap, numerics="exact")
     prompts, params = random_workload(rng, smollm2_tokenizer, llm.llm_engine.max_model_len)
     hf = hf_model(directory)
     expected = [hf_greedy(hf, ids, p.max_tokens) for ids, p in zip(prompts, params)]

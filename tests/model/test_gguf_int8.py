@@ -124,7 +124,7 @@ def test_engine_keeps_every_block_type_and_matches_hf(kernels, tiny_gguf_path, t
     layers (fused q/k/v and gate/up mix types with and without mins) and decode steps run the fused
     C++ stack; greedy tokens equal HF's on the dequantized weights and the dense float32 engine's."""
     llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64,
-              max_model_len=512)
+              max_model_len=512, numerics="exact")
     model = llm.llm_engine.core.core.runner.model
     linears = [m for m in model.modules() if isinstance(m, BlockQuantLinear)]
     # every projection, the head, and the embedding table (the file's own Q8_0 blocks)
@@ -137,7 +137,7 @@ def test_engine_keeps_every_block_type_and_matches_hf(kernels, tiny_gguf_path, t
     for prompt, m, got in zip(ids, lengths, tokens):
         assert got == hf_greedy(hf, prompt, m)
     dense = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64,
-                max_model_len=512, quantization="none")
+                max_model_len=512, quantization="none", numerics="exact")
     assert not any(isinstance(m, BlockQuantLinear) for m in dense.llm_engine.core.core.runner.model.modules())
     assert greedy(dense, smollm2_tokenizer, lengths)[1] == tokens
 
@@ -146,7 +146,8 @@ def test_kept_layers_hold_no_float_copy(kernels, tiny_gguf_path, tiny_llama_dir)
     """After load, a kept layer holds only its packed integers, scales, mins and bias; the embedding
     is looked up from the blocks (the tiny file's Q8_0 token embedding); no float32 tensor in the model
     is as large as a projection. Q4_* matrices are stored at 4 bits."""
-    llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=512)
+    llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=512,
+              numerics="exact")
     model = llm.llm_engine.core.core.runner.model
     assert isinstance(model.embed_tokens, BlockQuantEmbedding)
     layers = [m for m in model.modules() if isinstance(m, BlockQuantLinear)]
@@ -165,7 +166,8 @@ def test_embedding_rows_are_the_dequantized_table(kernels, tiny_gguf_path, tiny_
     """Embedding lookups from the blocks give exactly the dense table's rows (gguf-py's values)."""
     source = load_model_source(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir))
     dense = dict(source.iter_weights(torch.float32))["model.embed_tokens.weight"]
-    llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=512)
+    llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=512,
+              numerics="exact")
     embed = llm.llm_engine.core.core.runner.model.embed_tokens
     ids = torch.tensor([[0, 1, 15, 16, 17], [dense.shape[0] - 1, 31, 32, 100, 7]])
     assert torch.equal(embed(ids), dense[ids])
@@ -179,7 +181,8 @@ def test_tensors_of_other_types_stay_dense(kernels, tmp_path, tiny_llama_dir, sm
     path = tmp_path / "partly.gguf"
     write_gguf(path, tiny_llama_dir, tensor_type=lambda name: GGMLQuantizationType.F16 if "down_proj" in name
                else mixed_gguf_type(name))
-    llm = LLM(str(path), tokenizer=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, quantization="gguf")
+    llm = LLM(str(path), tokenizer=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, quantization="gguf",
+              numerics="exact")
     model = llm.llm_engine.core.core.runner.model
     assert not isinstance(model.layers[0].mlp.down_proj, BlockQuantLinear)
     assert isinstance(model.layers[0].mlp.gate_up_proj, BlockQuantLinear) and model._int8_decode is None

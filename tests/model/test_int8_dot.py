@@ -190,7 +190,8 @@ def engine_with_block_matmul(gguf_path, tokenizer_dir, block_matmul: str, kernel
     """An LLM on the tiny GGUF under `--block-matmul block_matmul`, and its runner, after checking that
     every kept layer got `kernels_type`."""
     llm = LLM(str(gguf_path), tokenizer=str(tokenizer_dir), max_num_batched_tokens=max_num_batched_tokens,
-              num_kv_blocks=64, max_model_len=512, block_matmul=block_matmul)
+              num_kv_blocks=64, max_model_len=512, block_matmul=block_matmul,
+              dtype="float32", kv_cache_dtype="float32")
     runner = llm.llm_engine.core.core.runner
     linears = [m for m in runner.model.modules() if isinstance(m, BlockQuantLinear)]
     assert linears and all(isinstance(m.kernels, kernels_type) for m in linears)

@@ -101,7 +101,7 @@ def test_q8_0_engine_matches_hf_on_the_dequantized_weights(kernels, tiny_llama_d
             if isinstance(module, torch.nn.Linear):
                 module.weight.copy_(dequantize_q8_0(*quantize_q8_0(module.weight)))
     llm = LLM(str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64, max_model_len=512,
-              quantization="q8_0")
+              quantization="q8_0", numerics="exact")
     prompts = [smollm2_tokenizer.encode(p) for p in GOLDEN_PROMPTS[:5]]
     lengths = [12, 20, 5, 16, 24]
     outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
@@ -116,7 +116,7 @@ def test_q8_0_needs_cpu_kernels(tiny_llama_dir):
         LLM(str(tiny_llama_dir), num_kv_blocks=16, quantization="q8_0", attention_backend="torch")
 
 
-@pytest.mark.parametrize("weights,kv_cache_dtype", [("q8_0", "auto"), ("q8_0", "float16"), ("q8_0", "bfloat16"),
+@pytest.mark.parametrize("weights,kv_cache_dtype", [("q8_0", "float32"), ("q8_0", "float16"), ("q8_0", "bfloat16"),
                                                     ("gguf", "auto")])
 def test_int8_fused_decode_stack_is_bit_identical_to_the_layers(request, kernels, tiny_llama_dir, smollm2_tokenizer,
                                                                 weights, kv_cache_dtype):
@@ -129,10 +129,10 @@ def test_int8_fused_decode_stack_is_bit_identical_to_the_layers(request, kernels
 
     if weights == "gguf":
         llm = LLM(str(request.getfixturevalue("tiny_gguf_path")), tokenizer=str(tiny_llama_dir), num_kv_blocks=64,
-                  max_model_len=512, quantization="gguf")
+                  max_model_len=512, quantization="gguf", numerics="exact")
     else:
         llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, quantization="q8_0",
-                  kv_cache_dtype=kv_cache_dtype)
+                  kv_cache_dtype=kv_cache_dtype, dtype="float32", block_matmul="float32")
     model = llm.llm_engine.core.core.runner.model
     assert model._int8_decode is not None
     expected_dtype = torch.float32 if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)

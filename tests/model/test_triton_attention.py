@@ -186,7 +186,8 @@ def test_tiny_llama_greedy_tokens_equal_the_torch_backend(tiny_llama_dir, smollm
     tokens = {}
     for backend in ("torch", "triton"):
         llm = LLM(str(tiny_llama_dir), device=DEVICE.type, dtype="float32", max_num_batched_tokens=16,
-                  num_kv_blocks=16, max_model_len=256, attention_backend=backend)
+                  num_kv_blocks=16, max_model_len=256, attention_backend=backend,
+                  block_matmul="float32", kv_cache_dtype="float32")
         assert llm.llm_engine.core.core.runner.attention_backend.name == backend
         outputs = llm.generate([{"prompt_token_ids": ids} for ids in prompts], params, use_tqdm=False)
         tokens[backend] = [list(o.outputs[0].token_ids) for o in outputs]

@@ -140,7 +140,7 @@ def test_engine_runs_kept_gguf_blocks_through_triton(kernels, tiny_gguf_path, ti
 
     def engine(device: str):
         return LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64,
-                   max_model_len=512, dtype="float32", device=device)
+                   max_model_len=512, dtype="float32", device=device, block_matmul="float32", kv_cache_dtype="float32")
 
     lengths = [6, 4, 5, 3]
     expected = greedy(engine("cpu"), smollm2_tokenizer, lengths)[1]

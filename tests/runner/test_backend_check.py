@@ -46,7 +46,8 @@ def test_the_triton_kernels_pass_the_check_on_windowed_and_capped_layers():
 
 
 def test_a_failing_backend_is_replaced_by_torch_in_every_layer(tiny_llama_dir):
-    llm = LLM(model=str(tiny_llama_dir), attention_backend="torch", max_model_len=128, kv_cache_memory_bytes="16MiB")
+    llm = LLM(model=str(tiny_llama_dir), attention_backend="torch", max_model_len=128, kv_cache_memory_bytes="16MiB",
+              numerics="exact")
     runner = llm.llm_engine.core.core.runner
     params = SamplingParams(max_tokens=6, temperature=0.0)
     expected = llm.generate(["Hello there"], params)[0].outputs[0].token_ids

@@ -25,7 +25,7 @@ SCHEMA = {
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), num_kv_blocks=256)
+    return LLM(str(tiny_llama_dir), num_kv_blocks=256, numerics="exact")
 
 
 def _one(llm: LLM, prompt: str, **params):
@@ -128,7 +128,7 @@ def test_grammar_state_survives_preemption(tiny_llama_dir, fast_forward):
     prompts = [f"Record number {i} of the inventory, written out in full as a JSON object:" for i in range(8)]
     params = SamplingParams(temperature=0, max_tokens=40,
                             structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
-    options = dict(enable_prefix_caching=False, structured_outputs_fast_forward=fast_forward)
+    options = dict(enable_prefix_caching=False, structured_outputs_fast_forward=fast_forward, numerics="exact")
     roomy = LLM(str(tiny_llama_dir), num_kv_blocks=256, **options).generate(prompts, params, use_tqdm=False)
     # 5 blocks of 16 tokens hold one ~35-token sequence and part of a second.
     tight_llm = LLM(str(tiny_llama_dir), num_kv_blocks=5, max_model_len=80, max_num_batched_tokens=16, **options)
@@ -167,7 +167,8 @@ def test_fast_forward_skips_forced_text_and_keeps_the_output(tiny_llama_dir):
                             structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True))
     results = {}
     for fast_forward in (True, False):
-        llm = LLM(str(tiny_llama_dir), num_kv_blocks=256, structured_outputs_fast_forward=fast_forward)
+        llm = LLM(str(tiny_llama_dir), num_kv_blocks=256, structured_outputs_fast_forward=fast_forward,
+                  numerics="exact")
         steps = _count_steps(llm)
         out = llm.generate(["Describe a record:"], params, use_tqdm=False)[0].outputs[0]
         results[fast_forward] = (out.text, len(out.token_ids), len(steps), out.finish_reason)

@@ -341,6 +341,7 @@ class AsyncLLM:
         if self.router is not None:
             body["data_parallel"] = self.replica_stats()
         body["memory"] = self.memory_stats()
+        body["numerics"] = self.ready.numerics
         return body
 
     def memory_stats(self) -> dict[str, Any]:

@@ -26,6 +26,7 @@ from tokenmill.model.loader import load_model_source
 from tokenmill.model.registry import SLIDING_WINDOW_ARCHITECTURES
 from tokenmill.engine.executor import make_executor
 from tokenmill.runner.model_runner import resolve_device
+from tokenmill.runner.numerics import detect_hardware, resolve_numerics
 from tokenmill.spec_decode.ngram import NgramProposer, can_speculate
 from tokenmill.structured.backend import allocate_token_bitmask
 from tokenmill.structured.llguidance_backend import LLGuidanceBackend
@@ -98,6 +99,12 @@ class EngineCore:
         # Device-dependent defaults resolved into a new config; the caller's is never written to.
         budget_was_defaulted = config.max_num_batched_tokens is None
         config = config.with_resolved_defaults(device.type)
+        hardware = detect_hardware(device.type, config.attention_backend)
+        block_weights = config.quantization == "q8_0" or (
+            config.quantization in (None, "gguf") and source.has_int8_block_matrices())
+        self.numerics = resolve_numerics(config, hardware, block_weights)
+        logger.info("numerics on %s: %s", hardware.describe(), self.numerics.describe())
+        config = self.numerics.apply(config)
         max_model_len = derive_max_model_len(config, hf_config)
         check_tensor_parallel(config, hf_config)
         self.executor = make_executor(config, source, device, max_model_len)
@@ -172,7 +179,7 @@ class EngineCore:
                                block_size=self.config.block_size, device=str(self.device),
                                linear_layers=self.linear_layers, weights_bytes=self.memory.weights,
                                buffers_bytes=self.memory.buffers, kv_cache_bytes=self.memory.kv_cache, activations_bytes=self.memory.activations,
-                               rss_bytes=self.memory.rss, model_info=info)
+                               rss_bytes=self.memory.rss, numerics=self.numerics.as_dict(), model_info=info)
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, message: EngineCoreRequest) -> None:

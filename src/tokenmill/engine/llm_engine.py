@@ -33,6 +33,8 @@ class LLMEngine:
         self.hf_config = source.hf_config
         self.core = InprocClient(config, source, message_roundtrip)
         self.max_model_len = self.core.ready.max_model_len
+        # The numerics chosen at start-up: option -> {"value", "reason"} (runner.numerics).
+        self.numerics = self.core.ready.numerics
         # In one process the frontend shares the source's tokenizer; the rest comes as the server's does.
         self.frontend = Frontend.build(config, self.core.ready.model_info, source.tokenizer, self.max_model_len)
         self.served_model_name = self.frontend.served_model_name

@@ -112,6 +112,8 @@ class EngineCoreReady(msgspec.Struct, tag=True, omit_defaults=True):
     device: str
     # How the weights run (for logs and benchmark reports).
     linear_layers: str = ""
+    # The numerics chosen at start-up (runner.numerics.Numerics.as_dict): option -> {"value", "reason"}.
+    numerics: dict[str, dict[str, str]] = {}
     # Memory the core holds once ready (runner.host_memory.MemoryReport), in bytes.
     weights_bytes: int = 0
     buffers_bytes: int = 0  # rotary tables

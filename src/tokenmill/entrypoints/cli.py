@@ -1,4 +1,4 @@
-"""The `tokenmill` command: generate, serve (and more subcommands as they land)."""
+"""The `tokenmill` command: generate, serve, bench, plan, eval."""
 from __future__ import annotations
 
 import argparse
@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.entrypoints.bench_cli import add_bench_subcommands
 
     add_bench_subcommands(subparsers)
+    from tokenmill.entrypoints.eval_cli import add_eval_subcommands
+
+    add_eval_subcommands(subparsers)
     return parser
 
 

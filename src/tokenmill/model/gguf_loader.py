@@ -191,6 +191,10 @@ def iter_gguf_weights(
 INT8_BLOCK_TYPES: frozenset[str] = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K"})
 
 
+def has_int8_block_matrices(reader: gguf.GGUFReader) -> bool:
+    return any(tensor.tensor_type.name in INT8_BLOCK_TYPES and len(tensor.shape) == 2 for tensor in reader.tensors)
+
+
 def gguf_int8_blocks(tensor: Any) -> Int8Blocks | None:
     """The tensor's integers and per-32 scales/mins as stored in the file; None for other types.
 

@@ -54,6 +54,14 @@ class ModelSource:
         (~150 MB of metadata views for a 50k-token vocabulary)."""
         self._gguf_reader = None
 
+    def has_int8_block_matrices(self) -> bool:
+        """Whether the file holds matrices in a type the block kernels run as stored (a GGUF's Q8_0, Q4_0/1,
+        Q5_0/1, Q4_K, Q5_K): those stay block-quantized unless --quantization none."""
+        if not self.is_gguf:
+            return False
+        reader = self._gguf_reader if self._gguf_reader is not None else gguf_loader.open_gguf(self.path)
+        return gguf_loader.has_int8_block_matrices(reader)
+
     def iter_weights(self, dtype: torch.dtype, int8_blocks: dict[str, Int8Blocks] | None = None,
                      dense_kept: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (HF parameter name, tensor in dtype), one tensor alive at a time.

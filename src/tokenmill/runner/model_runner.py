@@ -33,20 +33,6 @@ logger = logging.getLogger("tokenmill")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """`auto`: bfloat16 where the hardware computes it natively (CUDA with bf16; CPUs with AVX-512 BF16 or
-    AMX, where oneDNN's bf16 matmuls run at about twice the fp32 rate), float32 elsewhere. On CPUs
-    without those instructions bf16 is emulated and far slower than fp32, so auto keeps float32.
-    """
-    if name != "auto":
-        return DTYPES[name]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    if device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()):
-        return torch.bfloat16
-    return torch.float32
-
-
 def resolve_device(name: Optional[str]) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -87,8 +73,7 @@ class ModelRunner:
             torch.set_num_threads(num_threads or os.cpu_count() or 1)
         self.device = device
         dtype, block_size = config.dtype, config.block_size
-        self.dtype = resolve_dtype(dtype, device)
-        logger.info("dtype: %s", str(self.dtype).removeprefix("torch."))
+        self.dtype = DTYPES[dtype]  # resolved from the hardware before the runner is built (runner.numerics)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.hf_config = hf_config
@@ -111,8 +96,6 @@ class ModelRunner:
             use_cpu_kernels(self.model, kernels)
         attn = self.model.layers[0].self_attn
         cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
-        if cache_dtype != self.dtype:
-            logger.info("KV cache dtype: %s", str(cache_dtype).removeprefix("torch."))
         # Layers with the same sliding window share a block table (core.kv_cache_groups); a block holds the
         # K/V of one group's layers, kept in layers_per_group tensors that every group shares.
         self.kv_layout = plan_kv_cache_groups(self.model.spec.layer_windows)

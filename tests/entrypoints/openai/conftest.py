@@ -117,9 +117,11 @@ def server_log_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_server(server_log_dir) -> Iterator[ServerProcess]:
-    """The default model (SmolLM2-135M-Instruct), two API keys, a 1 MB body limit."""
+    """The default model (SmolLM2-135M-Instruct) in the exact numerics (its greedy tokens are HF's), two API keys,
+    a 1 MB body limit."""
     server = ServerProcess(
-        ["--max-model-len", "1024", "--num-kv-blocks", "160", "--api-key", API_KEY, "--api-key", SECOND_API_KEY,
+        ["--numerics", "exact", "--max-model-len", "1024", "--num-kv-blocks", "160", "--api-key", API_KEY,
+         "--api-key", SECOND_API_KEY,
          "--max-request-body-bytes", str(MAX_BODY_BYTES), "--shutdown-timeout", "5", "--disable-access-log"],
         server_log_dir, api_key=API_KEY)
     # Tests read these from the fixture: importing conftest from a test module is ambiguous.

@@ -1,0 +1,194 @@
+"""How the engine computes, chosen once at start-up from the hardware: the model's dtype, the arithmetic of
+block-quantized matmuls (`--block-matmul`) and the KV cache's dtype.
+
+Each of the three options left at `auto` takes the fastest path this machine runs whose accuracy is
+measured (docs/benchmarks.md, "Accuracy of the numerics"); `--numerics exact` pins all three to float32,
+which matches HF transformers' float32 outputs token for token. On a CPU:
+
+    option          auto picks                                                      because
+    block_matmul    bfloat16-int8  with AMX-BF16 and the int8 dot kernels           tiles for prefill, int8 rows for decode
+                    int8           with the int8 dot kernels (AVX-512 VNNI, AVX2)   integer dot products, as llama.cpp
+                    float32        elsewhere, or when no weights are block-quantized
+    dtype           float32        when the weights are block-quantized (kept GGUF  the block kernels compute in float32
+                                   blocks, q8_0) and the C++ kernels run them
+                    bfloat16       dense weights on a CPU with AVX-512 BF16 or AMX  oneDNN's bfloat16 matmuls, as vLLM
+                    float32        elsewhere
+    kv_cache_dtype  bfloat16       under a float32 model on a CPU with native bf16  half the bytes per decode step
+                    float16        under a float32 model elsewhere (F16C widens it)
+                    = dtype        under a 16-bit model, or without the C++ kernels
+
+`resolve_numerics` is a pure function of the config, the `Hardware` and the kind of weights, so every CPU
+feature set's choice is tested with injected flags; `detect_hardware` reads the real machine.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from tokenmill.config import EngineConfig
+from tokenmill.errors import InvalidRequestError
+
+# The flags the kernels' int8 dot paths are compiled for (-march=native; see csrc/cpu_kernels.cpp).
+_VNNI_DOT_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi", "avx2", "fma"})
+_AVX2_DOT_FLAGS = frozenset({"avx2", "fma"})
+_AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})
+EXACT = "float32"
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    """What the numerics depend on. device_type: "cpu" or "cuda"; cpu_flags: /proc/cpuinfo's; cpu_kernels:
+    tokenmill's C++ kernels load and the attention backend setting lets the engine use them; int8_dot: the
+    kernels' SIMD integer dot-product path ("avx512_vnni", "avx2") or None; cuda_bf16: the CUDA device
+    computes bfloat16."""
+
+    device_type: str
+    cpu_flags: frozenset[str] = frozenset()
+    cpu_kernels: bool = False
+    int8_dot: Optional[str] = None
+    cuda_bf16: bool = False
+
+    @classmethod
+    def for_cpu_flags(cls, flags, cpu_kernels: bool = True) -> "Hardware":
+        """The hardware a CPU with these flags presents once the kernels are built for it (-march=native)."""
+        flags = frozenset(flags)
+        int8_dot = None
+        if cpu_kernels:
+            int8_dot = "avx512_vnni" if _VNNI_DOT_FLAGS <= flags else "avx2" if _AVX2_DOT_FLAGS <= flags else None
+        return cls("cpu", flags, cpu_kernels, int8_dot)
+
+    @property
+    def amx(self) -> bool:
+        return _AMX_FLAGS <= self.cpu_flags
+
+    @property
+    def native_bf16(self) -> Optional[str]:
+        """The CPU flag that gives it bfloat16 arithmetic, or None."""
+        return "amx_bf16" if self.amx else "avx512_bf16" if "avx512_bf16" in self.cpu_flags else None
+
+    def describe(self) -> str:
+        if self.device_type != "cpu":
+            return self.device_type
+        shown = [flag for flag in ("avx2", "avx512f", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16")
+                 if flag in self.cpu_flags]
+        kernels = "C++ kernels" if self.cpu_kernels else "no C++ kernels"
+        return f"cpu ({', '.join(shown) or 'no AVX2'}; {kernels})"
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    value: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Numerics:
+    dtype: Choice
+    block_matmul: Choice
+    kv_cache_dtype: Choice
+
+    def apply(self, config: EngineConfig) -> EngineConfig:
+        """A new config holding the three resolved values (`auto` no longer appears in them)."""
+        return dataclasses.replace(config, dtype=self.dtype.value, block_matmul=self.block_matmul.value,
+                                   kv_cache_dtype=self.kv_cache_dtype.value)
+
+    def as_dict(self) -> dict[str, dict[str, str]]:
+        """{"dtype": {"value": ..., "reason": ...}, ...}: what /stats reports."""
+        return {name: {"value": choice.value, "reason": choice.reason} for name, choice in self._items()}
+
+    def describe(self) -> str:
+        """The start-up log line: `dtype: float32 (GGUF blocks kept ...); block matmul: int8 (avx512_vnni); ...`."""
+        return "; ".join(f"{name.replace('_', ' ')}: {choice.value} ({choice.reason})" for name, choice in self._items())
+
+    def _items(self):
+        return (("dtype", self.dtype), ("block_matmul", self.block_matmul), ("kv_cache_dtype", self.kv_cache_dtype))
+
+
+def resolve_numerics(config: EngineConfig, hardware: Hardware, block_weights: bool) -> Numerics:
+    """The dtype, block matmul and KV cache dtype this engine runs. block_weights: whether the model's
+    projections are block-quantized when the kernels for them run (a GGUF with matrices in a kept type and
+    `--quantization` unset or gguf, or `--quantization q8_0`). Explicit values are kept; `auto` ones are
+    chosen from `hardware`; `--numerics exact` pins all three to float32 and refuses any other value."""
+    given = {"dtype": config.dtype, "block_matmul": config.block_matmul, "kv_cache_dtype": config.kv_cache_dtype}
+    if config.numerics == "exact":
+        for name, value in given.items():
+            if value not in ("auto", EXACT):
+                raise InvalidRequestError(
+                    f"--numerics exact computes in float32 throughout; it cannot be combined with --"
+                    f"{name.replace('_', '-')} {value}", name)
+        exact = Choice(EXACT, "--numerics exact")
+        return Numerics(exact, exact, exact)
+    dtype = _dtype(config, hardware, block_weights)
+    blocks_run = block_weights and _blocks_run(hardware, dtype.value)
+    return Numerics(dtype, _block_matmul(config, hardware, blocks_run), _kv_cache_dtype(config, hardware, dtype.value))
+
+
+def _blocks_run(hardware: Hardware, dtype: str) -> bool:
+    """Whether block-quantized weights stay so: on CUDA (the triton kernel, any float dtype), or on a CPU with
+    the C++ kernels in float32."""
+    return hardware.device_type != "cpu" or (hardware.cpu_kernels and dtype == "float32")
+
+
+def _dtype(config: EngineConfig, hardware: Hardware, block_weights: bool) -> Choice:
+    if config.dtype != "auto":
+        return Choice(config.dtype, "--dtype")
+    if hardware.device_type == "cuda":
+        return Choice("bfloat16", "CUDA bfloat16") if hardware.cuda_bf16 else Choice("float16", "CUDA without bfloat16")
+    if hardware.device_type != "cpu":
+        return Choice("float32", f"{hardware.device_type}")
+    if block_weights and hardware.cpu_kernels:
+        return Choice("float32", "block-quantized weights: the C++ block kernels compute in float32")
+    if config.quantization == "q8_0":
+        return Choice("float32", "--quantization q8_0 runs on the C++ block kernels, in float32")
+    bf16 = hardware.native_bf16
+    if bf16 is not None and hardware.cpu_kernels:
+        return Choice("bfloat16", f"dense weights, native bfloat16 ({bf16})")
+    if bf16 is None:
+        return Choice("float32", "dense weights, no native bfloat16 on this CPU")
+    return Choice("float32", "dense weights, no C++ kernels to run bfloat16")
+
+
+def _block_matmul(config: EngineConfig, hardware: Hardware, blocks_run: bool) -> Choice:
+    if config.block_matmul != "auto":
+        return Choice(config.block_matmul, "--block-matmul")
+    if hardware.device_type != "cpu":
+        return Choice("float32", f"a CPU option; {hardware.device_type} runs the triton block kernel")
+    if not blocks_run:
+        return Choice("float32", "no block-quantized weights")
+    if hardware.int8_dot is None:
+        return Choice("float32", "no SIMD integer dot products on this CPU")
+    if hardware.amx and hardware.cpu_kernels:
+        return Choice("bfloat16-int8", f"amx_bf16 tiles for prefill, {hardware.int8_dot} dot products for decode")
+    return Choice("int8", hardware.int8_dot)
+
+
+def _kv_cache_dtype(config: EngineConfig, hardware: Hardware, dtype: str) -> Choice:
+    if config.kv_cache_dtype != "auto":
+        return Choice(config.kv_cache_dtype, "--kv-cache-dtype")
+    if hardware.device_type != "cpu" or dtype != "float32":
+        return Choice(dtype, "the model's dtype")
+    if not hardware.cpu_kernels:
+        return Choice(dtype, "the model's dtype (no C++ kernels to read a 16-bit cache)")
+    bf16 = hardware.native_bf16
+    if bf16 is not None:
+        return Choice("bfloat16", f"16-bit cache under a float32 model, native bfloat16 ({bf16})")
+    return Choice("float16", "16-bit cache under a float32 model, no native bfloat16")
+
+
+def detect_hardware(device_type: str, attention_backend: str) -> Hardware:
+    """This machine, as the engine will run on it (builds tokenmill's CPU kernels if needed)."""
+    if device_type == "cuda":
+        import torch
+
+        return Hardware("cuda", cuda_bf16=bool(torch.cuda.is_bf16_supported()))
+    if device_type != "cpu":
+        return Hardware(device_type)
+    from tokenmill.model.layers import cpu_kernels
+
+    flags = frozenset(cpu_kernels.cpu_flags())
+    kernels = cpu_kernels.load() if attention_backend in ("auto", "cpu") else None
+    if kernels is None:
+        return Hardware("cpu", flags)
+    int8_dot = getattr(kernels, "int8_dot", None)
+    return Hardware("cpu", flags, True, int8_dot if int8_dot in ("avx512_vnni", "avx2") else None)
