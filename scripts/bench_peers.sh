@@ -4,6 +4,7 @@
 #   make bench-peers                      # all peers
 #   make bench-peers PEERS="llama.cpp"    # a subset: any of tokenmill llama.cpp vllm
 #   make bench-peers LONG_PROMPTS=1       # 8 prompts of 3000 tokens (128 output each) at 4 streams
+#   make bench-peers PREFILL_HEAVY=1      # 16 prompts of 1000-3000 tokens (64 output each) at 8 streams
 #
 # Each peer lives in its own directory under .bench/ (never in tokenmill's venv):
 #   llama.cpp  built from the source inside PyPI's llama-cpp-python sdist (vendor/llama.cpp) with
@@ -40,6 +41,25 @@ with open(sys.argv[1], "w") as f:
     for i in range(8):
         ids = [rng.randrange(100, 40000) for _ in range(3000)]
         f.write(json.dumps({"id": i, "prompt_token_ids": ids, "prompt_len": len(ids), "max_tokens": 128}) + "\n")
+' "$WORKLOAD"
+fi
+if [ -n "${PREFILL_HEAVY:-}" ]; then
+  # Prefill-heavy: 16 prompts of 1,000-3,000 random token ids (seed 2), 64 output tokens each, 8 streams:
+  # most of the work is prefill (projections and attention over long prompts). llama.cpp's slots would need
+  # 8 x 4,096 tokens of context; run it with PEERS="tokenmill vllm" or LLAMA_PARALLEL=4.
+  WORKLOAD=${WORKLOAD:-$BENCH/prefill-16x1000-3000.jsonl}
+  CONCURRENCIES=${CONCURRENCIES:-8}
+  LLAMA_PARALLEL=${LLAMA_PARALLEL:-4}
+  MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
+  OUT_DIR=${OUT_DIR:-bench-results/peers-prefill}
+  mkdir -p "$BENCH"
+  [ -f "$WORKLOAD" ] || python3 -c '
+import json, random, sys
+rng = random.Random(2)
+with open(sys.argv[1], "w") as f:
+    for i in range(16):
+        ids = [rng.randrange(100, 40000) for _ in range(rng.randint(1000, 3000))]
+        f.write(json.dumps({"id": i, "prompt_token_ids": ids, "prompt_len": len(ids), "max_tokens": 64}) + "\n")
 ' "$WORKLOAD"
 fi
 WORKLOAD=${WORKLOAD:-../shared/bench/workload-64.jsonl}

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -150,8 +149,3 @@ def add_eval_subcommands(subparsers) -> None:
     commands = parser.add_subparsers(dest="eval_command", required=True, parser_class=type(parser))
     _add_perplexity(commands)
 
-
-if __name__ == "__main__":  # pragma: no cover - `tokenmill eval` is the entry point
-    from tokenmill.entrypoints.cli import main
-
-    sys.exit(main(["eval", *sys.argv[1:]]))

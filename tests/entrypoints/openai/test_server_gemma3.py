@@ -34,3 +34,16 @@ def test_gemma3_270m_knows_the_capital_of_france(gemma3_270m_server):
     assert reply.status_code == 200, reply.text
     top = reply.json()["choices"][0]["logprobs"]["top_logprobs"][0]
     assert " Paris" in top, top
+
+
+@pytest.mark.slow
+def test_gemma3_270m_serves_at_the_numerics_this_machine_chose(gemma3_270m_server):
+    """`tokenmill serve` with no numerics flag: the hardware's choice, logged once and reported by /stats."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.runner.numerics import detect_hardware, resolve_numerics
+
+    chosen = resolve_numerics(EngineConfig(), detect_hardware("cpu", "auto"), block_weights=True)
+    stats = httpx.get(gemma3_270m_server.url + "/stats", timeout=30).json()
+    assert stats["numerics"] == chosen.as_dict()
+    assert "numerics on cpu" in gemma3_270m_server.log_text()
+    assert chosen.describe() in gemma3_270m_server.log_text()
