@@ -38,7 +38,7 @@ def engine_perplexity(model: Optional[str], text: str, context_size: int, max_ch
     if mode != "default":
         block_matmul, kv_cache_dtype = mode.split(":")
         options = dict(dtype="float32", block_matmul=block_matmul, kv_cache_dtype=kv_cache_dtype)
-    llm = LLM(model, max_model_len=context_size, kv_cache_memory_bytes=256 * 2**20, enable_prefix_caching=False,
+    llm = LLM(model, max_model_len=context_size + 1, kv_cache_memory_bytes=256 * 2**20, enable_prefix_caching=False,
               **options)
     result = evaluate_perplexity(llm, text, context_size, max_chunks)
     numerics = llm.llm_engine.numerics

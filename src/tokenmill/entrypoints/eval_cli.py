@@ -132,8 +132,9 @@ def _run_perplexity(args: argparse.Namespace) -> int:
     if args.max_chunks is not None and args.max_chunks < 1:
         raise InvalidRequestError(f"--max-chunks must be positive, got {args.max_chunks}", "max_chunks")
     config = engine_config_from_args(args)
-    if config.max_model_len is not None and config.max_model_len < args.context_size:
-        raise InvalidRequestError("--max-model-len must hold --context-size tokens", "max_model_len")
+    if config.max_model_len is not None and config.max_model_len <= args.context_size:
+        # a window is a prompt that generates one token
+        raise InvalidRequestError("--max-model-len must exceed --context-size", "max_model_len")
     llm = LLM.from_config(config)
     result = evaluate_perplexity(llm, text, args.context_size, args.max_chunks)
     print(f"perplexity {result.perplexity:.4f} +/- {result.perplexity_stderr:.5f} over {result.tokens_scored} tokens "
