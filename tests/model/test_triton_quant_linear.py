@@ -136,7 +136,7 @@ def test_engine_runs_kept_gguf_blocks_through_triton(kernels, tiny_gguf_path, ti
     from test_gguf_int8 import greedy
     from tokenmill import LLM
     from tokenmill.model.layers.linear import BlockQuantEmbedding
-    from tokenmill.runner.model_runner import ModelRunner
+    from tokenmill.model.layers.linear_method import LinearMethods
 
     def engine(device: str):
         return LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64,
@@ -146,7 +146,7 @@ def test_engine_runs_kept_gguf_blocks_through_triton(kernels, tiny_gguf_path, ti
     expected = greedy(engine("cpu"), smollm2_tokenizer, lengths)[1]
     if DEVICE.type == "cpu":
         triton_kernels = TritonBlockKernels()
-        monkeypatch.setattr(ModelRunner, "block_kernels", property(lambda self: triton_kernels))
+        monkeypatch.setattr(LinearMethods, "block_kernels", property(lambda self: triton_kernels))
     llm = engine(DEVICE.type)
     runner = llm.llm_engine.core.core.runner
     model = runner.model

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import os
-from functools import cached_property
 from typing import Optional
 
 import torch
@@ -12,14 +11,12 @@ from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES
 from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
 from tokenmill.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from tokenmill.errors import ModelLoadError
-from tokenmill.model.layers.attention import CpuPagedAttentionBackend, TorchAttentionBackend, get_attention_backend
+from tokenmill.model.layers.attention import TorchAttentionBackend, get_attention_backend
 from tokenmill.model.layers.decoder import DecoderAttention
 from tokenmill.model.layers.basic import keep_rotary_tables_float, use_cpu_kernels
 from tokenmill.distributed.parallel_state import TensorParallelGroup
-from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, INT8_DOT_PATHS, QUANT_BLOCK, Bf16TileInt8RowKernels,
-                                          Bf16TileKernels, BlockQuantLinear, Int8ActivationKernels, Int8Blocks,
-                                          PackedLinear, dense_linear, onednn_packing_supported, runs_bf16_tiles,
-                                          runs_int8_dot, skip_weight_init)
+from tokenmill.model.layers.linear import Int8Blocks, skip_weight_init
+from tokenmill.model.layers.linear_method import LinearMethods
 from tokenmill.model.layers.parallel import fused_qkv_rows, shard_int8_blocks, shard_weights
 from tokenmill.model.registry import get_model_class
 from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, release_freed_memory
@@ -37,10 +34,6 @@ def resolve_device(name: Optional[str]) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-INT8_KERNELS_NEEDED = ("needs the CPU device, dtype float32 and tokenmill's CPU kernels (attention backend 'cpu'), "
-                       "or a CUDA device where triton runs")
 
 
 def model_tensor_bytes(model: torch.nn.Module) -> tuple[int, int]:
@@ -112,12 +105,12 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.input_batch = InputBatch(max_model_len, block_size, len(self.kv_layout.groups), config.max_num_seqs)
         self.packed_linear_rows = min(config.max_num_seqs, 256) if config.packed_linear else None
-        self.packed_linear = False
-        self.linear_layers = ""  # how the projections run, once loaded (logged; reported by benchmarks)
-        self.num_gguf_layers_kept = 0  # linear layers holding a GGUF's own blocks
-        self.quantization = config.quantization
         self.block_matmul = config.block_matmul
-        self._block_matmul_kernels = None  # what --block-matmul int8 runs the block layers with
+        # Each linear layer's method is chosen once, by the model's LinearMethods, when the weights are in.
+        self.linear_methods = LinearMethods(self.model, self.attention_backend, device, self.dtype,
+                                            config.quantization, config.block_matmul, self.packed_linear_rows,
+                                            self.tp)
+        self.linear_layers = ""  # how the projections run, once loaded (logged; reported by benchmarks)
 
     def _check_attention_kernels(self) -> None:
         """The triton kernels on this model's attention shapes, once per distinct (window, soft-cap) kind of
@@ -133,85 +126,11 @@ class ModelRunner:
                     layer.backend = self.attention_backend
                 return
 
-    def _int8_kernels(self):
-        """tokenmill's C++ kernels when block-int8 layers can run here (CPU backend, float32), else None;
-        under `--block-matmul int8` / `bfloat16` wrapped so block matmuls take integer dot products / run
-        prefill-sized steps in bfloat16."""
-        kernels = getattr(self.attention_backend, "kernels", None)
-        if kernels is None or self.dtype != torch.float32 or not hasattr(self.model, "convert_linear_layers"):
-            return None
-        if self.block_matmul == "float32":
-            return kernels
-        if self._block_matmul_kernels is None:  # decided (and warned about) once
-            self._block_matmul_kernels = self._block_matmul_wrapper(kernels)
-        return self._block_matmul_kernels
-
-    def _block_matmul_wrapper(self, kernels):
-        """The kernels `--block-matmul` names where this CPU and torch's MKL can run them; otherwise a
-        warning and the nearest that can (for bfloat16-int8, whichever half can; else float32)."""
-        int8, bf16 = runs_int8_dot(kernels), runs_bf16_tiles(kernels)
-        int8_missing = "needs a CPU with AVX2 (or AVX-512 VNNI and VBMI)"
-        bf16_missing = "needs a CPU with AMX-BF16, or AVX-512 BF16 and MKL's bfloat16 GEMM"
-        mode = self.block_matmul
-        if mode == "bfloat16-int8":
-            if int8 and bf16:
-                return Bf16TileInt8RowKernels(kernels)
-            if int8 or bf16:
-                kept, missing, needs = (("int8", "bfloat16", bf16_missing) if int8
-                                        else ("bfloat16", "int8", int8_missing))
-                logger.warning("--block-matmul bfloat16-int8: %s %s; block-quantized layers multiply as "
-                               "--block-matmul %s does", missing, needs, kept)
-                mode = kept
-        if mode == "int8" and int8:
-            return Int8ActivationKernels(kernels)
-        if mode == "bfloat16" and bf16:
-            return Bf16TileKernels(kernels)
-        needs = bf16_missing if mode == "bfloat16" else int8_missing if mode == "int8" else \
-            f"{int8_missing} and {bf16_missing}"
-        logger.warning("--block-matmul %s %s; block-quantized layers multiply in float32", mode, needs)
-        return kernels
-
-    @cached_property
-    def block_kernels(self):
-        """What runs block-quantized layers here, or None (they are then dequantized at load): on CUDA the
-        Triton dequantize-and-matmul, where triton imports and the kernel passes a start-up check in the
-        model's dtype; elsewhere tokenmill's C++ kernels (`_int8_kernels`). Decided once; logged."""
-        if self.device.type != "cuda":
-            return self._int8_kernels()
-        if self.block_matmul != "float32":
-            logger.warning("--block-matmul %s is a CPU option; on %s block-quantized layers run the triton "
-                           "kernel in %s", self.block_matmul, self.device, str(self.dtype).removeprefix("torch."))
-        if not hasattr(self.model, "convert_linear_layers"):
-            return None
-        from tokenmill.model.layers.triton_quant_linear import load_triton_block_kernels
-
-        kernels, reason = load_triton_block_kernels(self.device, self.dtype)
-        if kernels is None:
-            logger.info("block-quantized weights: the triton kernel cannot run (%s); GGUF blocks are "
-                        "dequantized to %s at load", reason, str(self.dtype).removeprefix("torch."))
-        return kernels
-
-    def _runs_cpu_kernels(self, kernels) -> bool:
-        return kernels is not None and kernels is self._int8_kernels()
-
-    def keeps_int8_blocks(self, is_gguf: bool) -> bool:
-        """Whether loading keeps a GGUF's block-quantized matrices as stored: `--quantization gguf`, and by
-        default for GGUF files wherever `block_kernels` run (as vLLM and llama.cpp serve a GGUF in its own
-        quantization). The values are the file's, bit for bit; only the summation order differs from a
-        dense float32 copy (and, on CUDA, the final rounding to the model's dtype)."""
-        if self.quantization == "gguf":
-            if not is_gguf:
-                raise ModelLoadError("--quantization gguf needs a GGUF model file")
-            if self.block_kernels is None:
-                raise ModelLoadError(f"--quantization gguf {INT8_KERNELS_NEEDED}")
-            return True
-        return self.quantization is None and is_gguf and self.block_kernels is not None
-
     def load_checkpoint(self, source) -> None:
         """Streams `source`'s weights into the model. A GGUF's block-quantized matrices are kept as stored
         where this runner multiplies them so (`keeps_int8_blocks`), without a float copy; a tensor-parallel
         rank reads their float values too, for a shard whose inputs do not fall on 32-value blocks."""
-        int8_blocks = {} if self.keeps_int8_blocks(source.is_gguf) else None
+        int8_blocks = {} if self.linear_methods.keeps_int8_blocks(source.is_gguf) else None
         self.load_weights(source.iter_weights(self.dtype, int8_blocks, dense_kept=self.tp is not None), int8_blocks)
 
     def load_weights(self, weights, int8_blocks: Optional[dict[str, Int8Blocks]] = None) -> None:
@@ -224,113 +143,21 @@ class ModelRunner:
             self.model.load_weights(shard_weights(weights, self.tp, qkv_rows))
             if int8_blocks:
                 shard_int8_blocks(int8_blocks, self.tp, qkv_rows)
-        self.linear_layers = self._prepare_linear_layers(int8_blocks)
+        self.linear_layers = self.linear_methods.apply(int8_blocks)
         logger.info("linear layers: %s", self.linear_layers)
 
-    def _prepare_linear_layers(self, int8_blocks: Optional[dict[str, Int8Blocks]] = None) -> str:
-        convertible = hasattr(self.model, "convert_linear_layers")
-        rows = self.packed_linear_rows or 64
-        kernels = self.block_kernels
-        device = None if self.device.type == "cpu" else self.device  # where the packed tensors live
-        if self.quantization == "q8_0":
-            if kernels is None:
-                raise ModelLoadError(f"--quantization q8_0 {INT8_KERNELS_NEEDED}")
-            def make_q8_0(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Module:
-                if self.tp is not None and weight.shape[1] % QUANT_BLOCK:
-                    # A row-parallel shard whose inputs do not fill whole 32-value blocks.
-                    logger.info("%s: %d input features per rank are not whole Q8_0 blocks; the layer stays dense",
-                                name, weight.shape[1])
-                    return dense_linear(weight, bias, self.packed_linear_rows)
-                return BlockQuantLinear.from_weight(weight, bias, kernels, device)
+    # What the linear layers' methods decided (tests and benchmark reports read these off the runner).
+    @property
+    def block_kernels(self):
+        return self.linear_methods.block_kernels
 
-            self.model.convert_linear_layers(make_q8_0)
-            return ("Q8_0 weights rounded at load (" + self._block_kernel_paths(kernels)
-                    + self._enable_bf16_attention(kernels) + self._enable_int8_decode(kernels))
-        if int8_blocks:
-            widths: dict[int, int] = {}
+    @property
+    def packed_linear(self) -> bool:
+        return self.linear_methods.packed_linear
 
-            def make(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Module:
-                parts = [int8_blocks.get(part) for part in self.model.checkpoint_weight_names(name)]
-                if all(part is not None for part in parts):
-                    self.num_gguf_layers_kept += 1
-                    layer = BlockQuantLinear(Int8Blocks.cat(parts) if len(parts) > 1 else parts[0], bias, kernels,
-                                             device)
-                    widths[layer.bits] = widths.get(layer.bits, 0) + 1
-                    return layer
-                # A matrix GGUF blocks do not cover (a Q6_K head, an F16 projection) stays dense; parts of it
-                # that are blocks were not copied at load: their rows are the blocks' values.
-                offset = 0
-                for part, rows in zip(parts, self.model.checkpoint_part_rows(name)):
-                    if part is not None:
-                        weight.data[offset:offset + rows].copy_(part.dequantize())
-                    offset += rows
-                return dense_linear(weight, bias, self.packed_linear_rows)
-
-            self.model.convert_linear_layers(make)
-            embedded = self.model.keep_embedding_blocks(int8_blocks.get("model.embed_tokens.weight"), kernels)
-            embedding = "; embeddings read from the blocks" if embedded else ""
-            int8_blocks.clear()  # the layers hold their packed copies now
-            kept = ", ".join(f"{count} at {bits} bits" for bits, count in sorted(widths.items()))
-            return (f"GGUF weights kept quantized in {self.num_gguf_layers_kept} layers ({kept}{embedding}; "
-                    + self._block_kernel_paths(kernels) + self._enable_bf16_attention(kernels)
-                    + self._enable_int8_decode(kernels))
-        if self.block_matmul != "float32":
-            logger.warning("--block-matmul %s applies to block-quantized weights (a GGUF's kept blocks, "
-                           "--quantization q8_0); this model's projections multiply in %s", self.block_matmul,
-                           str(self.dtype).removeprefix("torch."))
-        if self.quantization == "gguf":
-            raise ModelLoadError("--quantization gguf: the file has no matrices in a type kept quantized "
-                                 "(Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K)")
-        if (self.packed_linear_rows and self.device.type == "cpu" and onednn_packing_supported(self.dtype)
-                and convertible):
-            self.model.convert_linear_layers(lambda name, weight, bias: PackedLinear(weight, bias, rows))
-            self.packed_linear = True
-            return "oneDNN packed weights"
-        return "torch F.linear"
-
-    @staticmethod
-    def _bf16_tile_path(kernels) -> str:
-        return {"amx": "into AMX tiles (TDPBF16PS)", "mkl": "through MKL's bfloat16 GEMM"}.get(
-            kernels.bf16_tiles(), "through at::mm")
-
-    def _block_kernel_paths(self, kernels) -> str:
-        if not self._runs_cpu_kernels(kernels):
-            return f"triton dequantize-and-matmul on {self.device}, no float copy"
-        if isinstance(kernels, Bf16TileInt8RowKernels):
-            path = INT8_DOT_PATHS[kernels.int8_dot]
-            return (f"steps of up to {BLOCK_KERNEL_MAX_ROWS} rows with activations rounded to int8 per block of 32 "
-                    f"and {path} integer dot products, tiles rounded to bfloat16 {self._bf16_tile_path(kernels)} "
-                    "above, no float copy")
-        if getattr(kernels, "int8_activations", False):
-            path = INT8_DOT_PATHS.get(getattr(kernels, "int8_dot", ""), "portable")
-            return (f"activations rounded to int8 per block of 32, {path} integer dot products on weights kept in "
-                    "their layout, no float copy")
-        if isinstance(kernels, Bf16TileKernels):
-            return (f"row kernel for steps of up to {BLOCK_KERNEL_MAX_ROWS} rows, tiles rounded to bfloat16 "
-                    f"{self._bf16_tile_path(kernels)} above, no float copy")
-        return (f"row kernel for steps of up to {BLOCK_KERNEL_MAX_ROWS} rows, dequantized tiles through sgemm "
-                "above, no float copy")
-
-    def _enable_bf16_attention(self, kernels) -> str:
-        """Under the bfloat16 block matmuls on a CPU with AMX, prefill attention takes bfloat16 tiles too
-        (scores from high and low bfloat16 parts of q and k; v and the probabilities rounded to bfloat16), where
-        every layer's heads fit the kernel."""
-        if not isinstance(kernels, (Bf16TileKernels, Bf16TileInt8RowKernels)) or \
-                not getattr(kernels, "bf16_attention_available", lambda: False)() or \
-                not isinstance(self.attention_backend, CpuPagedAttentionBackend):
-            return ""
-        layers = [module for module in self.model.modules() if isinstance(module, DecoderAttention)]
-        if not layers or any(layer.softcap is not None or layer.head_dim % 32 for layer in layers):
-            return ""
-        self.attention_backend.bf16_prefill = True
-        return "; prefill attention on AMX bfloat16 tiles"
-
-    def _enable_int8_decode(self, kernels) -> str:
-        if not self._runs_cpu_kernels(kernels):
-            return ")"
-        fused = getattr(self.model, "enable_int8_decode", lambda _: False)(kernels)
-        limit = BLOCK_KERNEL_MAX_ROWS
-        return f"; decode steps of up to {limit} rows run the decoder stack in one C++ call)" if fused else ")"
+    @property
+    def num_gguf_layers_kept(self) -> int:
+        return self.linear_methods.num_gguf_layers_kept
 
     def kv_cache_capacity(self, config) -> int:
         """The KV blocks this runner holds: --num-kv-blocks, or what its memory budget fits (under tensor
