@@ -22,8 +22,21 @@ cd "$(dirname "$0")/.."
 
 PEERS=${PEERS:-"tokenmill llama.cpp vllm"}
 # LLAMA_CPP_MODELS: "q4_1 f32" by default; "q4_1" skips converting and serving the F32 GGUF.
-# TOKENMILL_VARIANTS: a subset of the tokenmill runs by label (e.g. "tokenmill tokenmill-int8"); all by default.
+# TOKENMILL_VARIANTS: a subset of the tokenmill runs by label (e.g. "tokenmill tokenmill-exact"); all by default.
 BENCH=.bench
+# random_workload FILE SEED COUNT MIN_LEN MAX_LEN MAX_TOKENS: COUNT prompts of MIN_LEN..MAX_LEN random token ids.
+random_workload() {
+  [ -f "$1" ] || python3 -c '
+import json, random, sys
+path, seed, count, low, high, max_tokens = sys.argv[1], *map(int, sys.argv[2:])
+rng = random.Random(seed)
+with open(path, "w") as f:
+    for i in range(count):
+        length = low if low == high else rng.randint(low, high)
+        ids = [rng.randrange(100, 40000) for _ in range(length)]
+        f.write(json.dumps({"id": i, "prompt_token_ids": ids, "prompt_len": len(ids), "max_tokens": max_tokens}) + "\n")
+' "$@"
+}
 if [ -n "${LONG_PROMPTS:-}" ]; then
   # Long prompts: random token ids (seed 1), so prefill attention over 2-3k tokens of context and decode
   # steps reading long KV histories dominate. llama.cpp splits its context between its slots, so it gets
@@ -34,14 +47,7 @@ if [ -n "${LONG_PROMPTS:-}" ]; then
   MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
   OUT_DIR=${OUT_DIR:-bench-results/peers-long}
   mkdir -p "$BENCH"
-  [ -f "$WORKLOAD" ] || python3 -c '
-import json, random, sys
-rng = random.Random(1)
-with open(sys.argv[1], "w") as f:
-    for i in range(8):
-        ids = [rng.randrange(100, 40000) for _ in range(3000)]
-        f.write(json.dumps({"id": i, "prompt_token_ids": ids, "prompt_len": len(ids), "max_tokens": 128}) + "\n")
-' "$WORKLOAD"
+  random_workload "$WORKLOAD" 1 8 3000 3000 128
 fi
 if [ -n "${PREFILL_HEAVY:-}" ]; then
   # Prefill-heavy: 16 prompts of 1,000-3,000 random token ids (seed 2), 64 output tokens each, 8 streams:
@@ -53,14 +59,7 @@ if [ -n "${PREFILL_HEAVY:-}" ]; then
   MAX_MODEL_LEN=${MAX_MODEL_LEN:-4096}
   OUT_DIR=${OUT_DIR:-bench-results/peers-prefill}
   mkdir -p "$BENCH"
-  [ -f "$WORKLOAD" ] || python3 -c '
-import json, random, sys
-rng = random.Random(2)
-with open(sys.argv[1], "w") as f:
-    for i in range(16):
-        ids = [rng.randrange(100, 40000) for _ in range(rng.randint(1000, 3000))]
-        f.write(json.dumps({"id": i, "prompt_token_ids": ids, "prompt_len": len(ids), "max_tokens": 64}) + "\n")
-' "$WORKLOAD"
+  random_workload "$WORKLOAD" 2 16 1000 3000 64
 fi
 WORKLOAD=${WORKLOAD:-../shared/bench/workload-64.jsonl}
 CONCURRENCIES=${CONCURRENCIES:-16,1}
