@@ -164,6 +164,9 @@ def test_bad_flags_are_argparse_errors(argv, message):
     ({"swap_space": -1}, "swap_space must be non-negative, got -1"),
     ({"engine_core_nice": -5}, "engine_core_nice must be between 0 and 19, got -5"),
     ({"kv_cache_memory_bytes": "lots"}, "cannot read memory size 'lots'"),
+    ({"kv_cache_dtype": "float16", "numerics": "exact"},
+     "--numerics exact computes in float32 throughout; it cannot be combined with --kv-cache-dtype float16"),
+    ({"dtype": "bfloat16", "numerics": "exact"}, "--numerics exact computes in float32 throughout"),
 ])
 def test_bad_values_are_refused_by_the_config(kwargs, message):
     with pytest.raises(InvalidRequestError) as info:

@@ -269,6 +269,12 @@ class EngineConfig:
                 object.__setattr__(self, f.name, convert(getattr(self, f.name)))
         for f in dataclasses.fields(self):
             check_value(f, getattr(self, f.name))
+        if self.numerics == "exact":
+            for name in ("dtype", "block_matmul", "kv_cache_dtype"):
+                value = getattr(self, name)
+                if value not in ("auto", "float32"):
+                    raise InvalidRequestError(f"--numerics exact computes in float32 throughout; it cannot be combined "
+                                              f"with --{name.replace('_', '-')} {value}", name)
 
     # ---- derived values: computed, never written back -----------------------------------------------
     def resolved_preemption_mode(self, device_type: str) -> str:

@@ -27,7 +27,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 from tokenmill.config import EngineConfig
-from tokenmill.errors import InvalidRequestError
 
 # The flags the kernels' int8 dot paths are compiled for (-march=native; see csrc/cpu_kernels.cpp).
 _VNNI_DOT_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi", "avx2", "fma"})
@@ -109,14 +108,8 @@ def resolve_numerics(config: EngineConfig, hardware: Hardware, block_weights: bo
     """The dtype, block matmul and KV cache dtype this engine runs. block_weights: whether the model's
     projections are block-quantized when the kernels for them run (a GGUF with matrices in a kept type and
     `--quantization` unset or gguf, or `--quantization q8_0`). Explicit values are kept; `auto` ones are
-    chosen from `hardware`; `--numerics exact` pins all three to float32 and refuses any other value."""
-    given = {"dtype": config.dtype, "block_matmul": config.block_matmul, "kv_cache_dtype": config.kv_cache_dtype}
-    if config.numerics == "exact":
-        for name, value in given.items():
-            if value not in ("auto", EXACT):
-                raise InvalidRequestError(
-                    f"--numerics exact computes in float32 throughout; it cannot be combined with --"
-                    f"{name.replace('_', '-')} {value}", name)
+    chosen from `hardware`; `--numerics exact` pins all three to float32."""
+    if config.numerics == "exact":  # the config refuses any other explicit value with it
         exact = Choice(EXACT, "--numerics exact")
         return Numerics(exact, exact, exact)
     dtype = _dtype(config, hardware, block_weights)
