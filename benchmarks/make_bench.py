@@ -145,7 +145,7 @@ def run_tokenmill(args: argparse.Namespace, requests, threads: int,
     from tokenmill.benchmarks.throughput import run_offline_throughput
 
     engine_options = engine_options or {}
-    dtype = {"dtype": args.dtype} if getattr(args, "dtype_given", True) else {}
+    dtype = {"dtype": args.dtype} if args.dtype_given else {}
     llm = LLM(model=args.model, num_threads=threads, device=args.device, **dtype,
               **given(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,

@@ -115,7 +115,7 @@ def test_an_engine_here_reports_what_it_chose(smollm2_path):
     assert llm.llm_engine.numerics == chosen.as_dict()
     runner = llm.llm_engine.core.core.runner
     assert str(runner.dtype).removeprefix("torch.") == chosen.dtype.value
-    assert runner.block_matmul == chosen.block_matmul.value
+    assert runner.linear_methods.block_matmul == chosen.block_matmul.value
     assert runner.kv_caches[0].dtype == getattr(torch, chosen.kv_cache_dtype.value)
 
 

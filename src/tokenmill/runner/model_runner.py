@@ -57,7 +57,8 @@ def model_tensor_bytes(model: torch.nn.Module) -> tuple[int, int]:
 class ModelRunner:
     def __init__(self, config, hf_config, architecture: str, device: torch.device, max_model_len: int,
                  tp: Optional[TensorParallelGroup] = None) -> None:
-        """config: the engine's EngineConfig with its device defaults resolved (with_resolved_defaults).
+        """config: the engine's EngineConfig with its device defaults (with_resolved_defaults) and numerics
+        (runner.numerics: no `auto` dtype, block matmul or KV cache dtype) resolved.
         tp: this runner's tensor-parallel rank (runner/worker.py); it then holds the rank's shard of the
         model and KV cache, and only the driver rank samples."""
         self.tp = tp if tp is not None and tp.size > 1 else None
@@ -88,7 +89,7 @@ class ModelRunner:
             # The backend built tokenmill's C++ CPU kernels: norms, rotary and activation use them too.
             use_cpu_kernels(self.model, kernels)
         attn = self.model.layers[0].self_attn
-        cache_dtype = self.dtype if config.kv_cache_dtype == "auto" else DTYPES[config.kv_cache_dtype]
+        cache_dtype = DTYPES[config.kv_cache_dtype]
         # Layers with the same sliding window share a block table (core.kv_cache_groups); a block holds the
         # K/V of one group's layers, kept in layers_per_group tensors that every group shares.
         self.kv_layout = plan_kv_cache_groups(self.model.spec.layer_windows)
@@ -105,7 +106,6 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.input_batch = InputBatch(max_model_len, block_size, len(self.kv_layout.groups), config.max_num_seqs)
         self.packed_linear_rows = min(config.max_num_seqs, 256) if config.packed_linear else None
-        self.block_matmul = config.block_matmul
         # Each linear layer's method is chosen once, by the model's LinearMethods, when the weights are in.
         self.linear_methods = LinearMethods(self.model, self.attention_backend, device, self.dtype,
                                             config.quantization, config.block_matmul, self.packed_linear_rows,

@@ -183,5 +183,6 @@ def detect_hardware(device_type: str, attention_backend: str) -> Hardware:
     kernels = cpu_kernels.load() if attention_backend in ("auto", "cpu") else None
     if kernels is None:
         return Hardware("cpu", flags)
-    int8_dot = getattr(kernels, "int8_dot", None)
-    return Hardware("cpu", flags, True, int8_dot if int8_dot in ("avx512_vnni", "avx2") else None)
+    from tokenmill.model.layers.linear import runs_int8_dot
+
+    return Hardware("cpu", flags, True, kernels.int8_dot if runs_int8_dot(kernels) else None)
