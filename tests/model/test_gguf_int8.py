@@ -14,7 +14,7 @@ from tokenmill import LLM, SamplingParams
 from tokenmill.errors import TokenmillError
 from tokenmill.model.gguf_loader import INT8_BLOCK_TYPES, gguf_int8_blocks
 from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, BlockQuantEmbedding, BlockQuantLinear, Int8Blocks,
-                                          dense_linear, pack_blocks)
+                                          dense_linear, pack_blocks, quantize_q8_0)
 from tokenmill.model.loader import load_model_source
 
 # Offsets of the float16 scale fields in each block type (the rest of a block is arbitrary bits).
@@ -189,6 +189,30 @@ def test_tensors_of_other_types_stay_dense(kernels, tmp_path, tiny_llama_dir, sm
     hf = hf_on_file_weights(path, tiny_llama_dir)
     ids, tokens = greedy(llm, smollm2_tokenizer, [10, 10, 10, 10])
     assert tokens == [hf_greedy(hf, prompt, 10) for prompt in ids]
+
+
+def test_other_types_are_rounded_to_q8_0_under_int8_dot_products(kernels, tmp_path, tiny_llama_dir, caplog):
+    """Where activations are rounded to int8 already, a matrix the kept blocks cannot hold as stored (float16
+    here, as Q6_K's runs of 16 in Gemma 3's and Llama's Q4_K_M files) is rounded to Q8_0 at load: the same
+    blocks as quantize_q8_0 of its dense values, so every projection is block-int8 and the fused decode stack
+    runs."""
+    from gguf import GGMLQuantizationType
+
+    path = tmp_path / "partly.gguf"
+    write_gguf(path, tiny_llama_dir, tensor_type=lambda name: GGMLQuantizationType.F16 if "down_proj" in name
+               else mixed_gguf_type(name))
+    with caplog.at_level("INFO", logger="tokenmill"):
+        llm = LLM(str(path), tokenizer=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, dtype="float32",
+                  block_matmul="int8", kv_cache_dtype="float32")
+    model = llm.llm_engine.core.core.runner.model
+    assert "rounded to Q8_0 at load" in caplog.text
+    assert model._int8_decode is not None
+    dense = hf_on_file_weights(path, tiny_llama_dir).model.layers[0].mlp.down_proj.weight.detach()
+    down = model.layers[0].mlp.down_proj
+    assert isinstance(down, BlockQuantLinear)
+    q, scales = quantize_q8_0(dense)
+    blocks = down.blocks()
+    assert torch.equal(blocks.q, q) and torch.equal(blocks.scales, scales) and blocks.mins is None
 
 
 def test_quantization_gguf_errors(tiny_gguf_path, tiny_llama_dir):

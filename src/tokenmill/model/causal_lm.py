@@ -5,7 +5,7 @@ A family subclass only says how its HF config reads as a `DecoderSpec` (`build_s
 hooks live here: `convert_linear_layers` (packed / block-int8 projections), `checkpoint_weight_names`
 (which checkpoint matrices a fused projection stacks), and `enable_int8_decode` (the whole stack as
 one C++ call for decode steps), which declines, with a log line naming the reason, for models whose
-layers the fused kernel does not implement (q/k norms, sandwich norms, GELU, sliding windows).
+layers the fused kernel does not implement (a partial rotary, mixture-of-experts MLPs).
 """
 from __future__ import annotations
 
@@ -83,8 +83,8 @@ class DecoderForCausalLM(nn.Module):
         metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
         rows = input_ids.numel()
         if (self._int8_decode is not None and metas[0].num_decodes == rows <= BLOCK_KERNEL_MAX_ROWS
-                and metas[0].decode_block_tables is not None and not isinstance(meta, list)):
-            return self._forward_int8_decode(input_ids, positions, kv_caches, meta)
+                and metas[0].decode_block_tables is not None and self._fused_decode_fits(kv_caches)):
+            return self._forward_int8_decode(input_ids, positions, kv_caches, metas)
         x, residual = self.embed(input_ids), None
         for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas):
             x, residual = layer(positions, x, residual, kv_cache, layer_meta)
@@ -103,30 +103,22 @@ class DecoderForCausalLM(nn.Module):
     def int8_decode_blocker(self) -> Optional[str]:
         """Why the fused C++ decode stack cannot run this model, or None when it can.
 
-        The kernel implements exactly the Llama layer: pre-norms only, fused rotary, SiLU, full attention.
+        The kernel implements the decoder layer of every dense family whose rotary turns whole heads: pre-norms,
+        optional per-head q/k norms and Gemma's sandwich norms, SiLU or GELU-tanh, full or sliding-window
+        attention, per-layer rotary tables, attention logit soft-capping.
         """
         spec = self.spec
-        if spec.qk_norm:
-            return "per-head q/k norms"
-        if spec.sandwich_norms:
-            return "norms after attention and MLP"
-        if spec.activation != "silu":
+        if spec.activation not in ("silu", "gelu_pytorch_tanh", "gelu_tanh"):
             return f"activation {spec.activation}"
-        if any(window is not None for window in spec.layer_windows):
-            return "sliding-window layers"
-        if len(self.rotaries) > 1:
-            return "per-layer rotary tables"
-        if spec.head_dim != next(iter(self.rotaries.values())).rotary_dim:
+        if any(rotary.rotary_dim != spec.head_dim for rotary in self.rotaries.values()):
             return "a partial rotary"
-        if spec.attn_softcap is not None:
-            return "attention logit soft-capping"
         if any(spec.layer_sparse):
             return "mixture-of-experts layers"
         return None
 
     def enable_int8_decode(self, kernels: Any) -> bool:
         """Run decode-only steps of up to BLOCK_KERNEL_MAX_ROWS rows as one C++ call over the whole stack
-        (`llama_decode_int8`).
+        (`decoder_decode_int8`).
 
         Same kernels in the same order as the layers, so the same bits; it skips ~0.2 ms of Python and
         dispatch per layer, most of a small decode step's non-matmul time. Needs every projection in
@@ -145,22 +137,38 @@ class DecoderForCausalLM(nn.Module):
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if (not all(isinstance(linear, BlockQuantLinear) for linear in linears)
-                    or layer.input_layernorm.kernels is None):
+                    or layer.input_layernorm.kernels is None or attn.rotary.kernels is None):
                 return False
             qkv, o, gate_up, down = ([linear.q, linear.scales, none if linear.mins is None else linear.mins,
                                       none if linear.bias is None else linear.bias] for linear in linears)
-            params += [layer.input_layernorm.weight, *qkv, *o, layer.post_attention_layernorm.weight, *gate_up, *down]
+            qk_norms = [none, none] if attn.q_norm is None else [attn.q_norm.weight, attn.k_norm.weight]
+            sandwich = ([layer.pre_feedforward_layernorm.weight, layer.post_feedforward_layernorm.weight]
+                        if layer.sandwich else [none, none])
+            params += [layer.input_layernorm.weight, *qkv, *o, layer.post_attention_layernorm.weight, *gate_up, *down,
+                       *qk_norms, *sandwich]
         self._int8_decode = (kernels, params)
         return True
 
+    def _fused_decode_fits(self, kv_caches: list[torch.Tensor]) -> bool:
+        """Windowed layers past their window attend through the prefill kernel, which reads blocks of a multiple
+        of 8 tokens (the Python backend takes its torch path otherwise)."""
+        return kv_caches[0].shape[2] % 8 == 0 or all(layer.self_attn.window is None for layer in self.layers)
+
     def _forward_int8_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                             meta: AttentionMetadata) -> torch.Tensor:
+                             metas: list[AttentionMetadata]) -> torch.Tensor:
+        """metas: each layer's (its KV cache group's) attention metadata."""
         kernels, params = self._int8_decode
         attn = self.layers[0].self_attn
-        return kernels.llama_decode_int8(
-            self.embed(input_ids), positions, meta.slot_mapping, meta.decode_block_tables,
-            meta.decode_context_lens, kv_caches, params, self.norm.weight, attn.rotary.cos, attn.rotary.sin,
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, self.norm.eps, attn.scale,
+        rows = torch.arange(metas[0].num_decodes, dtype=torch.int32)
+        decode_ranges = torch.stack((rows, rows + 1), dim=1)  # each row a one-token chunk, for windowed layers
+        layers = [layer.self_attn for layer in self.layers]
+        return kernels.decoder_decode_int8(
+            self.embed(input_ids), positions, [meta.slot_mapping for meta in metas],
+            [meta.decode_block_tables for meta in metas], [meta.decode_context_lens for meta in metas],
+            decode_ranges, kv_caches, params,
+            [layer.rotary.cos for layer in layers], [layer.rotary.sin for layer in layers],
+            [layer.window or 0 for layer in layers], self.norm.weight, attn.num_heads, attn.num_kv_heads,
+            attn.head_dim, self.norm.eps, attn.scale, attn.softcap or 0.0, self.spec.activation != "silu",
             getattr(kernels, "int8_activations", False))
 
     # ---- runner hooks for linear layers ----------------------------------------------------

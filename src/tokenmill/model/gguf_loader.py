@@ -187,7 +187,8 @@ def iter_gguf_weights(
 
 # ---- GGUF blocks kept as block-int8 --------------------------------------------------------------
 # Types whose values are q * scale (+ min) per run of 32 inputs with |q| < 128: the int8 kernel runs them
-# as stored (tokenmill.model.layers.linear.Int8Blocks). Q2_K/Q3_K/Q6_K use runs of 16 and stay dense.
+# as stored (tokenmill.model.layers.linear.Int8Blocks). Q2_K/Q3_K/Q6_K use runs of 16: they load dense, and
+# under int8 dot products LinearMethods rounds them to Q8_0.
 INT8_BLOCK_TYPES: frozenset[str] = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K"})
 
 

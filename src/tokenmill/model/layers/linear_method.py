@@ -145,6 +145,12 @@ class LinearMethods:
                     + self._enable_bf16_attention(kernels) + self._enable_int8_decode(kernels))
         if int8_blocks:
             widths: dict[int, int] = {}
+            requantized: list[str] = []
+            # Where activations are rounded to int8 already (--block-matmul int8, bfloat16-int8), a matrix whose
+            # GGUF type Int8Blocks cannot hold as stored (Q6_K/Q3_K/Q2_K use runs of 16, F16) is rounded to
+            # Q8_0 (per 32 inputs): an 8-bit grid over at most 6-bit values, for the int8 kernels' speed and a
+            # quarter of the float32 copy's memory. Elsewhere (exact float32) it stays dense.
+            requantize = getattr(kernels, "int8_activations", False)
 
             def make(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Module:
                 parts = [int8_blocks.get(part) for part in self.model.checkpoint_weight_names(name)]
@@ -161,6 +167,9 @@ class LinearMethods:
                     if part is not None:
                         weight.data[offset:offset + rows].copy_(part.dequantize())
                     offset += rows
+                if requantize and weight.shape[1] % QUANT_BLOCK == 0:
+                    requantized.append(name)
+                    return BlockQuantLinear.from_weight(weight, bias, kernels, device)
                 return dense_linear(weight, bias, self.packed_linear_rows)
 
             self.model.convert_linear_layers(make)
@@ -168,6 +177,8 @@ class LinearMethods:
             embedding = "; embeddings read from the blocks" if embedded else ""
             int8_blocks.clear()  # the layers hold their packed copies now
             kept = ", ".join(f"{count} at {bits} bits" for bits, count in sorted(widths.items()))
+            if requantized:
+                kept += f", {len(requantized)} rounded to Q8_0 at load"
             return (f"GGUF weights kept quantized in {self.num_gguf_layers_kept} layers ({kept}{embedding}; "
                     + self._block_kernel_paths(kernels) + self._enable_bf16_attention(kernels)
                     + self._enable_int8_decode(kernels))
