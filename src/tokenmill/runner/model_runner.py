@@ -73,7 +73,8 @@ class ModelRunner:
         self.hf_config = hf_config
         model_class = get_model_class(architecture)
         self.attention_backend = get_attention_backend(device, config.attention_backend)
-        logger.info("attention backend: %s", self.attention_backend.name)
+        prefill = getattr(self.attention_backend, "describe_prefill", lambda _: "")(DTYPES[config.kv_cache_dtype])
+        logger.info("attention backend: %s%s", self.attention_backend.name, f" ({prefill})" if prefill else "")
         # Parameters are allocated but not initialized: the checkpoint overwrites them, and those a GGUF's
         # kept blocks replace are dropped with their pages never written (never resident).
         with torch.device(device), skip_weight_init():

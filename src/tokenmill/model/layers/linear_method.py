@@ -220,9 +220,9 @@ class LinearMethods:
                 "above, no float copy")
 
     def _enable_bf16_attention(self, kernels) -> str:
-        """Under the bfloat16 block matmuls on a CPU with AMX, prefill attention takes bfloat16 tiles too
-        (scores from high and low bfloat16 parts of q and k; v and the probabilities rounded to bfloat16), where
-        every layer's heads fit the kernel."""
+        """Under the bfloat16 block matmuls, prefill attention takes bfloat16 products too (AMX tiles, or AVX-512
+        BF16 dot products; scores from high and low bfloat16 parts of q and k; v and the probabilities rounded to
+        bfloat16), over any cache dtype, where every layer's heads fit the kernel."""
         if not isinstance(kernels, (Bf16TileKernels, Bf16TileInt8RowKernels)) or \
                 not getattr(kernels, "bf16_attention_available", lambda: False)() or \
                 not isinstance(self.attention_backend, CpuPagedAttentionBackend):
@@ -231,7 +231,8 @@ class LinearMethods:
         if not layers or any(layer.softcap is not None or layer.head_dim % 32 for layer in layers):
             return ""
         self.attention_backend.bf16_prefill = True
-        return "; prefill attention on AMX bfloat16 tiles"
+        products = {"amx": "AMX bfloat16 tiles", "avx512_bf16": "AVX-512 BF16 dot products"}
+        return f"; prefill attention on {products.get(kernels.bf16_attention_path(), 'bfloat16 products')}"
 
     def _enable_int8_decode(self, kernels) -> str:
         if not self._runs_cpu_kernels(kernels):

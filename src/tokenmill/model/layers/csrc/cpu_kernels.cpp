@@ -35,6 +35,9 @@
 #define TOKENMILL_AVX2 1
 #if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(TOKENMILL_NO_AVX512)
 #define TOKENMILL_AVX512 1
+#if defined(__AVX512BF16__)
+#define TOKENMILL_AVX512_BF16 1
+#endif
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define TOKENMILL_AMX 1
 #include <sys/syscall.h>
@@ -1730,6 +1733,9 @@ void block_linear_amx_bf16(const at::BFloat16* x, int64_t rows, int64_t padded_r
   });
 }
 
+#endif  // TOKENMILL_AMX
+
+#if defined(TOKENMILL_AVX512)
 // ---- prefill attention on AMX-BF16 tiles (`--block-matmul bfloat16` / `bfloat16-int8`) ----------------
 // prefill_item's work items and online softmax, with both products on tiles. Per 32 keys and 16 query rows:
 // S^T = K Q^T (A: the key rows as bfloat16, straight from their copy; B: the item's queries, transposed
@@ -1806,6 +1812,9 @@ inline void transpose16x16_epi32(__m512i r[16]) {
   }
 }
 
+#endif  // TOKENMILL_AVX512
+
+#if defined(TOKENMILL_AMX)
 template <typename q_t, typename cache_t>
 void prefill_item_amx(const PrefillItem& item, const q_t* q_base, int64_t q_row_stride, const cache_t* k_cache,
                       const cache_t* v_cache, const int32_t* blocks, int64_t query_start, int64_t ctx_len,
@@ -1991,6 +2000,216 @@ void run_paged_prefill_amx(const torch::Tensor& query, const torch::Tensor& kv_c
 }
 
 #endif
+
+#if defined(TOKENMILL_AVX512_BF16)
+// ---- prefill attention on AVX-512 BF16 dot products (CPUs with bfloat16 instructions and no AMX) ------------
+// prefill_item_amx's tiles, products and rounding, with VDPBF16PS on vectors instead of TDPBF16PS on tiles:
+// per 16 query rows and 16 keys, lane m of key j's accumulator sums (q[m][2i], q[m][2i+1]) . (k[j][2i],
+// k[j][2i+1]) over the pairs i (q from the same pair-interleaved copy; k's pair broadcast), so the scores come
+// out as S^T again and the same column-wise softmax follows; then each row's P pairs, broadcast, times the
+// pair-interleaved V rows. Same values as the AMX kernel up to the order of float32 additions.
+inline __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
+  return _mm512_dpbf16_ps(acc, reinterpret_cast<__m512bh&>(a), reinterpret_cast<__m512bh&>(b));
+}
+
+inline __m512i broadcast_pair(const at::BFloat16* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return _mm512_set1_epi32(pair);
+}
+
+// s[16 * j + m] = sum over pairs of q[m] . k[j] for the 16 keys at k (rows D apart): q_high and q_low are the
+// row block's pair-interleaved copies ([D / 2][16 pairs]); k_low (may be null) what k's rounding left.
+inline void score_keys_dpbf16(const at::BFloat16* qt, const at::BFloat16* qt_low, const at::BFloat16* k,
+                              const at::BFloat16* k_low, int64_t D, float* s) {
+  __m512 acc[16];
+  for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < D / 2; ++i) {
+    const __m512i q = _mm512_loadu_si512(qt + 32 * i), ql = _mm512_loadu_si512(qt_low + 32 * i);
+    for (int j = 0; j < 16; ++j) {
+      const __m512i kj = broadcast_pair(k + j * D + 2 * i);
+      acc[j] = dot_bf16(dot_bf16(acc[j], q, kj), ql, kj);
+      if (k_low != nullptr) acc[j] = dot_bf16(acc[j], q, broadcast_pair(k_low + j * D + 2 * i));
+    }
+  }
+  for (int j = 0; j < 16; ++j) _mm512_store_ps(s + 16 * j, acc[j]);
+}
+
+// acc[r][d] = acc[r][d] * corr[r] + sum_j p[r][j] v[j][d] for R rows from r0, over 32 dimensions from d0:
+// pa holds each row's 16 (p[2i], p[2i+1]) pairs as dwords, vv the pair-interleaved V rows (2D values each).
+template <int R>
+inline void accumulate_rows_dpbf16(const uint32_t* pa, const float* corr, const at::BFloat16* vv, int64_t D,
+                                   int64_t d0, float* acc) {
+  __m512 a[R][2];
+  for (int r = 0; r < R; ++r) {
+    const __m512 c = _mm512_set1_ps(corr[r]);
+    a[r][0] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d0), c);
+    a[r][1] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + d0 + 16), c);
+  }
+  for (int64_t i = 0; i < kAmxKeys / 2; ++i) {
+    const __m512i v0 = _mm512_loadu_si512(vv + i * 2 * D + 2 * d0);
+    const __m512i v1 = _mm512_loadu_si512(vv + i * 2 * D + 2 * d0 + 32);
+    for (int r = 0; r < R; ++r) {
+      const __m512i p = _mm512_set1_epi32(static_cast<int32_t>(pa[16 * r + i]));
+      a[r][0] = dot_bf16(a[r][0], v0, p);
+      a[r][1] = dot_bf16(a[r][1], v1, p);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm512_storeu_ps(acc + r * D + d0, a[r][0]);
+    _mm512_storeu_ps(acc + r * D + d0 + 16, a[r][1]);
+  }
+}
+
+template <typename q_t, typename cache_t>
+void prefill_item_dpbf16(const PrefillItem& item, const q_t* q_base, int64_t q_row_stride, const cache_t* k_cache,
+                         const cache_t* v_cache, const int32_t* blocks, int64_t query_start, int64_t ctx_len,
+                         int64_t num_q, int64_t block_size, int64_t token_stride, int64_t group, int64_t head_dim,
+                         float scale, int64_t window, q_t* out_base, int64_t out_row_stride, AmxPrefillScratch& w) {
+  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t rows = item.count * group, row_blocks = (rows + 15) / 16;
+  const int64_t pos0 = ctx_len - num_q + item.first;
+  const int64_t h = item.kv_head, D = head_dim;
+  w.qt.assign(row_blocks * 16 * D, at::BFloat16(0.0f));
+  w.qt_low.assign(row_blocks * 16 * D, at::BFloat16(0.0f));
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t i = m / group, g = m % group;
+    const q_t* src = q_base + (query_start + item.first + i) * q_row_stride + (h * group + g) * D;
+    const int64_t first = (m / 16) * 16 * D + 2 * (m % 16);
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = to_float(src[d]) * scale;
+      const at::BFloat16 high(x);
+      w.qt[first + (d / 2) * 32 + d % 2] = high;
+      w.qt_low[first + (d / 2) * 32 + d % 2] = at::BFloat16(x - static_cast<float>(high));
+    }
+  }
+  w.acc.assign(row_blocks * 16 * D, 0.0f);
+  w.row_max.assign(row_blocks * 16, neg_inf);
+  w.row_sum.assign(row_blocks * 16, 0.0f);
+  w.k.resize(kAmxKeys * D);
+  w.k_low.resize(kAmxKeys * D);
+  w.v.resize(kAmxKeys * D);
+  w.vv.resize(kAmxKeys * D);
+  alignas(64) float s[kAmxKeys * 16];
+  alignas(64) float corr[16];
+  alignas(64) int32_t lane_pos[16];
+  alignas(64) uint32_t pa[16 * 16];
+  alignas(64) int16_t pair_index[32], low_index[32], high_index[32];
+  for (int i = 0; i < 16; ++i) {
+    pair_index[2 * i] = static_cast<int16_t>(i);
+    pair_index[2 * i + 1] = static_cast<int16_t>(16 + i);
+    low_index[2 * i] = static_cast<int16_t>(i);
+    low_index[2 * i + 1] = static_cast<int16_t>(32 + i);
+    high_index[2 * i] = static_cast<int16_t>(16 + i);
+    high_index[2 * i + 1] = static_cast<int16_t>(48 + i);
+  }
+  const __m512i pairs = _mm512_load_si512(pair_index), lows = _mm512_load_si512(low_index);
+  const __m512i highs = _mm512_load_si512(high_index);
+  const int64_t last_pos = pos0 + item.count - 1;
+  const int64_t key_lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
+  constexpr bool exact_keys = std::is_same_v<cache_t, at::BFloat16>;
+  for (int64_t t0 = key_lo / kAmxKeys * kAmxKeys; t0 <= last_pos; t0 += kAmxKeys) {
+    const int64_t n = std::min(kAmxKeys, ctx_len - t0);
+    const int64_t first_pos = std::max(pos0, t0);
+    const int64_t end_pos = window > 0 ? std::min(last_pos + 1, t0 + kAmxKeys - 1 + window) : last_pos + 1;
+    if (first_pos >= end_pos) continue;
+    const int64_t m0 = (first_pos - pos0) * group, m1 = (end_pos - pos0) * group;
+    load_rows_bf16(k_cache, blocks, t0, n, block_size, token_stride, h * D, D, w.k.data(),
+                   exact_keys ? nullptr : w.k_low.data());
+    load_rows_bf16(v_cache, blocks, t0, n, block_size, token_stride, h * D, D, w.v.data());
+    for (int64_t i = 0; i < kAmxKeys / 2; ++i)
+      for (int64_t d = 0; d < D; d += 32) {
+        const __m512i a = _mm512_loadu_si512(w.v.data() + 2 * i * D + d);
+        const __m512i b = _mm512_loadu_si512(w.v.data() + (2 * i + 1) * D + d);
+        at::BFloat16* row = w.vv.data() + i * 2 * D + 2 * d;
+        _mm512_storeu_si512(row, _mm512_permutex2var_epi16(a, lows, b));
+        _mm512_storeu_si512(row + 32, _mm512_permutex2var_epi16(a, highs, b));
+      }
+    for (int64_t rb = m0 / 16; rb * 16 < m1; ++rb) {
+      const at::BFloat16* qt = w.qt.data() + rb * 16 * D;
+      const at::BFloat16* qt_low = w.qt_low.data() + rb * 16 * D;
+      for (int64_t half = 0; half < kAmxKeys / 16; ++half)
+        score_keys_dpbf16(qt, qt_low, w.k.data() + half * 16 * D,
+                          exact_keys ? nullptr : w.k_low.data() + half * 16 * D, D, s + half * 256);
+      for (int m = 0; m < 16; ++m) lane_pos[m] = static_cast<int32_t>(pos0 + (rb * 16 + m) / group);
+      const int64_t block_first = lane_pos[0], block_last = lane_pos[15];
+      const bool all_visible = n == kAmxKeys && t0 + kAmxKeys - 1 <= block_first &&
+                               (window <= 0 || t0 > block_last - window);
+      const __m512i pos = _mm512_load_si512(lane_pos);
+      const __m512 minus_inf = _mm512_set1_ps(neg_inf);
+      __m512 tile_max = minus_inf;
+      for (int64_t j = 0; j < kAmxKeys; ++j) {
+        __m512 sj = _mm512_load_ps(s + 16 * j);
+        if (!all_visible) {
+          const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(t0 + j));
+          __mmask16 visible = _mm512_cmpge_epi32_mask(pos, key);
+          if (window > 0)
+            visible &= _mm512_cmplt_epi32_mask(pos, _mm512_add_epi32(key, _mm512_set1_epi32(static_cast<int32_t>(window))));
+          sj = _mm512_mask_mov_ps(minus_inf, visible, sj);
+          _mm512_store_ps(s + 16 * j, sj);
+        }
+        tile_max = _mm512_max_ps(tile_max, sj);
+      }
+      float* row_max = w.row_max.data() + rb * 16;
+      float* row_sum = w.row_sum.data() + rb * 16;
+      const __m512 old_max = _mm512_loadu_ps(row_max);
+      const __m512 new_max = _mm512_max_ps(old_max, tile_max);
+      const __m512 base = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(new_max, minus_inf, _CMP_NEQ_OQ), new_max);
+      const __m512 c = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(old_max, minus_inf, _CMP_NEQ_OQ),
+                                           exp512(_mm512_sub_ps(old_max, base)));
+      __m512 sum = _mm512_setzero_ps();
+      __m512i p_pairs[16];
+      for (int64_t i = 0; i < kAmxKeys / 2; ++i) {
+        const __m512 s0 = _mm512_load_ps(s + 32 * i), s1 = _mm512_load_ps(s + 32 * i + 16);
+        const __m512 p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, minus_inf, _CMP_NEQ_OQ),
+                                              exp512(_mm512_sub_ps(s0, base)));
+        const __m512 p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, minus_inf, _CMP_NEQ_OQ),
+                                              exp512(_mm512_sub_ps(s1, base)));
+        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
+        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(round_to_bf16_16(p0)), round_to_bf16_16(p1), 1);
+        p_pairs[i] = _mm512_permutexvar_epi16(pairs, both);
+      }
+      _mm512_storeu_ps(row_sum, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum), c, sum));
+      _mm512_storeu_ps(row_max, new_max);
+      _mm512_store_ps(corr, c);
+      transpose16x16_epi32(p_pairs);
+      for (int m = 0; m < 16; ++m) _mm512_store_si512(pa + 16 * m, p_pairs[m]);
+      const int64_t valid = std::min<int64_t>(16, rows - rb * 16);
+      float* acc = w.acc.data() + rb * 16 * D;
+      for (int64_t d0 = 0; d0 < D; d0 += 32) {
+        int64_t m = 0;
+        for (; m + 4 <= valid; m += 4) accumulate_rows_dpbf16<4>(pa + 16 * m, corr + m, w.vv.data(), D, d0, acc + m * D);
+        for (; m < valid; ++m) accumulate_rows_dpbf16<1>(pa + 16 * m, corr + m, w.vv.data(), D, d0, acc + m * D);
+      }
+    }
+  }
+  for (int64_t m = 0; m < rows; ++m) {
+    const int64_t i = m / group, g = m % group;
+    const float inv = 1.0f / w.row_sum[m];
+    q_t* dst = out_base + (query_start + item.first + i) * out_row_stride + (h * group + g) * D;
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<q_t>(w.acc[m * D + d] * inv);
+  }
+}
+
+template <typename q_t, typename cache_t>
+void run_paged_prefill_dpbf16(const torch::Tensor& query, const torch::Tensor& kv_cache,
+                              const torch::Tensor& block_tables, const torch::Tensor& query_ranges,
+                              const torch::Tensor& context_lens, double scale, int64_t window, torch::Tensor& out) {
+  const PrefillStep<cache_t> step(query, kv_cache, block_tables, query_ranges, context_lens, window,
+                                  kAmxPrefillTileRows);
+  parallel_longest_first<AmxPrefillScratch>(
+      static_cast<int64_t>(step.items.size()), [&](int64_t i) { return step.items[i].cost; },
+      [&](int64_t i, AmxPrefillScratch& scratch) {
+        const PrefillItem& item = step.items[i];
+        const int64_t c = item.chunk;
+        prefill_item_dpbf16<q_t, cache_t>(item, query.data_ptr<q_t>(), query.stride(0), step.k_base, step.v_base,
+                                          step.table(c), step.query_start(c), step.lens[c], step.num_queries(c),
+                                          step.block_size, step.token_stride, step.group, step.head_dim,
+                                          static_cast<float>(scale), window, out.data_ptr<q_t>(), out.stride(0),
+                                          scratch);
+      });
+}
+#endif  // TOKENMILL_AVX512_BF16
 
 // Steps above the row kernel's rows: each tile of panels dequantized, then one multithreaded GEMM over all
 // rows. With x_bf16 (`--block-matmul bfloat16`: x already rounded to bfloat16), each dequantized tile is
@@ -2771,29 +2990,47 @@ void paged_prefill_attention_bf16(torch::Tensor query, torch::Tensor kv_cache, t
                                   torch::Tensor out) {
   check_prefill_arguments(query, kv_cache, block_tables, query_ranges, context_lens, out);
   TORCH_CHECK(query.size(2) % 32 == 0, "paged_prefill_attention_bf16 needs head_dim a multiple of 32");
-#if defined(TOKENMILL_AMX)
-  TORCH_CHECK(amx_permitted(), "paged_prefill_attention_bf16: the kernel may not use AMX tiles here");
+#if defined(TOKENMILL_AMX) || defined(TOKENMILL_AVX512_BF16)
   dispatch_attention_dtypes(query, kv_cache, "paged_prefill_attention_bf16", [&](auto* q_tag, auto* cache_tag) {
     using q_t = std::remove_pointer_t<decltype(q_tag)>;
     using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
     if constexpr (std::is_same_v<cache_t, double>) {
       TORCH_CHECK(false, "paged_prefill_attention_bf16 reads a float32, float16 or bfloat16 cache");
     } else {
-      run_paged_prefill_amx<q_t, cache_t>(query, kv_cache, block_tables, query_ranges, context_lens, scale, window, out);
+#if defined(TOKENMILL_AMX)
+      if (amx_permitted()) {
+        run_paged_prefill_amx<q_t, cache_t>(query, kv_cache, block_tables, query_ranges, context_lens, scale, window,
+                                            out);
+        return;
+      }
+#endif
+#if defined(TOKENMILL_AVX512_BF16)
+      run_paged_prefill_dpbf16<q_t, cache_t>(query, kv_cache, block_tables, query_ranges, context_lens, scale, window,
+                                             out);
+#else
+      TORCH_CHECK(false, "paged_prefill_attention_bf16: the kernel may not use AMX tiles here");
+#endif
     }
   });
 #else
-  TORCH_CHECK(false, "paged_prefill_attention_bf16 needs a build with AMX-BF16");
+  TORCH_CHECK(false, "paged_prefill_attention_bf16 needs a build with AMX-BF16 or AVX-512 BF16");
 #endif
 }
 
-bool bf16_attention_available() {
+// Which bfloat16 products paged_prefill_attention_bf16 takes here: "amx" (tiles), "avx512_bf16" (VDPBF16PS on
+// vectors), or "" where it cannot run.
+std::string bf16_attention_path() {
 #if defined(TOKENMILL_AMX)
-  return amx_permitted();
+  if (amx_permitted()) return "amx";
+#endif
+#if defined(TOKENMILL_AVX512_BF16)
+  return "avx512_bf16";
 #else
-  return false;
+  return "";
 #endif
 }
+
+bool bf16_attention_available() { return !bf16_attention_path().empty(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if defined(TOKENMILL_AVX512)
@@ -2844,11 +3081,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("query_ranges"),
         py::arg("context_lens"), py::arg("scale"), py::arg("softcap"), py::arg("window"), py::arg("out"), nogil);
   m.def("paged_prefill_attention_bf16", &paged_prefill_attention_bf16,
-        "paged_prefill_attention (no soft-cap) on AMX tiles: scores from high and low bfloat16 parts of q and k, "
+        "paged_prefill_attention (no soft-cap) on AMX tiles or AVX-512 BF16 dot products: scores from high and low bfloat16 parts of q and k, "
         "v and the probabilities rounded to bfloat16", py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("query_ranges"),
         py::arg("context_lens"), py::arg("scale"), py::arg("window"), py::arg("out"), nogil);
   m.def("bf16_attention_available", &bf16_attention_available,
-        "whether paged_prefill_attention_bf16 runs here (an AMX-BF16 build on a CPU that grants the tiles)");
+        "whether paged_prefill_attention_bf16 runs here (AMX-BF16 tiles the CPU grants, or AVX-512 BF16)");
+  m.def("bf16_attention_path", &bf16_attention_path,
+        "what paged_prefill_attention_bf16 multiplies with here: 'amx', 'avx512_bf16' or '' (it cannot run)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:]", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (residual updated in place)", nogil);
   m.def("decoder_decode_int8", &decoder_decode_int8,
