@@ -151,6 +151,26 @@ def test_greedy_takes_first_max_and_input_is_untouched():
     assert torch.equal(logits, before)
 
 
+def test_plain_greedy_rows_take_the_argmax_without_a_working_copy(monkeypatch):
+    """Greedy rows with no processor (no bias, penalty or min_tokens left) skip the float32 copy the processors
+    write into; a row that has one (here a logit bias in the same batch) keeps the whole path."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [0.0, 2.0, 1.0, 5.0]])
+    copies = []
+    original = sampler_module.SamplingArrays.from_params
+
+    def counting(params):
+        copies.append(len(params))
+        return original(params)
+
+    monkeypatch.setattr(sampler_module.SamplingArrays, "from_params", staticmethod(counting))
+    plain = [state(temperature=0.0), state(temperature=0.0, min_tokens=1, output=[5], eos=3)]
+    assert Sampler()(logits, plain).sampled_token_ids == [1, 3] and copies == []
+    biased = [state(temperature=0.0), state(temperature=0.0, logit_bias={0: 10.0})]
+    assert Sampler()(logits, biased).sampled_token_ids == [1, 0] and copies == [2]
+    blocked = [state(temperature=0.0), state(temperature=0.0, min_tokens=2, output=[5], eos=3)]
+    assert Sampler()(logits, blocked).sampled_token_ids == [1, 1]
+
+
 # -- seeds ----------------------------------------------------------------------------------------
 
 
