@@ -200,7 +200,8 @@ class EngineConfig:
     preemption_mode: Optional[str] = option(
         None, "default: swap when --swap-space > 0 on an accelerator, else recompute", choices=PREEMPTION_MODES)
     seed: int = option(0, "random seed of the engine's sampler")
-    max_logprobs: int = option(20, "most logprobs a request may ask for", bound="non_negative")
+    max_logprobs: int = option(20, "most logprobs (and prompt logprobs) per token a request may ask for",
+                               bound="non_negative")
     num_threads: Optional[int] = option(None, "torch CPU threads", bound="positive")
     attention_backend: str = option(
         "auto", "auto: on CUDA the triton paged-attention kernels when triton is installed; on CPU tokenmill's C++ "

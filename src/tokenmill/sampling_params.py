@@ -9,7 +9,7 @@ from tokenmill.errors import InvalidRequestError
 
 INT64_MIN = -(2**63)
 INT64_MAX = 2**63 - 1
-MAX_LOGPROBS = 20
+MAX_LOGPROBS = 20  # the default of --max-logprobs (vLLM's)
 
 
 @dataclass
@@ -125,10 +125,10 @@ class SamplingParams:
             bad(f"min_tokens must be non-negative, got {self.min_tokens}", "min_tokens")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             bad(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})", "min_tokens")
-        for name in ("logprobs", "prompt_logprobs"):
+        for name in ("logprobs", "prompt_logprobs"):  # the upper bound is the engine's --max-logprobs
             value = getattr(self, name)
-            if value is not None and not 0 <= value <= MAX_LOGPROBS:
-                bad(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", name)
+            if value is not None and value < 0:
+                bad(f"{name} must be non-negative, got {value}", name)
         if self.stop_token_ids is not None and any(t < 0 for t in self.stop_token_ids):
             bad("stop_token_ids must be non-negative token ids", "stop_token_ids")
         if self.logit_bias is not None and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):

@@ -99,6 +99,22 @@ def test_prompt_logprobs_cover_the_prompt(tiny_llama_dir, tokenizer):
         assert token in entry
 
 
+def test_max_logprobs_bounds_what_a_request_may_ask(tiny_llama_dir):
+    """--max-logprobs (vLLM's, default 20) caps logprobs and prompt_logprobs per request; above it a clear
+    error names the field, before anything runs."""
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, numerics="exact", max_logprobs=30)
+    out = llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, logprobs=25, prompt_logprobs=30), use_tqdm=False)[0]
+    assert all(len(entry) in (25, 26) for entry in out.outputs[0].logprobs)
+    assert all(len(entry) in (30, 31) for entry in out.prompt_logprobs[1:])
+    for field in ("logprobs", "prompt_logprobs"):
+        with pytest.raises(InvalidRequestError, match=f"{field} asks for 31 .* maximum of 30 \\(--max-logprobs\\)"):
+            llm.generate(PROMPTS[0], SamplingParams(max_tokens=2, **{field: 31}), use_tqdm=False)
+    default = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, numerics="exact")
+    with pytest.raises(InvalidRequestError, match="maximum of 20"):
+        default.generate(PROMPTS[0], SamplingParams(max_tokens=2, logprobs=21), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests() and not default.llm_engine.has_unfinished_requests()
+
+
 def test_chat_applies_the_template(tiny_llama_dir, tokenizer):
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=256, numerics="exact")
     messages = [{"role": "user", "content": "Hi!"}]

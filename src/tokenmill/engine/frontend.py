@@ -38,7 +38,8 @@ class Frontend:
         # The backend compiles structured-output constraints only to check them; the core compiles its own.
         backend = LLGuidanceBackend(tokenizer, info.vocab_size, eos_ids)
         return cls(name, eos_ids,
-                   InputProcessor(tokenizer, max_model_len, info.vocab_size, config.max_prompt_tokens, backend),
+                   InputProcessor(tokenizer, max_model_len, info.vocab_size, config.max_prompt_tokens, backend,
+                                  config.max_logprobs),
                    OutputProcessor(tokenizer, eos_ids))
 
     def admit(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, *, priority: int = 0,

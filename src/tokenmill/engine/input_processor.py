@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 
 from tokenmill.engine.text_checks import check_text
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling_params import SamplingParams
+from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
 
 
 @dataclass(slots=True)
@@ -21,11 +21,14 @@ class ProcessedPrompt:
 
 class InputProcessor:
     def __init__(self, tokenizer: Any, max_model_len: int, vocab_size: int,
-                 max_prompt_tokens: Optional[int] = None, structured_backend: Any = None) -> None:
+                 max_prompt_tokens: Optional[int] = None, structured_backend: Any = None,
+                 max_logprobs: int = MAX_LOGPROBS) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
         self.max_prompt_tokens = max_prompt_tokens
+        # --max-logprobs: the most logprobs (or prompt logprobs) per token a request may ask for, as in vLLM.
+        self.max_logprobs = min(max_logprobs, vocab_size)
         # Compiles structured-output constraints to check them (the engine core compiles its own).
         self.structured_backend = structured_backend
 
@@ -97,9 +100,17 @@ class InputProcessor:
             # The scheduler never schedules a request with nothing to compute: it would wait forever.
             raise InvalidRequestError("the prompt has no tokens", "prompt", "empty_prompt")
         params = self.validate_lengths(prompt_token_ids, params)
+        self.check_logprobs(params.logprobs, "logprobs")
+        self.check_logprobs(params.prompt_logprobs, "prompt_logprobs")
         if params.structured_outputs is not None and self.structured_backend is not None:
             self.structured_backend.validate(params.structured_outputs)
         return params
+
+    def check_logprobs(self, value: Optional[int], param: str) -> None:
+        """At most --max-logprobs logprobs per token; `param` names the request field that asked."""
+        if value is not None and value > self.max_logprobs:
+            raise InvalidRequestError(f"{param} asks for {value} logprobs per token, more than this server's "
+                                      f"maximum of {self.max_logprobs} (--max-logprobs)", param)
 
     def validate_lengths(self, prompt_token_ids: Sequence[int], params: SamplingParams) -> SamplingParams:
         """Refuse prompts that cannot fit; fill in max_tokens=None as 'up to max_model_len'."""

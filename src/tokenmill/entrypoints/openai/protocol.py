@@ -14,7 +14,7 @@ from pydantic_core import PydanticCustomError
 
 from tokenmill.engine.text_checks import find_bad_text
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's limit on choices per prompt
 
@@ -262,12 +262,12 @@ class CompletionRequest(SamplingFields):
     prompt: PromptType
     max_tokens: Optional[int] = Field(16, ge=1)
     echo: bool = False
-    logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    logprobs: Optional[int] = Field(None, ge=0)  # at most --max-logprobs (checked by the engine)
     suffix: Optional[str] = None
     # OpenAI's legacy completions: generate best_of samples per prompt, return the n with the highest
     # cumulative logprob (vLLM V1 dropped it; older clients still send it).
     best_of: Optional[int] = Field(None, ge=1, le=MAX_N)
-    prompt_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: Optional[int] = Field(None, ge=0)
     return_tokens_as_token_ids: bool = False
     # vLLM's beam search extras: n beams are returned, best first.
     use_beam_search: bool = False
@@ -406,7 +406,7 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     max_tokens: Optional[int] = Field(None, ge=1, description="deprecated by OpenAI: use max_completion_tokens")
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: Optional[int] = Field(None, ge=0)  # at most --max-logprobs (checked by the engine)
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     echo: bool = False

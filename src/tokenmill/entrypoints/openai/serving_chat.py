@@ -97,6 +97,7 @@ class OpenAIServingChat(ServingBase):
         processor = self.engine.input_processor
         plan = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_call_parser)
         prompt = render_chat_prompt(processor, body)
+        processor.check_logprobs(body.num_top_logprobs, "top_logprobs")
         params = body.sampling_params(max_tokens=body.effective_max_tokens, logprobs=body.num_top_logprobs,
                                       prompt_logprobs=None, vocab_size=processor.vocab_size)
         if plan.constraint is not None:
