@@ -2,5 +2,5 @@
 
 Run from the repository root, e.g. `python -m benchmarks.make_bench --help`. The modules import the
 installed `tokenmill` package; what users run (`tokenmill bench ...`, `tokenmill plan`) lives in
-`tokenmill.benchmarks` instead.
+`tokenmill.bench` (and `tokenmill.planning`) instead.
 """

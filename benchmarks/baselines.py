@@ -15,8 +15,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from tokenmill.benchmarks.throughput import BenchmarkError, check_output_lengths, throughput_result
-from tokenmill.benchmarks.workloads import WorkloadRequest
+from tokenmill.bench.throughput import BenchmarkError, check_output_lengths, throughput_result
+from tokenmill.bench.workloads import WorkloadRequest
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -84,7 +84,7 @@ def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     import torch
 
-    from tokenmill.benchmarks.workloads import load_workload, workload_summary
+    from tokenmill.bench.workloads import load_workload, workload_summary
 
     if args.device is None:
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -142,7 +142,7 @@ QUANTIZED = {"quantization": "q8_0", "kv_cache_dtype": "float16"}
 def run_tokenmill(args: argparse.Namespace, requests, threads: int,
                   engine_options: Optional[dict[str, str]] = None) -> dict[str, Any]:
     from tokenmill import LLM
-    from tokenmill.benchmarks.throughput import run_offline_throughput
+    from tokenmill.bench.throughput import run_offline_throughput
 
     engine_options = engine_options or {}
     dtype = {"dtype": args.dtype} if args.dtype_given else {}

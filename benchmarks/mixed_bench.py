@@ -26,7 +26,7 @@ from benchmarks.engine_options import effective, given
 from benchmarks.make_bench import _display_path, _usable_cores, machine_info, positive, publish_report
 from benchmarks.paths import module_command
 from benchmarks.tables import markdown_table, text_table
-from tokenmill.benchmarks.throughput import BenchmarkError, percentile
+from tokenmill.bench.throughput import BenchmarkError, percentile
 from tokenmill.entrypoints.engine_args import add_engine_args
 
 SECTION = "scheduling"

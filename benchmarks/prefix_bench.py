@@ -25,8 +25,8 @@ from benchmarks.make_bench import _display_path, _usable_cores, machine_info, po
 from benchmarks.shared_prefix import SharedPrefixSpec, build_shared_prefix_workload, ideal_cached_tokens
 from benchmarks.tables import markdown_table, text_table
 from benchmarks.paths import module_command
-from tokenmill.benchmarks.throughput import generate_timed, percentile, throughput_result, warm_up_llm
-from tokenmill.benchmarks.workloads import WorkloadRequest, workload_summary
+from tokenmill.bench.throughput import generate_timed, percentile, throughput_result, warm_up_llm
+from tokenmill.bench.workloads import WorkloadRequest, workload_summary
 
 SECTION = "prefix-cache"
 # name -> (label, LLM keyword arguments)

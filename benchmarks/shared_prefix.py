@@ -13,7 +13,7 @@ import random
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-from tokenmill.benchmarks.workloads import WorkloadRequest
+from tokenmill.bench.workloads import WorkloadRequest
 
 # Lowest synthetic token id: tokenizers keep special and control tokens at the bottom of the vocabulary.
 MIN_TOKEN_ID = 256

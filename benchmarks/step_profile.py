@@ -137,7 +137,7 @@ def markdown_table(rows: list[dict[str, Any]], wall_s: float, steps: int) -> str
 
 
 def run(llm, requests, use_tqdm: bool = False) -> dict[str, Any]:
-    from tokenmill.benchmarks.throughput import run_offline_throughput, warm_up_llm
+    from tokenmill.bench.throughput import run_offline_throughput, warm_up_llm
 
     if llm.llm_engine.core.core.runner.device.type != "cpu":
         raise SystemExit("step_profile times CPU execution; on CUDA the phases would need synchronisation")
@@ -155,7 +155,7 @@ def run(llm, requests, use_tqdm: bool = False) -> dict[str, Any]:
 def main(argv: Optional[list[str]] = None) -> None:
     from benchmarks.engine_options import effective, given
     from benchmarks.paths import default_workload_path
-    from tokenmill.benchmarks.workloads import load_workload
+    from tokenmill.bench.workloads import load_workload
     from tokenmill.config import BLOCK_MATMULS, KV_CACHE_DTYPES, EngineConfig
     from tokenmill.entrypoints.llm import LLM
 

@@ -138,8 +138,8 @@ def test_graph_sees_imports_at_every_level():
     graph = import_graph()
     # A module-level import, a function-level one, and a function-level `from pkg import module`.
     assert "tokenmill.errors" in graph["tokenmill.entrypoints.bench_cli"]
-    assert "tokenmill.benchmarks.serve" in graph["tokenmill.entrypoints.bench_cli"]
-    assert "tokenmill.model.gguf_loader" in graph["tokenmill.benchmarks.planner"]
+    assert "tokenmill.bench.serve" in graph["tokenmill.entrypoints.bench_cli"]
+    assert "tokenmill.model.gguf_loader" in graph["tokenmill.planning.planner"]
     # Imports that only type checkers run are no edges; the else branch of such a block runs.
     source = ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import a\nelse:\n    import b\n"
               "def f():\n    import c\n")

@@ -5,7 +5,7 @@ import torch
 
 from tokenmill import LLM
 from benchmarks import step_profile
-from tokenmill.benchmarks.workloads import WorkloadRequest
+from tokenmill.bench.workloads import WorkloadRequest
 
 
 def test_phases_partition_the_run_and_unpatch(tiny_llama_dir):

@@ -14,14 +14,14 @@ import httpx
 import numpy as np
 import pytest
 
-from tokenmill.benchmarks.datasets import (
+from tokenmill.bench.datasets import (
     SAFE_ID_RANGE,
     DatasetConfig,
     TokenIdSpace,
     apply_prompt_format,
     build_requests,
 )
-from tokenmill.benchmarks.serve import (
+from tokenmill.bench.serve import (
     RequestResult,
     ServeConfig,
     arrival_intervals,

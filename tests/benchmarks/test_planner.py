@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from tokenmill.benchmarks.gpus import KNOWN_GPUS, custom_device, find_gpu
-from tokenmill.benchmarks.planner import (
+from tokenmill.planning.gpus import KNOWN_GPUS, custom_device, find_gpu
+from tokenmill.planning.planner import (
     PRESETS,
     PlanInputs,
     estimate_params,

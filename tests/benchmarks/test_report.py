@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from tokenmill.benchmarks.report import (
+from tokenmill.bench.report import (
     compare_results,
     format_serve_table,
     format_sweep_table,

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 
-from tokenmill.benchmarks.throughput import BenchmarkError, check_output_lengths, percentile
-from tokenmill.benchmarks.workloads import WorkloadRequest, load_workload
+from tokenmill.bench.throughput import BenchmarkError, check_output_lengths, percentile
+from tokenmill.bench.workloads import WorkloadRequest, load_workload
 
 
 def test_load_workload(workload_file):

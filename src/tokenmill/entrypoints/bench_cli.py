@@ -79,7 +79,7 @@ def _add_dataset_args(parser: argparse.ArgumentParser, seed_and_tokenizer: bool 
 
 
 def _dataset_config(args: argparse.Namespace):
-    from tokenmill.benchmarks.datasets import DatasetConfig
+    from tokenmill.bench.datasets import DatasetConfig
 
     return DatasetConfig(name=args.dataset, num_prompts=args.num_prompts, seed=args.seed,
                          random_input_len=args.random_input_len, random_output_len=args.random_output_len,
@@ -131,7 +131,7 @@ def _json_object(value: str) -> dict[str, Any]:
 
 
 def _serve_config(args: argparse.Namespace, max_concurrency: Optional[int]):
-    from tokenmill.benchmarks.serve import ServeConfig
+    from tokenmill.bench.serve import ServeConfig
 
     return ServeConfig(base_url=args.base_url, endpoint=args.endpoint, model=args.model,
                        api_key=_api_key(args), max_concurrency=max_concurrency,
@@ -149,7 +149,7 @@ def _api_key(args: argparse.Namespace) -> Optional[str]:
 
 def _client_requests(args: argparse.Namespace) -> tuple[list, dict[str, Any]]:
     """The dataset's requests in the form the endpoint takes, and a description for the result JSON."""
-    from tokenmill.benchmarks.datasets import apply_prompt_format, build_requests, load_tokenizer
+    from tokenmill.bench.datasets import apply_prompt_format, build_requests, load_tokenizer
 
     cfg = _dataset_config(args)
     cache: dict[str, Any] = {}
@@ -185,8 +185,8 @@ def _add_serve(subparsers: Any) -> None:
 def run_bench_serve(args: argparse.Namespace) -> int:
     import asyncio
 
-    from tokenmill.benchmarks.report import format_serve_table
-    from tokenmill.benchmarks.serve import run_benchmark
+    from tokenmill.bench.report import format_serve_table
+    from tokenmill.bench.serve import run_benchmark
 
     cfg = _serve_config(args, args.max_concurrency)
     requests, extra = _client_requests(args)
@@ -208,8 +208,8 @@ def _add_sweep(subparsers: Any) -> None:
 def run_bench_sweep(args: argparse.Namespace) -> int:
     import asyncio
 
-    from tokenmill.benchmarks.report import format_sweep_table
-    from tokenmill.benchmarks.serve import run_sweep
+    from tokenmill.bench.report import format_sweep_table
+    from tokenmill.bench.serve import run_sweep
 
     cfg = _serve_config(args, None)
     requests, extra = _client_requests(args)
@@ -236,7 +236,7 @@ def _add_compare(subparsers: Any) -> None:
 
 
 def run_bench_compare(args: argparse.Namespace) -> int:
-    from tokenmill.benchmarks.report import write_compare_report
+    from tokenmill.bench.report import write_compare_report
 
     labels = [l.strip() for l in args.labels.split(",")] if args.labels else None
     if not 0 <= args.tie_threshold < 1:
@@ -260,9 +260,9 @@ def _add_throughput(subparsers: Any) -> None:
 
 
 def run_bench_throughput(args: argparse.Namespace) -> int:
-    from tokenmill.benchmarks.datasets import apply_prompt_format, build_requests
-    from tokenmill.benchmarks.throughput import BenchmarkError, run_offline_throughput
-    from tokenmill.benchmarks.workloads import WorkloadRequest
+    from tokenmill.bench.datasets import apply_prompt_format, build_requests
+    from tokenmill.bench.throughput import BenchmarkError, run_offline_throughput
+    from tokenmill.bench.workloads import WorkloadRequest
     from tokenmill.entrypoints.engine_args import engine_config_from_args
     from tokenmill.entrypoints.llm import LLM
 
@@ -309,9 +309,9 @@ def _add_plan(subparsers: Any) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from tokenmill.benchmarks.gpus import custom_device, find_gpu
-    from tokenmill.benchmarks.planner import PlanInputs, format_plan, make_plan, resolve_model
-    from tokenmill.benchmarks.report import load_result
+    from tokenmill.planning.gpus import custom_device, find_gpu
+    from tokenmill.planning.planner import PlanInputs, format_plan, make_plan, resolve_model
+    from tokenmill.bench.report import load_result
 
     device = find_gpu(args.gpu) if args.gpu else custom_device(args.memory_gib, args.bandwidth_gbps)
     if args.target_ttft_ms is not None and args.profile is None:

@@ -202,7 +202,7 @@ def flatten_chat(messages: list[dict[str, str]]) -> str:
 
 
 def file_requests(cfg: DatasetConfig) -> list[BenchRequest]:
-    from tokenmill.benchmarks.workloads import load_workload
+    from tokenmill.bench.workloads import load_workload
 
     try:
         loaded = load_workload(Path(cfg.path or ""), limit=cfg.num_prompts)

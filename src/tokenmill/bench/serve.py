@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 
-from tokenmill.benchmarks.datasets import BenchRequest
+from tokenmill.bench.datasets import BenchRequest
 from tokenmill.errors import InvalidRequestError
 
 METRICS = ("ttft", "tpot", "itl", "e2el")

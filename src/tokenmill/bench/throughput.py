@@ -10,7 +10,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from tokenmill.benchmarks.workloads import WorkloadRequest
+from tokenmill.bench.workloads import WorkloadRequest
 
 if TYPE_CHECKING:
     from tokenmill import LLM

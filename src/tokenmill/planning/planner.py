@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
-from tokenmill.benchmarks.gpus import DeviceSpec
 from tokenmill.errors import InvalidRequestError
+from tokenmill.planning.gpus import DeviceSpec
 
 DTYPE_BYTES: dict[str, float] = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8")
