@@ -27,11 +27,6 @@ class ModelNotFoundError(TokenmillError):
     error_type = "not_found_error"
 
 
-class AuthenticationError(TokenmillError):
-    http_status = 401
-    error_type = "authentication_error"
-
-
 class RequestRejectedError(TokenmillError):
     """Admission control refused the request (queue full, waited too long)."""
 

@@ -145,10 +145,6 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self.waiting or self.running or self.swapped or self._timed_out)
 
-    @property
-    def num_unfinished(self) -> int:
-        return len(self.waiting) + len(self.running)
-
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self._fork_ready_parents()

@@ -49,11 +49,6 @@ class ModelSource:
     # long-lived ModelSource does not pin its per-field numpy views.
     _gguf_reader: Any = field(default=None, repr=False, compare=False)
 
-    def drop_weights_reader(self) -> None:
-        """For a process that never reads the weights (the API server): let go of the GGUF reader now
-        (~150 MB of metadata views for a 50k-token vocabulary)."""
-        self._gguf_reader = None
-
     def has_int8_block_matrices(self) -> bool:
         """Whether the file holds matrices in a type the block kernels run as stored (a GGUF's Q8_0, Q4_0/1,
         Q5_0/1, Q4_K, Q5_K): those stay block-quantized unless --quantization none."""

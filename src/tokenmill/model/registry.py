@@ -30,7 +30,3 @@ def get_model_class(architecture: str):
     import importlib
 
     return getattr(importlib.import_module(module_name), class_name)
-
-
-def supported_architectures() -> list[str]:
-    return sorted(MODEL_REGISTRY)
