@@ -28,7 +28,7 @@ from typing import Optional
 
 from tokenmill.config import EngineConfig
 
-# The flags the kernels' int8 dot paths are compiled for (-march=native; see csrc/cpu_kernels.cpp).
+# The flags the kernels' int8 dot paths are compiled for (-march=native; see csrc/common.h).
 _VNNI_DOT_FLAGS = frozenset({"avx512f", "avx512bw", "avx512_vnni", "avx512vbmi", "avx2", "fma"})
 _AVX2_DOT_FLAGS = frozenset({"avx2", "fma"})
 _AMX_FLAGS = frozenset({"amx_tile", "amx_bf16"})

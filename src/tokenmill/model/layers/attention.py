@@ -297,7 +297,7 @@ CPU_PREFILL_KERNEL_MAX_TOKENS = 768
 
 
 class CpuPagedAttentionBackend(TorchAttentionBackend):
-    """Decodes and short prefill chunks through the C++ paged kernels (cpu_kernels.cpp), which read the
+    """Decodes and short prefill chunks through the C++ paged kernels (csrc/decode_attention.cpp, csrc/prefill_attention.cpp), which read the
     cache in place through the block tables; KV writes and long prefill chunks as the torch backend."""
 
     name = "cpu"

@@ -2,7 +2,7 @@
 
 The build needs a C++ compiler (g++ or clang) and takes about a minute on two cores; the result
 lives in torch's extension cache (TORCH_EXTENSIONS_DIR, default ~/.cache/torch_extensions), keyed
-by the source and this CPU's instruction-set flags, so later starts load it in well under a
+by the sources (every file of csrc/) and this CPU's instruction-set flags, so later starts load it in well under a
 second. `make install` builds it ahead of time (`python -m tokenmill.model.layers.cpu_kernels`).
 When the build fails the engine logs why and falls back to the portable torch kernels.
 """
@@ -18,7 +18,13 @@ from typing import Optional
 
 logger = logging.getLogger("tokenmill")
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_kernels.cpp"
+# One translation unit per operation family (decode attention, prefill attention, elementwise ops, block
+# linear, int8 dot products, the fused decoder stack) and the bindings, sharing common.h and ops.h.
+_SOURCE_DIR = Path(__file__).parent / "csrc"
+
+
+def _sources() -> list[Path]:
+    return sorted(_SOURCE_DIR.glob("*.cpp"))
 _lock = threading.Lock()
 _module: Optional[ModuleType] = None
 _error: Optional[str] = None
@@ -44,7 +50,9 @@ def cpu_flags() -> set[str]:
 
 
 def _extension_name(variant: str = "") -> str:
-    digest = hashlib.sha256(_SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
+    files = sorted(_SOURCE_DIR.glob("*.cpp")) + sorted(_SOURCE_DIR.glob("*.h"))
+    digest = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files)
+                            + _cpu_flags().encode()).hexdigest()[:12]
     return f"tokenmill_cpu_kernels_{variant + '_' if variant else ''}{digest}"
 
 
@@ -85,7 +93,7 @@ def _build(variant: str, verbose: bool = False) -> ModuleType:
     _put_venv_scripts_on_path()
     return load_extension(
         name=_extension_name(variant),
-        sources=[str(_SOURCE)],
+        sources=[str(path) for path in _sources()],
         # -ffp-contract=off: no implicit multiply-add fusion, so fp32 results round as torch's do.
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", *VARIANT_DEFINES.get(variant, [])],
         extra_ldflags=["-fopenmp"],
@@ -109,9 +117,9 @@ _variants_compiled = False
 
 
 def _compile_side_by_side(variants: list[str]) -> None:
-    """Builds the variants in child processes at once: each is one translation unit that one compiler
-    process builds in ~40 s, so on two cores two builds take the time of one. Each then loads from
-    torch's extension cache; a child's failure is ignored here and raised by the in-process build."""
+    """Builds the variants in child processes at once (each compiles its files in parallel too; ninja keeps
+    the cores busy between one build's files). Each then loads from torch's extension cache; a child's failure
+    is ignored here and raised by the in-process build."""
     import subprocess
     import sys
 

@@ -1,0 +1,356 @@
+// Shared by every kernel file: includes, the instruction-set switches, small vector helpers, the
+// thread pool's work loop, the block layout constants, and the declarations of the operations the files
+// call across (ops.h lists what the bindings export).
+#pragma once
+
+// ATen alone (torch/extension.h, which bindings.cpp includes, costs ~4x its parse time per file); the kernel
+// files spell ATen's tensor API with torch::'s names, which are the same types and functions.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+namespace torch {
+using namespace at;  // as torch/types.h does
+}
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <cstring>
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// TOKENMILL_PORTABLE / TOKENMILL_NO_AVX512 build the narrower paths on a wider CPU (their tests).
+#if defined(__AVX2__) && defined(__FMA__) && !defined(TOKENMILL_PORTABLE)
+#include <immintrin.h>
+#define TOKENMILL_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && !defined(TOKENMILL_NO_AVX512)
+#define TOKENMILL_AVX512 1
+#if defined(__AVX512BF16__)
+#define TOKENMILL_AVX512_BF16 1
+#endif
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define TOKENMILL_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+#endif
+
+// Integer dot products: AVX-512 VNNI (with VBMI for the 4-bit unpacking), else the AVX2 route.
+#if defined(TOKENMILL_AVX512) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define TOKENMILL_VNNI 1
+#elif defined(TOKENMILL_AVX2)
+#define TOKENMILL_DOT_AVX2 1
+#endif
+
+namespace {
+
+#ifdef TOKENMILL_AVX2
+// exp(x) for 8 floats: x = n*ln2 + r with |r| <= ln2/2, e^r from a degree-5 minimax polynomial
+// (relative error ~1e-7, the accuracy of expf), 2^n assembled in the exponent bits.
+constexpr float kExpClamp = 88.3762626647949f, kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f, kLn2Lo = -2.12194440e-4f;  // ln2 in two parts: n*ln2 stays exact
+constexpr float kExpPoly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                               4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+
+inline __m256 exp256(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(kExpClamp)), _mm256_set1_ps(-kExpClamp));
+  __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(kLog2e), _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpPoly[i]));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float hsum256(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
+// The largest of n floats (max is exact in any order, so lanes are free to split the work).
+inline float max_of(const float* s, int64_t n) {
+  float best = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+#ifdef TOKENMILL_AVX2
+  __m256 vbest = _mm256_set1_ps(best);
+  for (; i + 8 <= n; i += 8) vbest = _mm256_max_ps(vbest, _mm256_loadu_ps(s + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, vbest);
+  for (float lane : lanes) best = std::max(best, lane);
+#endif
+  for (; i < n; ++i) best = std::max(best, s[i]);
+  return best;
+}
+
+// In place: s[i] = exp(s[i] - max); returns the sum.
+inline float exp_shift_sum(float* s, int64_t n, float max_score) {
+  int64_t i = 0;
+  float sum = 0.0f;
+#ifdef TOKENMILL_AVX2
+  __m256 vmax = _mm256_set1_ps(max_score), vsum = _mm256_setzero_ps();
+  for (; i + 8 <= n; i += 8) {
+    __m256 e = exp256(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmax));
+    _mm256_storeu_ps(s + i, e);
+    vsum = _mm256_add_ps(vsum, e);
+  }
+  sum = hsum256(vsum);
+#endif
+  for (; i < n; ++i) {
+    s[i] = std::exp(s[i] - max_score);
+    sum += s[i];
+  }
+  return sum;
+}
+
+#ifdef TOKENMILL_AVX2
+// 8 cache values widened to fp32: float as is, bfloat16 by moving its bits to the top half, float16
+// through F16C. The same conversions as torch's .float(), so a 16-bit cache reads as the same values.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+#ifdef __F16C__
+inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+#endif
+template <typename T>
+constexpr bool kVectorCache = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>
+#ifdef __F16C__
+                              || std::is_same_v<T, at::Half>
+#endif
+    ;
+#endif
+
+template <typename T>
+inline float to_float(T x) { return static_cast<float>(x); }
+
+#ifdef TOKENMILL_AVX512
+// exp256 on 16 lanes (its constants, its steps).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(kExpClamp)), _mm512_set1_ps(-kExpClamp));
+  __m512 n = _mm512_roundscale_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(kLog2e), _mm512_set1_ps(0.5f)),
+                                  _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_set1_ps(kExpPoly[0]);
+  for (int i = 1; i < 6; ++i) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpPoly[i]));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+}
+#endif
+
+// Output features per panel and inputs per block of the kept block-quantized weights (pack_blocks).
+constexpr int64_t kQ8Block = 32;
+constexpr int64_t kQ8Panel = 16;
+
+// Asks for `bytes` starting `distance` past p into L1, a line at a time: a weight stream read ahead of its use
+// (prefetcht0, as _mm_prefetch(..., _MM_HINT_T0)).
+inline void prefetch_ahead(const uint8_t* p, int64_t bytes, int64_t distance) {
+  for (int64_t line = 0; line < bytes; line += 64) __builtin_prefetch(p + distance + line, 0, 3);
+}
+
+// The integers of one input's 16 features (one panel row) at a storage width.
+template <int Bits>
+struct PanelRow;
+
+template <>
+struct PanelRow<8> {
+  static constexpr int64_t kBytes = kQ8Panel;
+  static inline int value(const uint8_t* row, int64_t j, int /*zero*/) { return static_cast<int8_t>(row[j]); }
+};
+
+template <>
+struct PanelRow<4> {
+  static constexpr int64_t kBytes = kQ8Panel / 2;
+  static inline int value(const uint8_t* row, int64_t j, int zero) {
+    return (j < 8 ? row[j] & 0x0F : row[j - 8] >> 4) - zero;
+  }
+};
+
+// out[i] = the sum of x's block i of 32 inputs for i in [first, end) (x's rows are contiguous blocks):
+// the min term's factor. Each block's inputs are added in order; eight blocks' chains interleave.
+inline void block_sums(const float* x, int64_t first, int64_t end, float* out) {
+  int64_t i = first;
+  for (; i + 8 <= end; i += 8) {
+    float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    for (int64_t k = 0; k < kQ8Block; ++k)
+      for (int j = 0; j < 8; ++j) acc[j] += x[(i + j) * kQ8Block + k];
+    for (int j = 0; j < 8; ++j) out[i + j] = acc[j];
+  }
+  for (; i < end; ++i) {
+    float acc = 0.0f;
+    for (int64_t k = 0; k < kQ8Block; ++k) acc += x[i * kQ8Block + k];
+    out[i] = acc;
+  }
+}
+
+
+#if defined(TOKENMILL_AVX512)
+// 16 floats rounded to bfloat16, nearest-even (c10::BFloat16's rounding, for finite values).
+inline __m256i round_to_bf16_16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_add_epi32(bits, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), lsb));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded, 16));
+}
+#endif
+
+// 16 floats rounded to bfloat16, nearest-even (c10::BFloat16's rounding, for finite values).
+inline void round_to_bf16_16(const float* in, at::BFloat16* out) {
+#if defined(TOKENMILL_AVX512)
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), round_to_bf16_16(_mm512_loadu_ps(in)));
+#else
+  for (int j = 0; j < 16; ++j) out[j] = c10::BFloat16(in[j]);
+#endif
+}
+// Runs work(item, scratch) for items 0..n-1 on the intra-op threads. Items' costs differ widely, so an
+// even split would leave one thread idle while another finishes its long ones: threads instead take the
+// next item from a shared counter, in order of decreasing cost(item) (an item's result does not depend
+// on who computes it). Each thread has its own Scratch.
+template <typename Scratch, typename Cost, typename Work>
+void parallel_longest_first(int64_t n, Cost cost, Work work) {
+  std::vector<int64_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return cost(a) > cost(b); });
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, std::min<int64_t>(n, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+    Scratch scratch;
+    for (int64_t i = next_item.fetch_add(1); i < n; i = next_item.fetch_add(1)) work(order[i], scratch);
+  });
+}
+
+// Calls fn(q_t*, cache_t*) (null pointers, as type tags) for the dtype mixes the attention kernels read:
+// query and cache of one dtype (float32, bfloat16, float16), or a float32 query over a float16 or
+// bfloat16 cache.
+template <typename Fn>
+void dispatch_attention_dtypes(const torch::Tensor& query, const torch::Tensor& kv_cache, const char* name, Fn&& fn) {
+  const auto cache_type = kv_cache.scalar_type();
+  const bool mixed = query.scalar_type() == torch::kFloat && (cache_type == torch::kHalf ||
+                                                              cache_type == torch::kBFloat16);
+  TORCH_CHECK(cache_type == query.scalar_type() || mixed,
+              "kv_cache must have the query's dtype, or be float16/bfloat16 under a float32 query");
+  if (cache_type == torch::kHalf && mixed) {
+    fn(static_cast<float*>(nullptr), static_cast<at::Half*>(nullptr));
+  } else if (mixed) {
+    fn(static_cast<float*>(nullptr), static_cast<at::BFloat16*>(nullptr));
+  } else {
+    // AT_DISPATCH's own refusal, naming the caller (its name argument must be a literal).
+    const auto type = query.scalar_type();
+    TORCH_CHECK(type == torch::kFloat || type == torch::kDouble || type == torch::kHalf || type == torch::kBFloat16,
+                '"', name, "\" not implemented for '", c10::toString(type), "'");
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, type, "attention", [&] {
+      fn(static_cast<scalar_t*>(nullptr), static_cast<scalar_t*>(nullptr));
+    });
+  }
+}
+
+#if defined(TOKENMILL_AMX)
+// Linux gives a process AMX's tile state only after it asks (once per process, for all its threads).
+bool amx_permitted() {
+  static const bool permitted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return permitted;
+}
+
+struct alignas(64) AmxTileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t bytes_per_row[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: a 32 x 32 float32 block of y (2 x 2 tiles of 16 x 16); 4-5: 16 rows x 32 inputs of x each;
+// 6-7: one (panel, block) of the weights each. Every tile is 16 rows of 64 bytes.
+void load_amx_tile_config() {
+  AmxTileConfig config;
+  for (int t = 0; t < 8; ++t) {
+    config.bytes_per_row[t] = 64;
+    config.rows[t] = 16;
+  }
+  _tile_loadconfig(&config);
+}
+
+#endif
+
+}  // namespace
+
+// BLAS's sgemm, where torch was built with one (MKL on x86 wheels); weak, so the kernels still load
+// where it is missing and tiles go through at::mm instead.
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc) __attribute__((weak));
+// MKL's bfloat16 GEMM with float32 accumulation and output (AMX-BF16 or AVX512-BF16 where the CPU has them).
+extern "C" void gemm_bf16bf16f32_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                                  const float* alpha, const uint16_t* a, const int* lda, const uint16_t* b,
+                                  const int* ldb, const float* beta, float* c, const int* ldc) __attribute__((weak));
+
+namespace {
+// A block-quantized matmul's arguments, checked: the storage width, the nibble offset and raw pointers.
+struct BlockLinearArgs {
+  int bits;
+  int zero;  // 4-bit blocks without mins (Q4_0) store q + 8 in each nibble
+  const uint8_t* q;
+  const float* scales;  // float32 scales and mins (null where float16)
+  const float* mins;    // null without
+  const float* bias;    // null without
+  bool dot_layout;      // q in the integer dot products' layout (block_linear_q8 only), else pack_blocks's rows
+  const at::Half* half_scales = nullptr;  // the dot layout's float16 scales and mins, where pack_blocks kept them so
+  const at::Half* half_mins = nullptr;
+};
+
+BlockLinearArgs check_block_linear_args(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& scales,
+                                        const c10::optional<torch::Tensor>& mins,
+                                        const c10::optional<torch::Tensor>& bias, int64_t out_features) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat, "x: contiguous float32 [rows, K]");
+  TORCH_CHECK(x.size(1) % kQ8Block == 0, "K must be a multiple of 32");
+  TORCH_CHECK(q.scalar_type() == torch::kChar || q.scalar_type() == torch::kByte,
+              "q: int8 (8-bit blocks) or uint8 (4-bit blocks, two per byte)");
+  const int bits = q.scalar_type() == torch::kChar ? 8 : 4;
+  const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel, blocks = x.size(1) / kQ8Block;
+  TORCH_CHECK(out_features > 0 && q.is_contiguous() && q.dim() == 4 && q.size(0) == panels && q.size(1) == blocks &&
+              q.numel() == panels * blocks * kQ8Block * kQ8Panel * bits / 8,
+              "q: contiguous, in pack_blocks's layout ([panels, K / 32, 32, 16 * bits / 8], or the dot layout "
+              "[panels, K / 32, bits / 2, 64]) matching x and out_features");
+  const bool dot_layout = q.size(3) == 64;
+  const bool half = scales.scalar_type() == torch::kHalf;
+  TORCH_CHECK(scales.is_contiguous() && (scales.scalar_type() == torch::kFloat || (half && dot_layout)) &&
+              scales.numel() == panels * blocks * kQ8Panel,
+              "scales: contiguous float32 [panels, K / 32, 16] (float16 in the dot layout)");
+  const bool with_mins = mins.has_value() && mins->defined() && mins->numel() > 0;
+  if (with_mins) {
+    TORCH_CHECK(mins->is_contiguous() && mins->scalar_type() == scales.scalar_type() && mins->numel() == scales.numel(),
+                "mins: contiguous, shaped like scales and of their dtype");
+  }
+  const float* bias_ptr = nullptr;
+  if (bias.has_value() && bias->defined() && bias->numel() > 0) {
+    TORCH_CHECK(bias->scalar_type() == torch::kFloat && bias->is_contiguous() && bias->numel() == out_features,
+                "bias: float32 [N]");
+    bias_ptr = bias->data_ptr<float>();
+  }
+  const int zero = bits == 4 && !with_mins ? 8 : 0;
+  BlockLinearArgs args{bits, zero, static_cast<const uint8_t*>(q.data_ptr()), nullptr, nullptr, bias_ptr, dot_layout};
+  if (half) {
+    args.half_scales = scales.data_ptr<at::Half>();
+    args.half_mins = with_mins ? mins->data_ptr<at::Half>() : nullptr;
+  } else {
+    args.scales = scales.data_ptr<float>();
+    args.mins = with_mins ? mins->data_ptr<float>() : nullptr;
+  }
+  return args;
+}
+}  // namespace
+
+#include "ops.h"

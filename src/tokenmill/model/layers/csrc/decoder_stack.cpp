@@ -1,0 +1,147 @@
+#include "common.h"
+
+// ---- A whole decoder stack for a decode-only step with block-quantized weights --------------------
+// The same kernels, in the same order, as the Python layers (so the result is bit-identical), called
+// from one C++ loop: a decode step of a few rows spends most of its non-matmul time in Python and in
+// per-op dispatch (~0.2 ms per layer on 2 cores), not in the kernels themselves.
+//
+// layer_params holds kDecoderLayerParams tensors per layer: input norm weight; qkv q, scales, mins, bias;
+// o q, scales, mins, bias; post-attention norm weight; gate_up q, scales, mins, bias; down q, scales,
+// mins, bias; q norm and k norm weights (per head, before the rotary: Qwen3, Gemma 3); pre- and
+// post-feedforward norm weights (Gemma's sandwich: the post-attention norm then norms the attention output
+// alone). An empty (or undefined) tensor means none. Per layer: its KV cache group's slot mapping, block table
+// and context lengths, its rotary table (cos[l], sin[l]) and sliding window (0: none); a windowed layer whose decode table reaches past its window attends through the prefill
+// kernel, each row a one-token chunk (decode_ranges), as the Python backend does. gelu: GELU-tanh instead of
+// SiLU. int8_activations: every projection through block_linear_q8 (--block-matmul int8) instead of
+// block_linear. Returns the final norm of the residual stream, [rows, hidden].
+namespace {
+constexpr size_t kDecoderLayerParams = 22;
+
+c10::optional<torch::Tensor> optional_tensor(const torch::Tensor& t) {
+  return t.defined() && t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
+}
+
+// One projection of the stack: w points at its (q, scales, mins, bias).
+torch::Tensor stack_linear(const torch::Tensor& x, const torch::Tensor* w, int64_t out_features, bool int8_activations) {
+  const auto linear = int8_activations ? block_linear_q8 : block_linear;
+  return linear(x, w[0], w[1], optional_tensor(w[2]), optional_tensor(w[3]), out_features);
+}
+
+// K and V of each new token into its cache slot (the Python backend's index_copy_).
+// A 16-bit cache stores each value rounded to nearest even, as torch's .to() does.
+template <typename cache_t>
+void write_kv_rows(const torch::Tensor& qkv, int64_t q_size, int64_t kv_size, torch::Tensor& kv_cache,
+                   const int64_t* slots) {
+  cache_t* cache = kv_cache.data_ptr<cache_t>();
+  const int64_t plane = kv_cache.numel() / 2;  // K slots, then V slots
+  const float* rows = qkv.data_ptr<float>();
+  const int64_t stride = qkv.stride(0);
+  for (int64_t t = 0; t < qkv.size(0); ++t) {
+    const float* k = rows + t * stride + q_size;
+    cache_t* k_slot = cache + slots[t] * kv_size;
+    cache_t* v_slot = cache + plane + slots[t] * kv_size;
+    for (int64_t i = 0; i < kv_size; ++i) {
+      k_slot[i] = static_cast<cache_t>(k[i]);
+      v_slot[i] = static_cast<cache_t>(k[kv_size + i]);
+    }
+  }
+}
+
+void write_kv(const torch::Tensor& qkv, int64_t q_size, int64_t kv_size, torch::Tensor& kv_cache,
+              const int64_t* slots) {
+  switch (kv_cache.scalar_type()) {
+    case torch::kHalf: return write_kv_rows<at::Half>(qkv, q_size, kv_size, kv_cache, slots);
+    case torch::kBFloat16: return write_kv_rows<at::BFloat16>(qkv, q_size, kv_size, kv_cache, slots);
+    default: return write_kv_rows<float>(qkv, q_size, kv_size, kv_cache, slots);
+  }
+}
+}  // namespace
+
+namespace {
+bool present(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
+
+// RMSNorm over each head of a [rows, heads * head_dim] slice of qkv (the Python layers' q_norm / k_norm on a
+// contiguous copy of it), returned as [rows, heads * head_dim].
+torch::Tensor norm_heads(const torch::Tensor& qkv, int64_t offset, int64_t heads, int64_t head_dim,
+                         const torch::Tensor& weight, double eps) {
+  const int64_t rows = qkv.size(0);
+  torch::Tensor part = qkv.narrow(1, offset, heads * head_dim).contiguous().view({rows * heads, head_dim});
+  return rms_norm(part, torch::empty({0}, qkv.options()), weight, eps).view({rows, heads * head_dim});
+}
+
+// gelu_tanh(gate) * up with ATen's own ops, as the Python layer computes it.
+torch::Tensor gelu_tanh_and_mul(const torch::Tensor& gate_up) {
+  auto parts = gate_up.chunk(2, 1);
+  return at::gelu(parts[0], "tanh") * parts[1];
+}
+}  // namespace
+
+torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions, std::vector<torch::Tensor> slot_mappings,
+                                  std::vector<torch::Tensor> block_tables, std::vector<torch::Tensor> context_lens,
+                                  torch::Tensor decode_ranges, std::vector<torch::Tensor> kv_caches, std::vector<torch::Tensor> layer_params,
+                                  std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
+                                  std::vector<int64_t> windows, torch::Tensor final_norm, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t head_dim, double eps, double scale, double softcap,
+                                  bool gelu, bool int8_activations) {
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == torch::kFloat,
+              "hidden: contiguous float32 [rows, hidden]");
+  const size_t layers = kv_caches.size();
+  TORCH_CHECK(layer_params.size() == layers * kDecoderLayerParams, "22 parameters per layer");
+  TORCH_CHECK(cos.size() == layers && sin.size() == layers && windows.size() == layers &&
+              slot_mappings.size() == layers && block_tables.size() == layers && context_lens.size() == layers,
+              "one rotary table, window, slot mapping, block table and context lengths per layer");
+  const int64_t rows = hidden.size(0);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, hidden_size = hidden.size(1);
+  const torch::Tensor none = torch::empty({0}, hidden.options());
+  torch::Tensor x = hidden, residual;
+  for (size_t l = 0; l < layers; ++l) {
+    const torch::Tensor* w = layer_params.data() + l * kDecoderLayerParams;
+    torch::Tensor& cache = kv_caches[l];
+    const torch::Tensor& slot_mapping = slot_mappings[l];
+    TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous() &&
+                slot_mapping.numel() == rows, "slot_mapping: int64 [rows]");
+    const auto cache_type = cache.scalar_type();
+    TORCH_CHECK(cache.is_contiguous() &&
+                (cache_type == torch::kFloat || cache_type == torch::kHalf || cache_type == torch::kBFloat16) &&
+                cache.size(3) * cache.size(4) == kv_size,
+                "kv cache: contiguous float32, float16 or bfloat16 with matching heads");
+    torch::Tensor h;
+    if (l == 0) {
+      residual = x;
+      h = rms_norm(x, none, w[0], eps);
+    } else {
+      h = rms_norm(x, residual, w[0], eps);  // residual += x, in place
+    }
+    torch::Tensor qkv = stack_linear(h, w + 1, q_size + 2 * kv_size, int8_activations);
+    if (present(w[18])) {  // q/k norms: one contiguous row of q, k, v again for the in-place rotary
+      qkv = torch::cat({norm_heads(qkv, 0, num_heads, head_dim, w[18], eps),
+                        norm_heads(qkv, q_size, num_kv_heads, head_dim, w[19], eps),
+                        qkv.narrow(1, q_size + kv_size, kv_size)}, 1);
+    }
+    rotary_inplace(qkv, positions, cos[l], sin[l], num_heads + num_kv_heads, head_dim);
+    write_kv(qkv, q_size, kv_size, cache, slot_mapping.data_ptr<int64_t>());
+    torch::Tensor query = qkv.narrow(1, 0, q_size).contiguous().view({rows, num_heads, head_dim});
+    torch::Tensor attn;
+    if (windows[l] > 0 && block_tables[l].size(1) * cache.size(2) > windows[l]) {
+      attn = torch::empty_like(query);
+      paged_prefill_attention(query, cache, block_tables[l], decode_ranges, context_lens[l], scale, softcap,
+                              windows[l], attn);
+    } else {
+      attn = paged_decode_attention(query, cache, block_tables[l], context_lens[l], scale, softcap);
+    }
+    h = stack_linear(attn.view({rows, q_size}), w + 5, hidden_size, int8_activations);
+    const bool sandwich = present(w[20]);
+    if (sandwich) {
+      h = rms_norm(h, none, w[9], eps);
+      h = rms_norm(h, residual, w[20], eps);
+    } else {
+      h = rms_norm(h, residual, w[9], eps);
+    }
+    const int64_t intermediate_size = w[14].size(1) * kQ8Block;  // down's inputs ([panels, K / 32, 32, 16 or 8])
+    torch::Tensor gate_up = stack_linear(h, w + 10, 2 * intermediate_size, int8_activations);
+    h = gelu ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
+    x = stack_linear(h, w + 14, hidden_size, int8_activations);
+    if (sandwich) x = rms_norm(x, none, w[21], eps);
+  }
+  return rms_norm(x, residual, final_norm, eps);
+}

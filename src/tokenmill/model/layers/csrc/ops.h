@@ -1,0 +1,42 @@
+// The operations each kernel file defines and the bindings (or another file) call.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <ATen/ATen.h>
+
+// decode_attention.cpp
+torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                                     torch::Tensor context_lens, double scale, double softcap);
+// prefill_attention.cpp
+void paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                             torch::Tensor query_ranges, torch::Tensor context_lens, double scale, double softcap,
+                             int64_t window, torch::Tensor out);
+void paged_prefill_attention_bf16(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
+                                  torch::Tensor query_ranges, torch::Tensor context_lens, double scale, int64_t window,
+                                  torch::Tensor out);
+std::string bf16_attention_path();
+bool bf16_attention_available();
+// elementwise.cpp
+torch::Tensor silu_and_mul(torch::Tensor x);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps);
+void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
+                    int64_t num_heads, int64_t head_dim);
+// block_linear.cpp
+torch::Tensor block_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                           c10::optional<torch::Tensor> bias, int64_t out_features);
+torch::Tensor block_linear_bf16(torch::Tensor x, torch::Tensor q, torch::Tensor scales,
+                                c10::optional<torch::Tensor> mins, c10::optional<torch::Tensor> bias,
+                                int64_t out_features);
+// int8_dot.cpp
+torch::Tensor block_linear_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scales, c10::optional<torch::Tensor> mins,
+                              c10::optional<torch::Tensor> bias, int64_t out_features);
+// decoder_stack.cpp
+torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions, std::vector<torch::Tensor> slot_mappings,
+                                  std::vector<torch::Tensor> block_tables, std::vector<torch::Tensor> context_lens,
+                                  torch::Tensor decode_ranges, std::vector<torch::Tensor> kv_caches,
+                                  std::vector<torch::Tensor> layer_params, std::vector<torch::Tensor> cos,
+                                  std::vector<torch::Tensor> sin, std::vector<int64_t> windows, torch::Tensor final_norm,
+                                  int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                                  double softcap, bool gelu, bool int8_activations);
