@@ -23,6 +23,7 @@ from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, releas
 from tokenmill.runner.backend_check import attention_mismatch
 from tokenmill.runner.input_batch import InputBatch
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_caches
+from tokenmill.runner.model_memory import model_tensor_bytes
 from tokenmill.sample.sampler import Sampler, SamplingRequestState, compute_prompt_logprobs
 
 logger = logging.getLogger("tokenmill")
@@ -34,24 +35,6 @@ def resolve_device(name: Optional[str]) -> torch.device:
     if name is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(name)
-
-
-def model_tensor_bytes(model: torch.nn.Module) -> tuple[int, int]:
-    """(weights, buffers) in bytes: parameters and the tensors block-quantized layers keep as attributes;
-    then buffers (rotary tables), each storage counted once (a tied head and its embedding are one table)."""
-    weights: dict[int, int] = {}
-    buffers: dict[int, int] = {}
-    for module in model.modules():
-        held = [*module.parameters(recurse=False),
-                *(value for value in vars(module).values() if isinstance(value, torch.Tensor))]
-        for into, tensors in ((weights, held), (buffers, list(module.buffers(recurse=False)))):
-            for tensor in tensors:
-                if tensor.is_mkldnn:  # oneDNN's own layout (PackedLinear): no storage to share
-                    into[id(tensor)] = tensor.numel() * tensor.element_size()
-                    continue
-                storage = tensor.untyped_storage()
-                into[storage.data_ptr()] = storage.nbytes()
-    return sum(weights.values()), sum(size for ptr, size in buffers.items() if ptr not in weights)
 
 
 class ModelRunner:
