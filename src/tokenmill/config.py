@@ -58,11 +58,10 @@ DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
 def default_max_num_batched_tokens(device_type: str) -> int:
     """The step token budget when none is given: 2048 (vLLM's) on accelerators, 1024 on CPU.
 
-    On CPU a 1024-token step is as efficient per token as a 2048-token one (oneDNN holds ~140 GFLOP/s
-    from ~600 rows up), and a step takes seconds there, so halving it lets prompts that arrive together
-    finish prefill one after another instead of all at the end of a long step. Serving workload-64 at
-    16 streams (docs/benchmarks.md): P95 TTFT 8.7-9.0 -> 6.6-7.6 s with Q8_0 weights, 8.0-9.1 -> 7.8 s in
-    float32, at equal or better throughput.
+    On CPU a 1024-token step is as efficient per token as a 2048-token one (the matmuls reach their rate
+    well below 1024 rows), and a step takes seconds there, so halving it lets prompts that arrive together
+    finish prefill one after another instead of all at the end of a long step: a lower P95 TTFT at equal
+    or better throughput (docs/benchmarks.md).
     """
     return 1024 if device_type == "cpu" else 2048
 
@@ -71,9 +70,9 @@ def default_max_mixed_prefill_tokens(device_type: str, max_num_batched_tokens: i
     """The prompt tokens a step that also decodes may compute, when none is given: on CPU half the step
     budget, elsewhere no cap beyond the budget (vLLM's behaviour).
 
-    On CPU a step's time is its prefill work (~1-2 ms per prompt token on 2 cores), and every running
-    stream waits that long for its next token: at 64 streams on workload-64, 512-token mixed steps cut
-    the inter-token latency P99 of 1024-token ones to 0.5-0.7x at the same throughput (docs/benchmarks.md).
+    On CPU a step's time is its prefill work, and every running stream waits that long for its next
+    token: at 64 streams, half-budget mixed steps cut the inter-token latency P99 at the same throughput
+    (docs/benchmarks.md).
     Steps with no decodes (a burst of prompts arriving together) keep the whole budget.
     """
     return max(1, max_num_batched_tokens // 2) if device_type == "cpu" else None
@@ -84,10 +83,9 @@ def default_engine_core_nice(device_type: str) -> int:
     adds by default), 0 elsewhere.
 
     On CPU the model's compute threads hold every core for the whole of each step, and the API process
-    (HTTP, detokenizing, streaming) waits for the kernel to give it a time slice: at 64 streams on
-    2 cores a /health answer's p99 was 7-10 ms, most of it that wait. Niced, the core still gets every
-    cycle nobody else wants (its throughput tied), and the frontend gets a core as soon as it wakes:
-    4.7-5.9 ms (docs/benchmarks.md). On an accelerator the core's thread mostly waits on the device,
+    (HTTP, detokenizing, streaming) waits for the kernel to give it a time slice, which was most of a
+    /health answer's p99 at 64 streams on 2 cores. Niced, the core still gets every cycle nobody else
+    wants (its throughput tied), and the frontend gets a core as soon as it wakes (docs/benchmarks.md). On an accelerator the core's thread mostly waits on the device,
     and its kernel launches are what must not wait, so it keeps the server's priority.
     """
     return 10 if device_type == "cpu" else 0

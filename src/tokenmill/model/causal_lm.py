@@ -120,8 +120,8 @@ class DecoderForCausalLM(nn.Module):
         """Run decode-only steps of up to BLOCK_KERNEL_MAX_ROWS rows as one C++ call over the whole stack
         (`decoder_decode_int8`).
 
-        Same kernels in the same order as the layers, so the same bits; it skips ~0.2 ms of Python and
-        dispatch per layer, most of a small decode step's non-matmul time. Needs every projection in
+        Same kernels in the same order as the layers, so the same bits; it skips the Python and dispatch of
+        every layer, most of a small decode step's non-matmul time. Needs every projection in
         block-quantized form and the rotary/norm kernels (use_cpu_kernels); returns whether it was enabled.
         """
         blocker = self.int8_decode_blocker()

@@ -45,8 +45,8 @@ def release_freed_memory() -> None:
 def freeze_startup_heap() -> None:
     """Take every object alive now (modules, the model's and tokenizer's Python objects, the block pool)
     out of the cyclic garbage collector's sight, once a serving process has started. A full collection
-    walks every tracked object: ~310k of them in an engine core (~250 ms) and ~105k in an API process
-    (~80 ms) on a 2-core EPYC, a pause that stalls a step or every stream's next token whenever the
+    walks every tracked object (hundreds of thousands in an engine core, a quarter-second pause on 2
+    cores), a pause that stalls a step or every stream's next token whenever the
     oldest generation comes due. Frozen, a collection walks only what was made since. vLLM's engine
     core freezes its startup heap too. Without a collection first (see release_freed_memory): the
     garbage left at this point was measured at a few dozen objects, which stay."""

@@ -242,8 +242,8 @@ def softcapped_attention(query: torch.Tensor, keys: torch.Tensor, values: torch.
 # torch's CPU flash-attention kernel, which also returns each query's log-sum-exp of scores (the public
 # SDPA does not); present in torch >= 2.3.
 _FLASH_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-# Below this many queries the split's extra calls and merge cost about what the mask costs (measured
-# level at 200-512, 1.3x faster at 950-2048); chunks of long prompts are far above it.
+# Below this many queries the split's extra calls and merge cost about what the mask costs (measurements in
+# docs/performance.md, item 14); chunks of long prompts are far above it.
 SPLIT_CHUNK_MIN_TOKENS = 768
 
 
@@ -259,8 +259,8 @@ def chunk_after_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values
     the chunk's own keys form a square where SDPA's top-left `is_causal` is exactly right (and skips
     the upper triangle). The two partial softmaxes are merged with their log-sum-exps. For the
     prefix, the query heads that share a KV head are stacked along the sequence axis, so K/V are read
-    once per KV head and never repeated. ~1.3x faster than the masked call for chunks of 950-2048 tokens
-    after 1-2k tokens of context (docs/performance.md, item 14).
+    once per KV head and never repeated. Faster than the masked call for chunks of about a thousand tokens
+    and more after a cached prefix (docs/performance.md, item 14).
     """
     _, num_heads, num_q, head_dim = query.shape
     num_kv_heads, ctx_len = keys.shape[1], keys.shape[2]
@@ -288,11 +288,10 @@ def chunk_after_prefix_attention(query: torch.Tensor, keys: torch.Tensor, values
     return out.to(query.dtype)
 
 
-# Prefill chunks of fewer queries than this go through the C++ prefill kernel, longer ones through SDPA:
-# measured on a 2-core Xeon (AVX-512), per layer of SmolLM2's heads, the kernel took 0.7x SDPA's time
-# (gather included) for 256- and 512-token prompts and 0.6x for a 24-token chunk after 3,000 tokens, tied
-# on a 1,024-token prompt and lost (1.2x) on a 1,024-token chunk after 1,024 tokens, where SDPA's large
-# tiles through MKL's GEMM outrun it.
+# Prefill chunks of fewer queries than this go through the C++ float32 prefill kernel, longer ones through
+# SDPA: the kernel skips the key tiles a causal query cannot see and reads the cache in place, which wins on
+# short and medium chunks; on chunks of about a thousand tokens SDPA's large tiles through MKL's GEMM catch
+# up and then outrun it (the README and docs/benchmarks.md have the measurements).
 CPU_PREFILL_KERNEL_MAX_TOKENS = 768
 
 
@@ -310,8 +309,8 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         self.bf16_prefill = False
         # Over a bfloat16 cache, whose keys and values are bfloat16 already, prefill chunks take the bfloat16
         # kernel wherever it runs (AMX tiles, or AVX-512 BF16 dot products): its scores keep float32's precision
-        # (q as high and low bfloat16 parts) and only the probabilities are rounded, for 1.1-1.3x the float32
-        # kernel's speed on SmolLM2's heads (2-core Zen 4).
+        # (q as high and low bfloat16 parts) and only the probabilities are rounded, faster than the float32
+        # kernel (docs/benchmarks.md, "Every family on the fused decode stack").
         path = getattr(kernels, "bf16_attention_path", lambda: "")()
         self.bf16_cache_prefill_path = path
 

@@ -2,8 +2,8 @@
 
 `F.linear` hands MKL a plain row-major weight on every call; oneDNN can instead keep the weight in
 its own blocked layout, reordered once at load time for the expected number of rows. At the row
-counts a serving step has (one per decoding request, 1-64), this measured 1.2-1.6x faster for the
-decoder's projections and up to 2x for the LM head on a 2-core AVX2 EPYC (docs/performance.md).
+counts a serving step has (one per decoding request, 1-64), this is faster for the decoder's
+projections and more so for the LM head (docs/performance.md has the measurements).
 Results differ from F.linear only by float summation order.
 """
 from __future__ import annotations
