@@ -6,7 +6,7 @@
 // sub-blocks of Q5_K; 4 bits, two per byte, for Q4_0 (no min), Q4_1 and the sub-blocks of Q4_K (with a
 // min). A decode step with few rows is bound by reading the weights: 4-bit blocks read an eighth of
 // fp32's bytes (plus 4 or 8 bytes of scales per 32 weights). With more rows the widened weights are
-// reused across rows and the row kernel reaches ~105-150 GFLOP/s (60-80% of the FMA peak) at 8-64 rows.
+// reused across rows and the row kernel runs near the FMA peak at 8-64 rows (docs/performance.md).
 // Above kRowKernelMaxRows (prefill chunks, large decode batches) the weights are dequantized a tile
 // of output features at a time (up to 4 MiB of float32, reused), which BLAS's sgemm multiplies: no
 // dense copy of the layer is kept, and dequantizing costs ~1/rows of the GEMM's work.
@@ -37,7 +37,7 @@ constexpr int64_t kRowKernelMaxRows = 64;
 // Float32 elements of one dequantized tile (4 MiB, reused by every call of the calling thread): most
 // projections of a small model are one tile, so BLAS multiplies them at its dense speed; the tile is
 // written once per call, ~1/rows of the GEMM's work. (Per-thread L2-sized tiles with single-threaded
-// sgemm measured the same within noise, 2-core Xeon with AVX-512, 512-1024 rows.)
+// sgemm measured the same within noise.)
 constexpr int64_t kTileElements = 1024 * 1024;
 
 
@@ -495,7 +495,7 @@ void tile_gemm_bf16(const at::BFloat16* x, int64_t rows, int64_t in_features, co
 // accumulation), multiplied by TDPBF16PS from tiles that tokenmill fills itself. One (panel, block) of
 // the kept weights is one B operand: 16 features x 32 inputs, stored as 16 rows of 16 (w[2i], w[2i+1])
 // bfloat16 pairs, so it is dequantized straight into that layout in L1, where the MKL route writes a
-// float32 tile and a bfloat16 copy of it first (on a 2-core Xeon with AMX: 340-500 GOPS against 64-243).
+// float32 tile and a bfloat16 copy of it first (several times faster; docs/benchmarks.md).
 
 constexpr int64_t kAmxWeightTile = kQ8Block * kQ8Panel;  // bfloat16 values per (panel, block)
 

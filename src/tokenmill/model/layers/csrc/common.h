@@ -1,6 +1,7 @@
-// Shared by every kernel file: includes, the instruction-set switches, small vector helpers, the
-// thread pool's work loop, the block layout constants, and the declarations of the operations the files
-// call across (ops.h lists what the bindings export).
+// tokenmill's CPU kernels, built on first use with torch.utils.cpp_extension (see cpu_kernels.py), one file
+// per operation family. Shared by every kernel file: includes, the instruction-set switches, small vector
+// helpers, the thread pool's work loop, the block layout constants, and the declarations of the operations
+// the files call across (ops.h lists what the bindings export).
 #pragma once
 
 // ATen alone (torch/extension.h, which bindings.cpp includes, costs ~4x its parse time per file); the kernel

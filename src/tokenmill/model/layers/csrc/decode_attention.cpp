@@ -1,5 +1,3 @@
-// CPU kernels for tokenmill, built on first use with torch.utils.cpp_extension (see cpu_kernels.py).
-//
 // paged_decode_attention: one query token per request attends to its context straight from the
 // paged KV cache, without gathering the blocks into a contiguous copy first. The torch backend
 // copies every decode request's whole history once per layer per step; reading it in place
@@ -23,8 +21,8 @@ namespace {
 // Asks for the rows of a block kKvPrefetchBlocks ahead early: a request's blocks are scattered over the
 // cache, so the hardware prefetcher loses the stream at every block boundary. Into L2, not L1: a block's
 // rows are ~100 lines, more than L1 has miss buffers for, and a prefetch into L1 waits for a free one.
-// Two blocks ahead into L2 read a float16 cache from DRAM at ~1.35x the rate of one block ahead into L1
-// (2-core EPYC, 16 requests x 300 tokens over 30 layers' caches: 6.2-6.5 vs 8.6-9.2 ms, best of 25).
+// Two blocks ahead into L2 read a float16 cache from DRAM faster than one block ahead into L1
+// (docs/benchmarks.md, "Prefetching the KV cache and the int8 panels").
 constexpr int64_t kKvPrefetchBlocks = 2;
 
 template <typename T>

@@ -3,7 +3,7 @@
 // ---- A whole decoder stack for a decode-only step with block-quantized weights --------------------
 // The same kernels, in the same order, as the Python layers (so the result is bit-identical), called
 // from one C++ loop: a decode step of a few rows spends most of its non-matmul time in Python and in
-// per-op dispatch (~0.2 ms per layer on 2 cores), not in the kernels themselves.
+// per-op dispatch, not in the kernels themselves.
 //
 // layer_params holds kDecoderLayerParams tensors per layer: input norm weight; qkv q, scales, mins, bias;
 // o q, scales, mins, bias; post-attention norm weight; gate_up q, scales, mins, bias; down q, scales,

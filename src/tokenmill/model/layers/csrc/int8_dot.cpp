@@ -43,8 +43,8 @@ template <int Bits>
 constexpr int64_t kDotBlockBytes = kQ8Block * kQ8Panel * Bits / 8;  // 512 or 256 per (panel, block)
 constexpr int64_t kDotRowChunk = 64;
 // How far ahead of its reads a panel's first tile asks for the weights (into L1). A thread's panels lie
-// one after another, so this runs on into its next panel. Without it the hardware prefetcher alone kept
-// 16 rows x 100 MB of 4-bit panels at ~440 GOPS on two EPYC cores; with it ~560, near the VNNI peak.
+// one after another, so this runs on into its next panel. With it a large 4-bit step runs near the VNNI
+// peak, well above what the hardware prefetcher alone keeps up (docs/benchmarks.md).
 constexpr int64_t kDotPrefetchBytes = 4096;
 #if defined(TOKENMILL_DOT_AVX2)
 constexpr int kDotTileRows = 6;  // 6 int16 + 6 float accumulators, the weights and x in 16 ymm registers
