@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from fused_decode import decode_step_both_ways
 from model_factory import GOLDEN_PROMPTS, build_tiny_family, hf_greedy, write_family_gguf
 from tokenmill import LLM, SamplingParams
 
@@ -411,40 +412,14 @@ def test_fused_decode_stack_is_bit_identical_to_the_layers(kernels, family_dirs,
     local layers of a 12-token window in their own KV cache groups with their own rotary table; Gemma 2:
     soft-capped scores; Qwen3: q/k norms): a decode step of three requests, past the window, gives the same
     hidden states and cache writes as the per-layer modules, under int8 dot products and a 16-bit cache."""
-    from unittest import mock
-
     llm = LLM(str(family_dirs[family]), device="cpu", num_kv_blocks=64, max_model_len=192, quantization="q8_0",
-              max_num_batched_tokens=64,
-              dtype="float32", block_matmul="int8", kv_cache_dtype="bfloat16")
+              max_num_batched_tokens=64, dtype="float32", block_matmul="int8", kv_cache_dtype="bfloat16")
     model = llm.llm_engine.core.core.runner.model
     assert model._int8_decode is not None
-    captured = []
-    original = model.forward
-
-    def capture(*args, **kwargs):
-        captured.append((args, kwargs))
-        return original(*args, **kwargs)
-
-    prompts = [smollm2_tokenizer.encode(p) for p in GOLDEN_PROMPTS[:3]]
-    with mock.patch.object(model, "forward", capture), \
-            mock.patch.object(model, "_forward_int8_decode", wraps=model._forward_int8_decode) as fused:
-        llm.generate([{"prompt_token_ids": ids} for ids in prompts],
-                     SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True), use_tqdm=False)
-    assert fused.call_count >= 15
-    args, kwargs = next((a, k) for a, k in reversed(captured) if a[0].numel() == 3)
-    metas = args[3] if isinstance(args[3], list) else [args[3]]
+    step = decode_step_both_ways(llm, [smollm2_tokenizer.encode(p) for p in GOLDEN_PROMPTS[:3]], max_tokens=20)
+    assert step.fused_calls >= 15
+    metas = step.metas
     assert metas[0].num_decodes == 3 and int(metas[0].decode_context_lens.min()) > 12  # past the window
     assert (family != "qwen3") == (len({id(meta) for meta in metas}) > 1)  # KV cache groups of local and global layers
-    kv_before = [cache.clone() for cache in args[2]]
-    with torch.inference_mode():
-        fused_hidden = model(*args, **kwargs)
-        kv_fused = [cache.clone() for cache in args[2]]
-        for cache, saved in zip(args[2], kv_before):
-            cache.copy_(saved)
-        saved_path, model._int8_decode = model._int8_decode, None
-        try:
-            layered_hidden = model(*args, **kwargs)
-        finally:
-            model._int8_decode = saved_path
-    assert torch.equal(fused_hidden, layered_hidden)
-    assert all(torch.equal(a, b) for a, b in zip(kv_fused, args[2]))
+    assert torch.equal(step.fused_hidden, step.layered_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(step.fused_caches, step.layered_caches))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from fused_decode import decode_step_both_ways
 from model_factory import GOLDEN_PROMPTS, hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import TokenmillError
@@ -125,8 +126,6 @@ def test_int8_fused_decode_stack_is_bit_identical_to_the_layers(request, kernels
     kernels, same order), here on a decode step of three requests whose contexts end mid-block, with
     a float32 cache and with 16-bit ones (rounded as torch rounds), and with a GGUF's own blocks
     (scales and mins: tests/conftest.py's mixed file)."""
-    from unittest import mock
-
     if weights == "gguf":
         llm = LLM(str(request.getfixturevalue("tiny_gguf_path")), tokenizer=str(tiny_llama_dir), num_kv_blocks=64,
                   max_model_len=512, quantization="gguf", numerics="exact")
@@ -137,30 +136,9 @@ def test_int8_fused_decode_stack_is_bit_identical_to_the_layers(request, kernels
     assert model._int8_decode is not None
     expected_dtype = torch.float32 if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
     assert all(cache.dtype == expected_dtype for cache in llm.llm_engine.core.core.runner.kv_caches)
-    captured = []
-    original = model.forward
-
-    def capture(*args, **kwargs):
-        captured.append((args, kwargs))
-        return original(*args, **kwargs)
-
-    prompts = [smollm2_tokenizer.encode(p) for p in GOLDEN_PROMPTS[:3]]
-    with mock.patch.object(model, "forward", capture), \
-            mock.patch.object(model, "_forward_int8_decode", wraps=model._forward_int8_decode) as fused:
-        llm.generate([{"prompt_token_ids": ids} for ids in prompts],
-                     SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), use_tqdm=False)
-    assert fused.call_count >= 5  # every decode step after the prefills
-    args, kwargs = next((a, k) for a, k in reversed(captured) if a[0].numel() == 3 and a[3].num_decodes == 3)
-    kv_before = [cache.clone() for cache in args[2]]
-    with torch.inference_mode():
-        fused_hidden = model(*args, **kwargs)
-        kv_fused = [cache.clone() for cache in args[2]]
-        for cache, saved in zip(args[2], kv_before):
-            cache.copy_(saved)
-        saved_path, model._int8_decode = model._int8_decode, None
-        try:
-            layered_hidden = model(*args, **kwargs)
-        finally:
-            model._int8_decode = saved_path
-    assert torch.equal(fused_hidden, layered_hidden)
-    assert all(torch.equal(a, b) for a, b in zip(kv_fused, args[2]))  # the same K/V written to the same slots
+    step = decode_step_both_ways(llm, [smollm2_tokenizer.encode(p) for p in GOLDEN_PROMPTS[:3]], max_tokens=6)
+    assert step.fused_calls >= 5  # every decode step after the prefills
+    assert step.metas[0].num_decodes == 3
+    assert torch.equal(step.fused_hidden, step.layered_hidden)
+    # the same K/V written to the same slots
+    assert all(torch.equal(a, b) for a, b in zip(step.fused_caches, step.layered_caches))
