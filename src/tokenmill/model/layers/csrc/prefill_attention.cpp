@@ -486,12 +486,16 @@ inline void transpose16x16_epi32(__m512i r[16]) {
 
 #endif  // TOKENMILL_AVX512
 
-#if defined(TOKENMILL_AMX)
-template <typename q_t, typename cache_t>
-void prefill_item_amx(const PrefillItem& item, const q_t* q_base, int64_t q_row_stride, const cache_t* k_cache,
-                      const cache_t* v_cache, const int32_t* blocks, int64_t query_start, int64_t ctx_len,
-                      int64_t num_q, int64_t block_size, int64_t token_stride, int64_t group, int64_t head_dim,
-                      float scale, int64_t window, q_t* out_base, int64_t out_row_stride, AmxPrefillScratch& w) {
+#if defined(TOKENMILL_AMX) || defined(TOKENMILL_AVX512_BF16)
+// prefill_item's work items and online softmax with bfloat16 products, for both product engines: Products
+// (AmxProducts: TDPBF16PS on tiles; DotProducts: VDPBF16PS on vectors) computes one row block's scores
+// S^T = K Q^T for a tile of kAmxKeys keys (s[16 * j + m]: key j, row m) and adds P V into the block's rows
+// of acc (rescaled by corr); everything else, the rounding included, is shared.
+template <typename Products, typename q_t, typename cache_t>
+void prefill_item_bf16(const PrefillItem& item, const q_t* q_base, int64_t q_row_stride, const cache_t* k_cache,
+                       const cache_t* v_cache, const int32_t* blocks, int64_t query_start, int64_t ctx_len,
+                       int64_t num_q, int64_t block_size, int64_t token_stride, int64_t group, int64_t head_dim,
+                       float scale, int64_t window, q_t* out_base, int64_t out_row_stride, AmxPrefillScratch& w) {
   constexpr float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t rows = item.count * group, row_blocks = (rows + 15) / 16;
   const int64_t pos0 = ctx_len - num_q + item.first;
@@ -518,7 +522,7 @@ void prefill_item_amx(const PrefillItem& item, const q_t* q_base, int64_t q_row_
   w.k_low.resize(kAmxKeys * D);
   w.v.resize(kAmxKeys * D);
   w.vv.resize(kAmxKeys * D);
-  w.pv.resize(16 * D);
+  w.pv.resize(16 * D);  // AMX: one row block's P V before it joins acc
   alignas(64) float s[kAmxKeys * 16];
   alignas(64) float corr[16];
   alignas(64) int32_t lane_pos[16];
@@ -536,9 +540,8 @@ void prefill_item_amx(const PrefillItem& item, const q_t* q_base, int64_t q_row_
   const __m512i highs = _mm512_load_si512(high_index);
   const int64_t last_pos = pos0 + item.count - 1;
   const int64_t key_lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
-  const int64_t k_stride = D * static_cast<int64_t>(sizeof(at::BFloat16));
   constexpr bool exact_keys = std::is_same_v<cache_t, at::BFloat16>;
-  load_amx_tile_config();
+  Products::begin();
   for (int64_t t0 = key_lo / kAmxKeys * kAmxKeys; t0 <= last_pos; t0 += kAmxKeys) {
     const int64_t n = std::min(kAmxKeys, ctx_len - t0);
     const int64_t first_pos = std::max(pos0, t0);
@@ -558,30 +561,8 @@ void prefill_item_amx(const PrefillItem& item, const q_t* q_base, int64_t q_row_
         _mm512_storeu_si512(row + 32, _mm512_permutex2var_epi16(a, highs, b));
       }
     for (int64_t rb = m0 / 16; rb * 16 < m1; ++rb) {
-      _tile_zero(0);
-      _tile_zero(1);
-      // Scores as k q ~ k_high q_high + k_high q_low + k_low q_high: float32-like scores (the softmax
-      // would turn bfloat16's 2^-9 error on a score of 20 into a 4% change of its weight).
-      const at::BFloat16* qt = w.qt.data() + rb * 16 * D;
-      const at::BFloat16* qt_low = w.qt_low.data() + rb * 16 * D;
-      for (int64_t c = 0; c < D / 32; ++c) {
-        _tile_loadd(3, qt + c * 16 * 32, 64);
-        _tile_loadd(5, qt_low + c * 16 * 32, 64);
-        _tile_loadd(2, w.k.data() + 32 * c, k_stride);
-        _tile_loadd(4, w.k.data() + 16 * D + 32 * c, k_stride);
-        _tile_dpbf16ps(0, 2, 3);
-        _tile_dpbf16ps(1, 4, 3);
-        _tile_dpbf16ps(0, 2, 5);
-        _tile_dpbf16ps(1, 4, 5);
-        if (!exact_keys) {
-          _tile_loadd(6, w.k_low.data() + 32 * c, k_stride);
-          _tile_loadd(7, w.k_low.data() + 16 * D + 32 * c, k_stride);
-          _tile_dpbf16ps(0, 6, 3);
-          _tile_dpbf16ps(1, 7, 3);
-        }
-      }
-      _tile_stored(0, s, 64);
-      _tile_stored(1, s + 256, 64);
+      Products::scores(w.qt.data() + rb * 16 * D, w.qt_low.data() + rb * 16 * D, w.k.data(),
+                       exact_keys ? nullptr : w.k_low.data(), D, s);
       for (int m = 0; m < 16; ++m) lane_pos[m] = static_cast<int32_t>(pos0 + (rb * 16 + m) / group);
       const int64_t block_first = lane_pos[0], block_last = lane_pos[15];
       const bool all_visible = n == kAmxKeys && t0 + kAmxKeys - 1 <= block_first &&
@@ -627,24 +608,11 @@ void prefill_item_amx(const PrefillItem& item, const q_t* q_base, int64_t q_row_
       _mm512_store_ps(corr, c);
       transpose16x16_epi32(p_pairs);  // now p_pairs[m] is row m of P: 32 bfloat16 keys
       for (int m = 0; m < 16; ++m) _mm512_store_si512(pa + 16 * m, p_pairs[m]);
-      _tile_loadd(6, pa, 64);
-      for (int64_t dc = 0; dc < D / 16; ++dc) {
-        _tile_zero(5);
-        _tile_loadd(7, w.vv.data() + 32 * dc, 4 * D);
-        _tile_dpbf16ps(5, 6, 7);
-        _tile_stored(5, w.pv.data() + 16 * dc, D * static_cast<int64_t>(sizeof(float)));
-      }
-      const int64_t valid = std::min<int64_t>(16, rows - rb * 16);
-      for (int64_t m = 0; m < valid; ++m) {
-        float* acc = w.acc.data() + (rb * 16 + m) * D;
-        const float* pv = w.pv.data() + m * D;
-        const __m512 cm = _mm512_set1_ps(corr[m]);
-        for (int64_t d = 0; d < D; d += 16)
-          _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(_mm512_loadu_ps(acc + d), cm, _mm512_loadu_ps(pv + d)));
-      }
+      Products::accumulate(pa, corr, w.vv.data(), D, std::min<int64_t>(16, rows - rb * 16),
+                           w.acc.data() + rb * 16 * D, w.pv.data());
     }
   }
-  _tile_release();
+  Products::end();
   for (int64_t m = 0; m < rows; ++m) {
     const int64_t i = m / group, g = m % group;
     const float inv = 1.0f / w.row_sum[m];
@@ -652,6 +620,56 @@ void prefill_item_amx(const PrefillItem& item, const q_t* q_base, int64_t q_row_
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<q_t>(w.acc[m * D + d] * inv);
   }
 }
+#endif
+
+#if defined(TOKENMILL_AMX)
+// TDPBF16PS: the scores as k q ~ k_high q_high + k_high q_low + k_low q_high (float32-like scores: the softmax
+// would turn bfloat16's 2^-9 error on a score of 20 into a 4% change of its weight), P V through pv.
+struct AmxProducts {
+  static void begin() { load_amx_tile_config(); }
+  static void end() { _tile_release(); }
+  static void scores(const at::BFloat16* qt, const at::BFloat16* qt_low, const at::BFloat16* k,
+                     const at::BFloat16* k_low, int64_t D, float* s) {
+    const int64_t k_stride = D * static_cast<int64_t>(sizeof(at::BFloat16));
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t c = 0; c < D / 32; ++c) {
+      _tile_loadd(3, qt + c * 16 * 32, 64);
+      _tile_loadd(5, qt_low + c * 16 * 32, 64);
+      _tile_loadd(2, k + 32 * c, k_stride);
+      _tile_loadd(4, k + 16 * D + 32 * c, k_stride);
+      _tile_dpbf16ps(0, 2, 3);
+      _tile_dpbf16ps(1, 4, 3);
+      _tile_dpbf16ps(0, 2, 5);
+      _tile_dpbf16ps(1, 4, 5);
+      if (k_low != nullptr) {
+        _tile_loadd(6, k_low + 32 * c, k_stride);
+        _tile_loadd(7, k_low + 16 * D + 32 * c, k_stride);
+        _tile_dpbf16ps(0, 6, 3);
+        _tile_dpbf16ps(1, 7, 3);
+      }
+    }
+    _tile_stored(0, s, 64);
+    _tile_stored(1, s + 256, 64);
+  }
+  static void accumulate(const uint32_t* pa, const float* corr, const at::BFloat16* vv, int64_t D, int64_t valid,
+                         float* acc, float* pv) {
+    _tile_loadd(6, pa, 64);
+    for (int64_t dc = 0; dc < D / 16; ++dc) {
+      _tile_zero(5);
+      _tile_loadd(7, vv + 32 * dc, 4 * D);
+      _tile_dpbf16ps(5, 6, 7);
+      _tile_stored(5, pv + 16 * dc, D * static_cast<int64_t>(sizeof(float)));
+    }
+    for (int64_t m = 0; m < valid; ++m) {
+      float* row = acc + m * D;
+      const float* pv_row = pv + m * D;
+      const __m512 cm = _mm512_set1_ps(corr[m]);
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(row + d, _mm512_fmadd_ps(_mm512_loadu_ps(row + d), cm, _mm512_loadu_ps(pv_row + d)));
+    }
+  }
+};
 
 template <typename q_t, typename cache_t>
 void run_paged_prefill_amx(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
@@ -664,7 +682,7 @@ void run_paged_prefill_amx(const torch::Tensor& query, const torch::Tensor& kv_c
       [&](int64_t i, AmxPrefillScratch& scratch) {
         const PrefillItem& item = step.items[i];
         const int64_t c = item.chunk;
-        prefill_item_amx<q_t, cache_t>(item, query.data_ptr<q_t>(), query.stride(0), step.k_base, step.v_base,
+        prefill_item_bf16<AmxProducts, q_t, cache_t>(item, query.data_ptr<q_t>(), query.stride(0), step.k_base, step.v_base,
                                        step.table(c), step.query_start(c), step.lens[c], step.num_queries(c),
                                        step.block_size, step.token_stride, step.group, step.head_dim,
                                        static_cast<float>(scale), window, out.data_ptr<q_t>(), out.stride(0), scratch);
@@ -675,7 +693,7 @@ void run_paged_prefill_amx(const torch::Tensor& query, const torch::Tensor& kv_c
 
 #if defined(TOKENMILL_AVX512_BF16)
 // ---- prefill attention on AVX-512 BF16 dot products (CPUs with bfloat16 instructions and no AMX) ------------
-// prefill_item_amx's tiles, products and rounding, with VDPBF16PS on vectors instead of TDPBF16PS on tiles:
+// prefill_item_bf16's products with VDPBF16PS on vectors instead of TDPBF16PS on tiles (DotProducts below):
 // per 16 query rows and 16 keys, lane m of key j's accumulator sums (q[m][2i], q[m][2i+1]) . (k[j][2i],
 // k[j][2i+1]) over the pairs i (q from the same pair-interleaved copy; k's pair broadcast), so the scores come
 // out as S^T again and the same column-wise softmax follows; then each row's P pairs, broadcast, times the
@@ -733,135 +751,25 @@ inline void accumulate_rows_dpbf16(const uint32_t* pa, const float* corr, const 
   }
 }
 
-template <typename q_t, typename cache_t>
-void prefill_item_dpbf16(const PrefillItem& item, const q_t* q_base, int64_t q_row_stride, const cache_t* k_cache,
-                         const cache_t* v_cache, const int32_t* blocks, int64_t query_start, int64_t ctx_len,
-                         int64_t num_q, int64_t block_size, int64_t token_stride, int64_t group, int64_t head_dim,
-                         float scale, int64_t window, q_t* out_base, int64_t out_row_stride, AmxPrefillScratch& w) {
-  constexpr float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t rows = item.count * group, row_blocks = (rows + 15) / 16;
-  const int64_t pos0 = ctx_len - num_q + item.first;
-  const int64_t h = item.kv_head, D = head_dim;
-  w.qt.assign(row_blocks * 16 * D, at::BFloat16(0.0f));
-  w.qt_low.assign(row_blocks * 16 * D, at::BFloat16(0.0f));
-  for (int64_t m = 0; m < rows; ++m) {
-    const int64_t i = m / group, g = m % group;
-    const q_t* src = q_base + (query_start + item.first + i) * q_row_stride + (h * group + g) * D;
-    const int64_t first = (m / 16) * 16 * D + 2 * (m % 16);
-    for (int64_t d = 0; d < D; ++d) {
-      const float x = to_float(src[d]) * scale;
-      const at::BFloat16 high(x);
-      w.qt[first + (d / 2) * 32 + d % 2] = high;
-      w.qt_low[first + (d / 2) * 32 + d % 2] = at::BFloat16(x - static_cast<float>(high));
+// VDPBF16PS: score_keys_dpbf16 per half of the key tile, accumulate_rows_dpbf16 per 32 dimensions.
+struct DotProducts {
+  static void begin() {}
+  static void end() {}
+  static void scores(const at::BFloat16* qt, const at::BFloat16* qt_low, const at::BFloat16* k,
+                     const at::BFloat16* k_low, int64_t D, float* s) {
+    for (int64_t half = 0; half < kAmxKeys / 16; ++half)
+      score_keys_dpbf16(qt, qt_low, k + half * 16 * D, k_low == nullptr ? nullptr : k_low + half * 16 * D, D,
+                        s + half * 256);
+  }
+  static void accumulate(const uint32_t* pa, const float* corr, const at::BFloat16* vv, int64_t D, int64_t valid,
+                         float* acc, float* /*pv*/) {
+    for (int64_t d0 = 0; d0 < D; d0 += 32) {
+      int64_t m = 0;
+      for (; m + 4 <= valid; m += 4) accumulate_rows_dpbf16<4>(pa + 16 * m, corr + m, vv, D, d0, acc + m * D);
+      for (; m < valid; ++m) accumulate_rows_dpbf16<1>(pa + 16 * m, corr + m, vv, D, d0, acc + m * D);
     }
   }
-  w.acc.assign(row_blocks * 16 * D, 0.0f);
-  w.row_max.assign(row_blocks * 16, neg_inf);
-  w.row_sum.assign(row_blocks * 16, 0.0f);
-  w.k.resize(kAmxKeys * D);
-  w.k_low.resize(kAmxKeys * D);
-  w.v.resize(kAmxKeys * D);
-  w.vv.resize(kAmxKeys * D);
-  alignas(64) float s[kAmxKeys * 16];
-  alignas(64) float corr[16];
-  alignas(64) int32_t lane_pos[16];
-  alignas(64) uint32_t pa[16 * 16];
-  alignas(64) int16_t pair_index[32], low_index[32], high_index[32];
-  for (int i = 0; i < 16; ++i) {
-    pair_index[2 * i] = static_cast<int16_t>(i);
-    pair_index[2 * i + 1] = static_cast<int16_t>(16 + i);
-    low_index[2 * i] = static_cast<int16_t>(i);
-    low_index[2 * i + 1] = static_cast<int16_t>(32 + i);
-    high_index[2 * i] = static_cast<int16_t>(16 + i);
-    high_index[2 * i + 1] = static_cast<int16_t>(48 + i);
-  }
-  const __m512i pairs = _mm512_load_si512(pair_index), lows = _mm512_load_si512(low_index);
-  const __m512i highs = _mm512_load_si512(high_index);
-  const int64_t last_pos = pos0 + item.count - 1;
-  const int64_t key_lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
-  constexpr bool exact_keys = std::is_same_v<cache_t, at::BFloat16>;
-  for (int64_t t0 = key_lo / kAmxKeys * kAmxKeys; t0 <= last_pos; t0 += kAmxKeys) {
-    const int64_t n = std::min(kAmxKeys, ctx_len - t0);
-    const int64_t first_pos = std::max(pos0, t0);
-    const int64_t end_pos = window > 0 ? std::min(last_pos + 1, t0 + kAmxKeys - 1 + window) : last_pos + 1;
-    if (first_pos >= end_pos) continue;
-    const int64_t m0 = (first_pos - pos0) * group, m1 = (end_pos - pos0) * group;
-    load_rows_bf16(k_cache, blocks, t0, n, block_size, token_stride, h * D, D, w.k.data(),
-                   exact_keys ? nullptr : w.k_low.data());
-    load_rows_bf16(v_cache, blocks, t0, n, block_size, token_stride, h * D, D, w.v.data());
-    for (int64_t i = 0; i < kAmxKeys / 2; ++i)
-      for (int64_t d = 0; d < D; d += 32) {
-        const __m512i a = _mm512_loadu_si512(w.v.data() + 2 * i * D + d);
-        const __m512i b = _mm512_loadu_si512(w.v.data() + (2 * i + 1) * D + d);
-        at::BFloat16* row = w.vv.data() + i * 2 * D + 2 * d;
-        _mm512_storeu_si512(row, _mm512_permutex2var_epi16(a, lows, b));
-        _mm512_storeu_si512(row + 32, _mm512_permutex2var_epi16(a, highs, b));
-      }
-    for (int64_t rb = m0 / 16; rb * 16 < m1; ++rb) {
-      const at::BFloat16* qt = w.qt.data() + rb * 16 * D;
-      const at::BFloat16* qt_low = w.qt_low.data() + rb * 16 * D;
-      for (int64_t half = 0; half < kAmxKeys / 16; ++half)
-        score_keys_dpbf16(qt, qt_low, w.k.data() + half * 16 * D,
-                          exact_keys ? nullptr : w.k_low.data() + half * 16 * D, D, s + half * 256);
-      for (int m = 0; m < 16; ++m) lane_pos[m] = static_cast<int32_t>(pos0 + (rb * 16 + m) / group);
-      const int64_t block_first = lane_pos[0], block_last = lane_pos[15];
-      const bool all_visible = n == kAmxKeys && t0 + kAmxKeys - 1 <= block_first &&
-                               (window <= 0 || t0 > block_last - window);
-      const __m512i pos = _mm512_load_si512(lane_pos);
-      const __m512 minus_inf = _mm512_set1_ps(neg_inf);
-      __m512 tile_max = minus_inf;
-      for (int64_t j = 0; j < kAmxKeys; ++j) {
-        __m512 sj = _mm512_load_ps(s + 16 * j);
-        if (!all_visible) {
-          const __m512i key = _mm512_set1_epi32(static_cast<int32_t>(t0 + j));
-          __mmask16 visible = _mm512_cmpge_epi32_mask(pos, key);
-          if (window > 0)
-            visible &= _mm512_cmplt_epi32_mask(pos, _mm512_add_epi32(key, _mm512_set1_epi32(static_cast<int32_t>(window))));
-          sj = _mm512_mask_mov_ps(minus_inf, visible, sj);
-          _mm512_store_ps(s + 16 * j, sj);
-        }
-        tile_max = _mm512_max_ps(tile_max, sj);
-      }
-      float* row_max = w.row_max.data() + rb * 16;
-      float* row_sum = w.row_sum.data() + rb * 16;
-      const __m512 old_max = _mm512_loadu_ps(row_max);
-      const __m512 new_max = _mm512_max_ps(old_max, tile_max);
-      const __m512 base = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(new_max, minus_inf, _CMP_NEQ_OQ), new_max);
-      const __m512 c = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(old_max, minus_inf, _CMP_NEQ_OQ),
-                                           exp512(_mm512_sub_ps(old_max, base)));
-      __m512 sum = _mm512_setzero_ps();
-      __m512i p_pairs[16];
-      for (int64_t i = 0; i < kAmxKeys / 2; ++i) {
-        const __m512 s0 = _mm512_load_ps(s + 32 * i), s1 = _mm512_load_ps(s + 32 * i + 16);
-        const __m512 p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, minus_inf, _CMP_NEQ_OQ),
-                                              exp512(_mm512_sub_ps(s0, base)));
-        const __m512 p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, minus_inf, _CMP_NEQ_OQ),
-                                              exp512(_mm512_sub_ps(s1, base)));
-        sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(round_to_bf16_16(p0)), round_to_bf16_16(p1), 1);
-        p_pairs[i] = _mm512_permutexvar_epi16(pairs, both);
-      }
-      _mm512_storeu_ps(row_sum, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum), c, sum));
-      _mm512_storeu_ps(row_max, new_max);
-      _mm512_store_ps(corr, c);
-      transpose16x16_epi32(p_pairs);
-      for (int m = 0; m < 16; ++m) _mm512_store_si512(pa + 16 * m, p_pairs[m]);
-      const int64_t valid = std::min<int64_t>(16, rows - rb * 16);
-      float* acc = w.acc.data() + rb * 16 * D;
-      for (int64_t d0 = 0; d0 < D; d0 += 32) {
-        int64_t m = 0;
-        for (; m + 4 <= valid; m += 4) accumulate_rows_dpbf16<4>(pa + 16 * m, corr + m, w.vv.data(), D, d0, acc + m * D);
-        for (; m < valid; ++m) accumulate_rows_dpbf16<1>(pa + 16 * m, corr + m, w.vv.data(), D, d0, acc + m * D);
-      }
-    }
-  }
-  for (int64_t m = 0; m < rows; ++m) {
-    const int64_t i = m / group, g = m % group;
-    const float inv = 1.0f / w.row_sum[m];
-    q_t* dst = out_base + (query_start + item.first + i) * out_row_stride + (h * group + g) * D;
-    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<q_t>(w.acc[m * D + d] * inv);
-  }
-}
+};
 
 template <typename q_t, typename cache_t>
 void run_paged_prefill_dpbf16(const torch::Tensor& query, const torch::Tensor& kv_cache,
@@ -874,7 +782,7 @@ void run_paged_prefill_dpbf16(const torch::Tensor& query, const torch::Tensor& k
       [&](int64_t i, AmxPrefillScratch& scratch) {
         const PrefillItem& item = step.items[i];
         const int64_t c = item.chunk;
-        prefill_item_dpbf16<q_t, cache_t>(item, query.data_ptr<q_t>(), query.stride(0), step.k_base, step.v_base,
+        prefill_item_bf16<DotProducts, q_t, cache_t>(item, query.data_ptr<q_t>(), query.stride(0), step.k_base, step.v_base,
                                           step.table(c), step.query_start(c), step.lens[c], step.num_queries(c),
                                           step.block_size, step.token_stride, step.group, step.head_dim,
                                           static_cast<float>(scale), window, out.data_ptr<q_t>(), out.stride(0),
