@@ -65,13 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--naive-limit", type=positive, default=None,
                    help="run the naive baseline on the first N requests only (tok/s over those)")
     p.add_argument("--batch-size", type=positive, default=16, help="static-batch baseline batch size")
-    # Engine options: unset ones are left to the engine's defaults (EngineConfig).
-    p.add_argument("--max-num-seqs", type=positive, default=None)
-    p.add_argument("--max-num-batched-tokens", type=positive, default=None,
-                   help="tokens per step (default: the engine's, which depends on the device)")
-    p.add_argument("--block-size", type=positive, default=None)
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
-    add_engine_args(p, ("kv_cache_memory_bytes",))
+    # Engine options, the engine's own flags and defaults (EngineConfig).
+    add_engine_args(p, ("max_num_seqs", "max_num_batched_tokens", "block_size", "enable_prefix_caching",
+                        "kv_cache_memory_bytes"))
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads (default: usable cores)")
     p.add_argument("--output", default=None, help="markdown report (default: docs/benchmarks.md)")
     p.add_argument("--results-json", default=None, help="raw numbers (default: bench-results/engine-core.json)")

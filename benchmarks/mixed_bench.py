@@ -224,12 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threshold", type=positive, default=256,
                    help="long_prefill_token_threshold of the isolation-on run")
     p.add_argument("--max-long-partial-prefills", type=positive, default=1)
-    # Engine options: unset ones are left to the engine's defaults (EngineConfig).
-    p.add_argument("--max-num-seqs", type=positive, default=None)
-    p.add_argument("--max-num-batched-tokens", type=positive, default=None,
-                   help="tokens per step (default: the engine's, which depends on the device)")
+    # Engine options, the engine's own flags and defaults (EngineConfig); the benchmark's prompts need a 4096-token
+    # context whatever the model's own limit is.
+    add_engine_args(p, ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory_bytes"))
     p.add_argument("--max-model-len", type=positive, default=4096)
-    add_engine_args(p, ("kv_cache_memory_bytes",))
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic token ids")
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads (default: usable cores)")
     p.add_argument("--output", default=None, help="markdown report (default: docs/benchmarks.md)")

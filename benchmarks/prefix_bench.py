@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from benchmarks.engine_options import effective, given
+from tokenmill.entrypoints.engine_args import add_engine_args
 from benchmarks.make_bench import _display_path, _usable_cores, machine_info, positive, publish_report
 from benchmarks.shared_prefix import SharedPrefixSpec, build_shared_prefix_workload, ideal_cached_tokens
 from benchmarks.tables import markdown_table, text_table
@@ -50,12 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic token ids")
     p.add_argument("--configs", default=",".join(CONFIGS),
                    help=f"comma-separated subset of {', '.join(CONFIGS)}")
-    # Engine options: unset ones are left to the engine's defaults (EngineConfig).
-    p.add_argument("--max-num-seqs", type=positive, default=None)
-    p.add_argument("--max-num-batched-tokens", type=positive, default=None,
-                   help="tokens per step (default: the engine's, which depends on the device)")
-    p.add_argument("--block-size", type=positive, default=None)
-    p.add_argument("--kv-cache-memory-bytes", default=None, help="KV cache size (CPU default: 2GiB), e.g. 1GiB")
+    # Engine options, the engine's own flags and defaults (EngineConfig).
+    add_engine_args(p, ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_memory_bytes"))
     p.add_argument("--threads", type=positive, default=None, help="torch CPU threads (default: usable cores)")
     p.add_argument("--output", default=None, help="markdown report (default: docs/benchmarks.md)")
     p.add_argument("--results-json", default=None, help="raw numbers (default: bench-results/prefix-cache.json)")

@@ -153,36 +153,24 @@ def run(llm, requests, use_tqdm: bool = False) -> dict[str, Any]:
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    from benchmarks.engine_options import effective, given
+    from benchmarks.engine_options import effective
     from benchmarks.paths import default_workload_path
     from tokenmill.bench.workloads import load_workload
-    from tokenmill.config import BLOCK_MATMULS, KV_CACHE_DTYPES, EngineConfig
+    from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
     from tokenmill.entrypoints.llm import LLM
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", default=None,
                         help="a workload JSONL file (prompt_token_ids, max_tokens per line; "
                         "default: ../shared/bench/workload-64.jsonl)")
-    parser.add_argument("--model", default=None)
-    # Engine options: unset ones are left to the engine's defaults (EngineConfig).
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
-                        help="tokens per step (default: the engine's, which depends on the device)")
-    parser.add_argument("--attention-backend", default=None)
-    parser.add_argument("--no-packed-linear", dest="packed_linear", action="store_false", default=None)
-    parser.add_argument("--quantization", default=None, choices=["gguf", "q8_0", "none"])
-    parser.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES)
-    parser.add_argument("--block-matmul", default=None, choices=BLOCK_MATMULS)
+    # Engine options, the engine's own flags and defaults (EngineConfig).
+    add_engine_args(parser, ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "attention_backend", "packed_linear",
+                             "quantization", "kv_cache_dtype", "block_matmul", "numerics"))
     parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N requests")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
 
-    config = EngineConfig(model=args.model, **given(
-        dtype=args.dtype, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-        attention_backend=args.attention_backend, packed_linear=args.packed_linear,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, block_matmul=args.block_matmul))
-    llm = LLM.from_config(config)
+    llm = LLM.from_config(engine_config_from_args(args))
     requests = load_workload(args.workload or default_workload_path(), args.num_prompts)
     out = run(llm, requests)
     out["engine_settings"] = effective(llm)

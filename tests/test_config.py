@@ -12,7 +12,6 @@ import pytest
 
 from tokenmill.config import (ATTENTION_BACKENDS, BLOCK_MATMULS, DEVICES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
                               QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig, engine_options)
-from tokenmill.core.policy import POLICIES
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.errors import InvalidRequestError
 
@@ -55,7 +54,7 @@ def test_choices_come_from_the_module_constants():
     actions = engine_actions()
     assert actions["dtype"].choices is DTYPES
     assert actions["device"].choices is DEVICES
-    assert actions["scheduling_policy"].choices is SCHEDULING_POLICIES and SCHEDULING_POLICIES is POLICIES
+    assert actions["scheduling_policy"].choices is SCHEDULING_POLICIES
     assert actions["attention_backend"].choices is ATTENTION_BACKENDS
     assert actions["quantization"].choices is QUANTIZATIONS
     assert actions["block_matmul"].choices is BLOCK_MATMULS
@@ -244,19 +243,35 @@ def test_with_resolved_defaults_returns_a_new_config():
     assert EngineConfig().with_resolved_defaults("cuda").preemption_mode == "recompute"  # no swap space
 
 
-def test_scheduler_config_maps_every_setting():
-    from tokenmill.core.scheduler import SchedulerConfig
+def test_without_chunked_prefill_a_defaulted_budget_is_resolved_to_the_model_length_before_anything_is_built():
+    # The executor profiles memory with the resolved budget, so it must already be the step the engine runs.
+    config = EngineConfig(enable_chunked_prefill=False).with_resolved_defaults("cuda", max_model_len=8192)
+    assert config.max_num_batched_tokens == 8192
+    assert EngineConfig(enable_chunked_prefill=False).with_resolved_defaults("cpu", 512).max_num_batched_tokens == 1024
+    given = EngineConfig(enable_chunked_prefill=False, max_num_batched_tokens=300)
+    assert given.with_resolved_defaults("cpu", 8192).max_num_batched_tokens == 300  # the engine core refuses it
+    assert EngineConfig().with_resolved_defaults("cuda", 8192).max_num_batched_tokens == 2048
 
-    config = EngineConfig(max_num_seqs=3, enable_chunked_prefill=False, scheduling_policy="lpm", lpm_max_wait=2.5,
-                          max_preemptions=None, max_queue_time=1.5, long_prefill_token_threshold=20,
-                          max_long_partial_prefills=2).with_resolved_defaults("cpu")
-    assert config.scheduler_config(max_model_len=300) == SchedulerConfig(
-        max_num_seqs=3, max_num_batched_tokens=1024, max_model_len=300, enable_chunked_prefill=False, policy="lpm",
-        max_preemptions=None, max_queue_time_s=1.5, long_prefill_token_threshold=20, max_long_partial_prefills=2,
-        max_mixed_prefill_tokens=None, lpm_max_wait_s=2.5, preemption_mode="recompute")
-    assert config.scheduler_config(300, preemption_mode="swap").preemption_mode == "swap"
+
+def test_every_scheduling_policy_name_has_a_policy():
+    from tokenmill.core.policy import make_policy
+
+    assert [make_policy(name).name for name in SCHEDULING_POLICIES] == list(SCHEDULING_POLICIES)
+    with pytest.raises(ValueError, match="fcfs, priority, fair, lpm"):
+        make_policy("sjf")
+
+
+def test_the_scheduler_reads_the_resolved_engine_config_under_the_names_the_user_typed():
+    from tokenmill.core.kv_cache_manager import KVCacheManager
+    from tokenmill.core.policy import LongestPrefixMatchPolicy
+    from tokenmill.core.scheduler import Scheduler
+
+    config = EngineConfig(max_num_seqs=3, scheduling_policy="lpm", lpm_max_wait=2.5, max_queue_time=1.5)
     with pytest.raises(ValueError, match="with_resolved_defaults"):
-        EngineConfig().scheduler_config(300)
+        Scheduler(config, 300, KVCacheManager(8, 4))
+    scheduler = Scheduler(config.with_resolved_defaults("cpu", 300), 300, KVCacheManager(8, 4))
+    assert isinstance(scheduler.policy, LongestPrefixMatchPolicy) and scheduler.policy.max_wait_s == 2.5
+    assert scheduler.config.max_queue_time == 1.5 and scheduler.max_model_len == 300
 
 
 def test_config_imports_without_torch():

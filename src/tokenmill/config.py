@@ -15,7 +15,6 @@ import typing
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from tokenmill.core.policy import POLICIES
 from tokenmill.errors import InvalidRequestError
 
 _UNITS = {
@@ -43,7 +42,8 @@ def parse_memory_size(value: str | int | float) -> int:
 # ---- choices: each list is spelled here once, for argparse and for validation alike -------------------
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("cpu", "cuda")
-SCHEDULING_POLICIES = POLICIES
+# core/policy.py implements one SchedulingPolicy per name.
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair", "lpm")
 ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 QUANTIZATIONS = ("gguf", "q8_0", "none")  # or None (unset)
 BLOCK_MATMULS = ("auto", "float32", "int8", "bfloat16", "bfloat16-int8")
@@ -96,9 +96,50 @@ def _kv_cache_dtype(value: str) -> str:
     return KV_CACHE_DTYPE_ALIASES.get(value, value)
 
 
-def _speculative_config(value: Any) -> Any:
-    from tokenmill.spec_decode.ngram import SpeculativeConfig
+SPECULATIVE_METHODS = ("ngram",)
 
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """--speculative-config, in vLLM's spelling: {"method": "ngram", "num_speculative_tokens": k,
+    "prompt_lookup_max": n_max, "prompt_lookup_min": n_min}."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 4
+    prompt_lookup_max: int = 4
+    prompt_lookup_min: int = 1
+
+    def __post_init__(self) -> None:
+        param = "speculative_config"
+        if self.method not in SPECULATIVE_METHODS:
+            raise InvalidRequestError(f"speculative method {self.method!r} is not supported (supported: "
+                                      f"{', '.join(SPECULATIVE_METHODS)})", param)
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise InvalidRequestError("prompt_lookup_min must not exceed prompt_lookup_max", param)
+
+    @classmethod
+    def from_dict(cls, value: Any) -> Optional["SpeculativeConfig"]:
+        """None, a SpeculativeConfig, or vLLM's dict (its `model` key is refused: no draft models)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise InvalidRequestError("speculative_config must be a JSON object", "speculative_config")
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise InvalidRequestError(f"unsupported speculative_config keys: {', '.join(unknown)} "
+                                      "(only the ngram method, without a draft model)", "speculative_config")
+        lookup_min = value.get("prompt_lookup_min", 1)
+        lookup_max = value.get("prompt_lookup_max", max(4, lookup_min) if isinstance(lookup_min, int) else 4)
+        return cls(method=value.get("method", "ngram"), num_speculative_tokens=value.get("num_speculative_tokens", 4),
+                   prompt_lookup_max=lookup_max, prompt_lookup_min=lookup_min)
+
+
+def _speculative_config(value: Any) -> Optional[SpeculativeConfig]:
     return SpeculativeConfig.from_dict(value)
 
 
@@ -119,6 +160,7 @@ BOUNDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "non_negative": (lambda v: v >= 0, "non-negative"),
     "fraction": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
     "niceness": (lambda v: 0 <= v <= 19, "between 0 and 19"),
+    "port": (lambda v: 0 <= v <= 65535, "between 0 and 65535"),
 }
 
 
@@ -128,19 +170,35 @@ DATA_PARALLEL_ROUTING = ("prefix", "round_robin")
 
 def option(default: Any, help: str, *, choices: Optional[tuple] = None, bound: Optional[str] = None,
            convert: Optional[Callable[[Any], Any]] = None, parse: Optional[Callable[[str], Any]] = None,
-           aliases: tuple[str, ...] = (), metavar: Optional[str] = None) -> Any:
-    """A dataclass field that carries everything the CLI and validation need.
+           aliases: tuple[str, ...] = (), metavar: Optional[str] = None, repeat: bool = False) -> Any:
+    """A dataclass field that carries everything the CLI and validation need (EngineConfig here, the
+    server's ServerConfig in entrypoints/openai/cli_args.py; entrypoints/engine_args.py makes the flags).
 
     choices: allowed values (None too when the default is None); bound: a key of BOUNDS (None always
     passes); convert: turns an accepted input form into the stored one (an alias, '4GiB', a dict) and
     raises InvalidRequestError for bad input; parse: the CLI's reader of the flag's string when neither
-    the field's type nor `convert` is the right one; aliases: extra flags (e.g. "-q").
+    the field's type nor `convert` is the right one; aliases: extra flags (e.g. "-q"); repeat: the flag
+    may be given several times, its values collected in order.
     """
     if bound is not None and bound not in BOUNDS:
         raise ValueError(f"unknown bound {bound!r}")
     metadata = {"help": help, "choices": choices, "bound": bound, "convert": convert, "parse": parse,
-                "aliases": aliases, "metavar": metavar}
+                "aliases": aliases, "metavar": metavar, "repeat": repeat}
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def validate_options(options: Any) -> None:
+    """Converts, then checks, every `option` field of a dataclass instance in place (its __post_init__).
+
+    Converting accepted input forms (an alias, "4GiB", a dict) is part of construction; nothing rewrites
+    a validated value afterwards, and object.__setattr__ keeps that true for frozen classes.
+    """
+    for f in dataclasses.fields(options):
+        convert = f.metadata.get("convert")
+        if convert is not None and getattr(options, f.name) is not None:
+            object.__setattr__(options, f.name, convert(getattr(options, f.name)))
+    for f in dataclasses.fields(options):
+        check_value(f, getattr(options, f.name))
 
 
 @dataclass(frozen=True)
@@ -259,15 +317,7 @@ class EngineConfig:
         convert=_speculative_config, parse=_json_object, metavar="JSON")
 
     def __post_init__(self) -> None:
-        # Converting accepted input forms (an alias, "4GiB", a dict) is part of construction; nothing
-        # rewrites a validated value afterwards, and object.__setattr__ keeps that true if the class
-        # becomes frozen.
-        for f in dataclasses.fields(self):
-            convert = f.metadata.get("convert")
-            if convert is not None and getattr(self, f.name) is not None:
-                object.__setattr__(self, f.name, convert(getattr(self, f.name)))
-        for f in dataclasses.fields(self):
-            check_value(f, getattr(self, f.name))
+        validate_options(self)
         if self.numerics == "exact":
             for name in ("dtype", "block_matmul", "kv_cache_dtype"):
                 value = getattr(self, name)
@@ -282,47 +332,22 @@ class EngineConfig:
             return self.preemption_mode
         return "swap" if self.swap_space > 0 and device_type != "cpu" else "recompute"
 
-    def with_resolved_defaults(self, device_type: str) -> "EngineConfig":
-        """A NEW config whose device-dependent scheduling defaults are filled in: max_num_batched_tokens
-        (default_max_num_batched_tokens(device_type)) and preemption_mode (resolved_preemption_mode(device_type)).
-        `self` is left as it is. The numerics (dtype, block matmul, KV cache dtype) are resolved from the
-        hardware by runner.numerics."""
+    def with_resolved_defaults(self, device_type: str, max_model_len: Optional[int] = None) -> "EngineConfig":
+        """A NEW config with every device- and model-dependent scheduling default filled in, resolved once
+        before anything is built from it: max_num_batched_tokens (default_max_num_batched_tokens(device_type);
+        without chunked prefill at least max_model_len, the model's limit, since a prompt must fit one step),
+        max_mixed_prefill_tokens and preemption_mode. `self` is left as it is. The numerics (dtype, block
+        matmul, KV cache dtype) are resolved from the hardware by runner.numerics."""
         budget = self.max_num_batched_tokens
         if budget is None:
             budget = default_max_num_batched_tokens(device_type)
+            if not self.enable_chunked_prefill and max_model_len is not None:
+                budget = max(budget, max_model_len)
         mixed = self.max_mixed_prefill_tokens
         if mixed is None and self.enable_chunked_prefill:
             mixed = default_max_mixed_prefill_tokens(device_type, budget)
         return dataclasses.replace(self, max_num_batched_tokens=budget, max_mixed_prefill_tokens=mixed,
                                    preemption_mode=self.resolved_preemption_mode(device_type))
-
-    def scheduler_config(self, max_model_len: int, preemption_mode: Optional[str] = None):
-        """The core scheduler's settings (core.scheduler.SchedulerConfig, whose field names differ) from
-        this config. max_model_len: the engine's effective one (model limit, capped by the KV cache);
-        preemption_mode: default this config's own, which must then be set (with_resolved_defaults)."""
-        from tokenmill.core.scheduler import SchedulerConfig
-
-        mode = preemption_mode or self.preemption_mode
-        if self.max_num_batched_tokens is None or mode is None:
-            raise ValueError("scheduler_config needs max_num_batched_tokens and preemption_mode set: "
-                             "call with_resolved_defaults(device_type) first")
-        if mode not in PREEMPTION_MODES:
-            raise InvalidRequestError(f"preemption_mode must be one of {', '.join(PREEMPTION_MODES)}, got {mode!r}",
-                                      "preemption_mode")
-        return SchedulerConfig(
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            policy=self.scheduling_policy,
-            max_preemptions=self.max_preemptions,
-            max_queue_time_s=self.max_queue_time,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            max_long_partial_prefills=self.max_long_partial_prefills,
-            max_mixed_prefill_tokens=self.max_mixed_prefill_tokens,
-            lpm_max_wait_s=self.lpm_max_wait,
-            preemption_mode=mode,
-        )
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":
@@ -347,9 +372,10 @@ def engine_options() -> tuple[dataclasses.Field, ...]:
     return dataclasses.fields(EngineConfig)
 
 
-def option_types() -> dict[str, Any]:
-    """Field name -> its resolved type annotation (Optional[int], bool, ...)."""
-    return typing.get_type_hints(EngineConfig)
+def option_types(options_class: type = None) -> dict[str, Any]:
+    """Field name -> its resolved type annotation (Optional[int], bool, ...) of EngineConfig, or of another
+    class of `option` fields."""
+    return typing.get_type_hints(options_class or EngineConfig)
 
 
 def check_option_names(kwargs: Mapping[str, Any]) -> None:

@@ -11,7 +11,8 @@ import pytest
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import Scheduler, SchedulerConfig
+from tokenmill.config import EngineConfig
+from tokenmill.core.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 
 FAKE_TOKEN = 7
@@ -21,10 +22,10 @@ def make_scheduler(*, policy: str = "fcfs", num_blocks: int = 1000, block_size: 
                    max_seqs: int = 8, max_model_len: int = 8192, caching: bool = False,
                    max_preemptions: Optional[int] = 4, threshold: Optional[int] = None,
                    max_long: int = 1) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=max_model_len,
-                             policy=policy, max_preemptions=max_preemptions,
-                             long_prefill_token_threshold=threshold, max_long_partial_prefills=max_long)
-    return Scheduler(config, KVCacheManager(num_blocks, block_size, caching))
+    config = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, scheduling_policy=policy,
+                          max_preemptions=max_preemptions, long_prefill_token_threshold=threshold,
+                          max_long_partial_prefills=max_long, preemption_mode="recompute")
+    return Scheduler(config, max_model_len, KVCacheManager(num_blocks, block_size, caching))
 
 
 def make_request(rid: str, n_prompt: int, max_tokens: int = 4, *, arrival: float, priority: int = 0,

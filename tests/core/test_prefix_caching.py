@@ -7,7 +7,8 @@ import time
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import Scheduler, SchedulerConfig
+from tokenmill.config import EngineConfig
+from tokenmill.core.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 
 BS = 4  # block size of every test here
@@ -18,10 +19,10 @@ def make_request(rid: str, tokens: list[int], max_tokens: int = 4, **kw) -> Requ
 
 
 def make_scheduler(num_blocks: int = 32, *, policy: str = "fcfs", max_seqs: int = 8, budget: int = 64,
-                   lpm_max_wait_s: float = 5.0) -> Scheduler:
-    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=1000,
-                             policy=policy, lpm_max_wait_s=lpm_max_wait_s)
-    return Scheduler(config, KVCacheManager(num_blocks, BS))
+                   lpm_max_wait: float = 5.0) -> Scheduler:
+    config = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, scheduling_policy=policy,
+                          lpm_max_wait=lpm_max_wait, preemption_mode="recompute")
+    return Scheduler(config, 1000, KVCacheManager(num_blocks, BS))
 
 
 def step(sched: Scheduler, token: int = 7):
@@ -209,7 +210,7 @@ def test_no_block_leaks_after_finish_and_abort_with_shared_prefixes():
 
 # ---- lpm ---------------------------------------------------------------------------------
 def test_lpm_runs_the_request_sharing_the_cached_prefix_first_within_the_wait_bound():
-    sched = make_scheduler(32, policy="lpm", max_seqs=1, lpm_max_wait_s=30.0)
+    sched = make_scheduler(32, policy="lpm", max_seqs=1, lpm_max_wait=30.0)
     prefix = list(range(12))
     sched.add_request(make_request("warm", prefix + [1], max_tokens=1))
     drain(sched)  # blocks of the prefix are cached now
@@ -225,7 +226,7 @@ def test_lpm_runs_the_request_sharing_the_cached_prefix_first_within_the_wait_bo
 
 
 def test_lpm_overdue_request_goes_first_regardless_of_prefix():
-    sched = make_scheduler(32, policy="lpm", max_seqs=1, lpm_max_wait_s=5.0)
+    sched = make_scheduler(32, policy="lpm", max_seqs=1, lpm_max_wait=5.0)
     prefix = list(range(12))
     sched.add_request(make_request("warm", prefix + [1], max_tokens=1))
     drain(sched)

@@ -2,15 +2,16 @@ from __future__ import annotations
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import Scheduler, SchedulerConfig
+from tokenmill.config import EngineConfig
+from tokenmill.core.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 
 
 def make_scheduler(num_blocks=100, block_size=4, budget=16, max_seqs=8, chunked=True, caching=True, mixed=None):
     kv = KVCacheManager(num_blocks, block_size, caching)
-    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, max_model_len=1000,
-                             enable_chunked_prefill=chunked, max_mixed_prefill_tokens=mixed)
-    return Scheduler(config, kv)
+    config = EngineConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, enable_chunked_prefill=chunked,
+                          max_mixed_prefill_tokens=mixed, preemption_mode="recompute")
+    return Scheduler(config, 1000, kv)
 
 
 def req(rid, n_prompt, max_tokens=4, base=0, **params):

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.core.scheduler import Scheduler, SchedulerConfig
+from tokenmill.config import EngineConfig
+from tokenmill.core.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -62,8 +63,8 @@ def run_step(sched: Scheduler) -> None:
 
 def test_scheduler_swaps_instead_of_recomputing_and_resumes_first():
     kv = KVCacheManager(num_blocks=3, block_size=4, enable_caching=False, num_host_blocks=8)
-    config = SchedulerConfig(max_num_batched_tokens=64, max_model_len=100, preemption_mode="swap")
-    sched = Scheduler(config, kv)
+    config = EngineConfig(max_num_batched_tokens=64, preemption_mode="swap")
+    sched = Scheduler(config, 100, kv)
     a, b = make_request("a", 4), make_request("b", 4, base=50)
     sched.add_request(a)
     sched.add_request(b)

@@ -6,7 +6,8 @@ import pytest
 
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import InvalidRequestError
-from tokenmill.spec_decode.ngram import NgramProposer, SpeculativeConfig
+from tokenmill.config import SpeculativeConfig
+from tokenmill.spec_decode.ngram import NgramProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
 

@@ -14,9 +14,9 @@ import time
 from collections import defaultdict
 from typing import Callable, Optional
 
+from tokenmill.config import SCHEDULING_POLICIES
 from tokenmill.core.request import Request
 
-POLICIES = ("fcfs", "priority", "fair", "lpm")
 
 
 class SchedulingPolicy:
@@ -120,7 +120,8 @@ class LongestPrefixMatchPolicy(SchedulingPolicy):
         return max(waiting, key=lambda r: (cached_prefix(r), -r.arrival_time))
 
 
-def make_policy(name: str, lpm_max_wait_s: float = 5.0) -> SchedulingPolicy:
+def make_policy(name: str, lpm_max_wait: float = 5.0) -> SchedulingPolicy:
+    """The policy a --scheduling-policy name (config.SCHEDULING_POLICIES) stands for."""
     if name == "fcfs":
         return FCFSPolicy()
     if name == "priority":
@@ -128,5 +129,5 @@ def make_policy(name: str, lpm_max_wait_s: float = 5.0) -> SchedulingPolicy:
     if name == "fair":
         return FairSharePolicy()
     if name == "lpm":
-        return LongestPrefixMatchPolicy(lpm_max_wait_s)
-    raise ValueError(f"unknown scheduling policy {name!r} (choose from {', '.join(POLICIES)})")
+        return LongestPrefixMatchPolicy(lpm_max_wait)
+    raise ValueError(f"unknown scheduling policy {name!r} (choose from {', '.join(SCHEDULING_POLICIES)})")

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
 
+from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.policy import SchedulingPolicy, make_policy
 from tokenmill.core.request import Request, RequestStatus
@@ -41,26 +42,6 @@ class _Item:
 
 
 @dataclass(slots=True)
-class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 2048
-    enable_chunked_prefill: bool = True
-    policy: str = "fcfs"
-    max_preemptions: Optional[int] = 4
-    max_queue_time_s: Optional[float] = None
-    long_prefill_token_threshold: Optional[int] = None
-    max_long_partial_prefills: int = 1
-    # Prompt tokens a step may compute while it also carries decodes (None: the step budget). A step
-    # lasts as long as its prefill work, and every running stream waits that long for its next token.
-    max_mixed_prefill_tokens: Optional[int] = None
-    lpm_max_wait_s: float = 5.0
-    # "swap": a preempted request's blocks go to host memory (when they fit) and come back intact;
-    # "recompute": its blocks are freed and its tokens computed again.
-    preemption_mode: str = "recompute"
-
-
-@dataclass(slots=True)
 class SchedulerStats:
     num_running: int = 0
     num_waiting: int = 0
@@ -79,11 +60,18 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+    def __init__(self, config: EngineConfig, max_model_len: int, kv_cache: KVCacheManager,
                  policy: Optional[SchedulingPolicy] = None) -> None:
+        """config: the engine's options under the names the user typed, with the device defaults resolved
+        (EngineConfig.with_resolved_defaults: a step budget and a preemption mode); max_model_len: the
+        engine's effective limit (the model's, capped by what the KV cache holds for one request)."""
+        if config.max_num_batched_tokens is None or config.preemption_mode is None:
+            raise ValueError("the scheduler needs max_num_batched_tokens and preemption_mode resolved: "
+                             "pass EngineConfig.with_resolved_defaults(device_type, max_model_len)")
         self.config = config
+        self.max_model_len = max_model_len
         self.kv_cache = kv_cache
-        self.policy = policy or make_policy(config.policy, config.lpm_max_wait_s)
+        self.policy = policy or make_policy(config.scheduling_policy, config.lpm_max_wait)
         self.waiting: list[Request] = []  # preempted requests are put back at the front
         self.running: list[Request] = []
         self.swapped: list[Request] = []  # swapped out, resumed first-in first-out before new work
@@ -229,7 +217,7 @@ class Scheduler:
             parent.status = RequestStatus.FINISHED_STOPPED
 
     def _expire_waiting(self) -> None:
-        limit = self.config.max_queue_time_s
+        limit = self.config.max_queue_time
         if limit is None:
             return
         now = time.monotonic()
@@ -282,7 +270,7 @@ class Scheduler:
         if not request.spec_token_ids:
             return []
         room = min(budget - 1, request.max_tokens - request.num_output_tokens - 1,
-                   self.config.max_model_len - request.num_tokens - 1)
+                   self.max_model_len - request.num_tokens - 1)
         spec = request.spec_token_ids[:max(0, room)]
         request.spec_token_ids = []
         return spec
@@ -475,7 +463,7 @@ class Scheduler:
             if params.stop_token_ids and token in params.stop_token_ids:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if num_out >= request.max_tokens or request.num_tokens >= self.config.max_model_len:
+        if num_out >= request.max_tokens or request.num_tokens >= self.max_model_len:
             return RequestStatus.FINISHED_LENGTH
         return None
 

@@ -5,7 +5,6 @@ frontend's process (the offline LLM, tests) or in its own (`core_proc.py`, what 
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 
@@ -96,16 +95,17 @@ class EngineCore:
         # What a frontend needs of the model (the ready message carries it).
         self.model_info = FrontendModelInfo(served_model_name=source.served_model_name, vocab_size=self.vocab_size,
                                             eos_token_ids=eos_token_ids(source.tokenizer, hf_config))
-        # Device-dependent defaults resolved into a new config; the caller's is never written to.
-        budget_was_defaulted = config.max_num_batched_tokens is None
-        config = config.with_resolved_defaults(device.type)
+        # Device- and model-dependent defaults resolved once, into a new config (the caller's is never written
+        # to), before anything is built from it.
+        budget_was_given = config.max_num_batched_tokens is not None
+        max_model_len = derive_max_model_len(config, hf_config)
+        config = config.with_resolved_defaults(device.type, max_model_len)
         hardware = detect_hardware(device.type, config.attention_backend)
         block_weights = config.quantization == "q8_0" or (
             config.quantization in (None, "gguf") and source.has_int8_block_matrices())
         self.numerics = resolve_numerics(config, hardware, block_weights)
         logger.info("numerics on %s: %s", hardware.describe(), self.numerics.describe())
         config = self.numerics.apply(config)
-        max_model_len = derive_max_model_len(config, hf_config)
         check_tensor_parallel(config, hf_config)
         self.executor = make_executor(config, source, device, max_model_len)
         # The in-process runner (tests and tools look at it); None when tensor-parallel workers hold the model.
@@ -125,16 +125,14 @@ class EngineCore:
                 f"a KV cache of {num_blocks} blocks cannot hold one request: the sliding-window layer groups alone "
                 f"need more for chunks of {config.max_num_batched_tokens} tokens; raise --num-kv-blocks (or the KV "
                 "cache memory) or lower --max-num-batched-tokens")
-        if not config.enable_chunked_prefill and config.max_num_batched_tokens < self.max_model_len:
+        if budget_was_given and not config.enable_chunked_prefill and \
+                config.max_num_batched_tokens < self.max_model_len:
             # Without chunking a prompt must fit one step, or a long one would wait forever.
-            if not budget_was_defaulted:
-                self.executor.shutdown()
-                raise ModelLoadError(
-                    f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
-                    f"({self.max_model_len}) with chunked prefill disabled: raise --max-num-batched-tokens, lower "
-                    "--max-model-len or enable chunked prefill")
-            config = dataclasses.replace(config, max_num_batched_tokens=self.max_model_len)
-        self.config = config
+            self.executor.shutdown()
+            raise ModelLoadError(
+                f"max_num_batched_tokens ({config.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}) with chunked prefill disabled: raise --max-num-batched-tokens, lower "
+                "--max-model-len or enable chunked prefill")
         num_host_blocks = 0
         if config.preemption_mode == "swap":
             num_host_blocks = int(config.swap_space * 2**30) // self.bytes_per_block
@@ -147,7 +145,7 @@ class EngineCore:
         self.executor.initialize_cache(num_blocks, num_host_blocks, self.max_model_len)
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks,
                                        group_windows=windows)
-        self.scheduler = Scheduler(config.scheduler_config(self.max_model_len), self.kv_cache)
+        self.scheduler = Scheduler(config, self.max_model_len, self.kv_cache)
         # Structured outputs: grammars compiled against the tokenizer, masks sized to the model's logits.
         self.structured_backend = LLGuidanceBackend(source.tokenizer, self.vocab_size, self.model_info.eos_token_ids)
         spec = config.speculative_config

@@ -1,17 +1,19 @@
-"""Engine flags shared by every CLI command, generated from EngineConfig's fields (vLLM's flag names).
+"""Command-line flags generated from a dataclass of `option` fields: the engine's (EngineConfig, vLLM's flag
+names) for every CLI command, the server's (entrypoints/openai/cli_args.ServerConfig) for `tokenmill serve`.
 
 A field `max_num_seqs` becomes `--max-num-seqs` with the field's help, default and choices; a bool
-becomes `--flag/--no-flag`; values pass through the same conversion and bound the config applies, so a
-bad value is an argparse error (one line) rather than a failure after the parse.
+becomes `--flag/--no-flag`; a repeatable field collects every use; values pass through the same
+conversion and bound the dataclass applies, so a bad value is an argparse error (one line) rather than a
+failure after the parse. Each flag and its default is written once, in its field.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import typing
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, TypeVar
 
-from tokenmill.config import BOUNDS, EngineConfig, engine_options, option_types
+from tokenmill.config import BOUNDS, EngineConfig, option_types
 from tokenmill.errors import InvalidRequestError
 
 _BASE_TYPES = {int: "an integer", float: "a number"}
@@ -64,15 +66,25 @@ def _flag_reader(f: dataclasses.Field, base: Any) -> Optional[Callable[[str], An
 
 def add_engine_args(parser: argparse.ArgumentParser, names: Optional[Sequence[str]] = None) -> None:
     """Every engine option as a flag (`names`: only those, e.g. for a benchmark tool's command line)."""
-    group = parser.add_argument_group("engine")
-    types = option_types()
-    for f in engine_options():
+    add_option_args(parser, EngineConfig, "engine", names)
+
+
+def add_option_args(parser: argparse.ArgumentParser, options_class: type, title: str,
+                    names: Optional[Sequence[str]] = None) -> None:
+    """Every `option` field of options_class as a flag in an argument group `title` (`names`: only those)."""
+    group = parser.add_argument_group(title)
+    types = option_types(options_class)
+    for f in dataclasses.fields(options_class):
         if names is not None and f.name not in names:
             continue
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata["help"]}
         base = _base_type(types[f.name])
-        if base is bool:
+        if f.metadata.get("repeat"):
+            kwargs["action"] = "append"
+            if f.metadata.get("metavar") is not None:
+                kwargs["metavar"] = f.metadata["metavar"]
+        elif base is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
         else:
             reader = _flag_reader(f, base)
@@ -85,8 +97,16 @@ def add_engine_args(parser: argparse.ArgumentParser, names: Optional[Sequence[st
         group.add_argument(*flags, **kwargs)
 
 
-def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig of parsed flags: every field read from `args` by name (a parser without some
-    engine flag leaves that field at its default)."""
+Options = TypeVar("Options")
+
+
+def options_from_args(options_class: type[Options], args: argparse.Namespace) -> Options:
+    """An options_class of parsed flags: every field read from `args` by name (a parser without some
+    flag leaves that field at its default)."""
     values = vars(args)
-    return EngineConfig(**{f.name: values[f.name] for f in engine_options() if f.name in values})
+    return options_class(**{f.name: values[f.name] for f in dataclasses.fields(options_class) if f.name in values})
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig of parsed flags."""
+    return options_from_args(EngineConfig, args)

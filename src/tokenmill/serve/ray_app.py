@@ -46,7 +46,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
-from tokenmill.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES, add_serve_args, configure_logging
+from tokenmill.entrypoints.openai.cli_args import add_serve_args, configure_logging, server_config_from_args
 from tokenmill.serve.http_bridge import HttpRequest, ResponseStart, call_app
 from tokenmill.serve.prefix_router import PrefixAwareRequestRouter
 from tokenmill.serve.routing import RoutedRequest, routed_request
@@ -139,12 +139,13 @@ class EngineReplica:
         from tokenmill.entrypoints.openai.api_server import build_app
 
         args = parse_server_args(argv)
-        configure_logging(log_level, not args.disable_log_requests)
+        server = server_config_from_args(args)
+        configure_logging(log_level, not server.disable_log_requests)
         config = engine_config_from_args(args)
         # Loads the model (its engine core is a child process of this replica); blocks until ready.
-        self.engine = AsyncLLM.from_config(config, log_level, request_timeout=args.request_timeout,
-                                           stall_timeout=args.engine_stall_timeout)
-        self.app = build_app(self.engine, args)
+        self.engine = AsyncLLM.from_config(config, log_level, request_timeout=server.request_timeout,
+                                           stall_timeout=server.engine_stall_timeout)
+        self.app = build_app(self.engine, server)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
 
     async def info(self) -> dict[str, Any]:
@@ -186,7 +187,7 @@ class OpenAIFront:
         max_len = config.max_model_len or 1 << 30  # the replica checks lengths; routing needs none
         self.processor = InputProcessor(source.tokenizer, max_len, source.hf_config.vocab_size)
         self.engine = engine
-        self.max_body_bytes = getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES)
+        self.max_body_bytes = server_config_from_args(args).max_request_body_bytes
         self._cache_shape: Optional[tuple[int, int]] = None  # (block size, KV blocks) of the replicas
 
     async def _shape(self) -> tuple[int, int]:
@@ -232,6 +233,7 @@ def build_app(args: dict[str, Any]) -> Any:
     """The Ray Serve application (`serve run tokenmill.serve.ray_app:build_app key=value ...`)."""
     app, argv = split_args(dict(args))
     server_args = parse_server_args(argv)  # a bad flag fails here, before any replica starts
+    server_config_from_args(server_args)
     config = engine_config_from_args(server_args)
     replicas = app.get("replicas", 1)
     replica_cpus = app.get("replica_cpus", 1.0)

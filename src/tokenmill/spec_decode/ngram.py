@@ -7,52 +7,11 @@ Configured as in vLLM: `speculative_config={"method": "ngram", "num_speculative_
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 
-from tokenmill.errors import InvalidRequestError
-
-SPECULATIVE_METHODS = ("ngram",)
-
-
-@dataclass(frozen=True)
-class SpeculativeConfig:
-    method: str = "ngram"
-    num_speculative_tokens: int = 4
-    prompt_lookup_max: int = 4
-    prompt_lookup_min: int = 1
-
-    def __post_init__(self) -> None:
-        param = "speculative_config"
-        if self.method not in SPECULATIVE_METHODS:
-            raise InvalidRequestError(f"speculative method {self.method!r} is not supported (supported: "
-                                      f"{', '.join(SPECULATIVE_METHODS)})", param)
-        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param)
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise InvalidRequestError("prompt_lookup_min must not exceed prompt_lookup_max", param)
-
-    @classmethod
-    def from_dict(cls, value: Any) -> Optional["SpeculativeConfig"]:
-        """None, a SpeculativeConfig, or vLLM's dict (its `model` key is refused: no draft models)."""
-        if value is None or isinstance(value, SpeculativeConfig):
-            return value
-        if not isinstance(value, dict):
-            raise InvalidRequestError("speculative_config must be a JSON object", "speculative_config")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
-        unknown = sorted(set(value) - known)
-        if unknown:
-            raise InvalidRequestError(f"unsupported speculative_config keys: {', '.join(unknown)} "
-                                      "(only the ngram method, without a draft model)", "speculative_config")
-        lookup_min = value.get("prompt_lookup_min", 1)
-        lookup_max = value.get("prompt_lookup_max", max(4, lookup_min) if isinstance(lookup_min, int) else 4)
-        return cls(method=value.get("method", "ngram"), num_speculative_tokens=value.get("num_speculative_tokens", 4),
-                   prompt_lookup_max=lookup_max, prompt_lookup_min=lookup_min)
-
+from tokenmill.config import SpeculativeConfig
 
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:

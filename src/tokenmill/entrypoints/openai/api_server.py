@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one `AsyncLLM`, run by uvicorn.
 
-`build_app(engine, args)` makes the app; `serve_app(app, args)` runs it and drains on SIGTERM/SIGINT:
+`build_app(engine, server)` makes the app; `serve_app(app, server)` runs it and drains on SIGTERM/SIGINT:
 new requests get 503 while in-flight ones finish (up to --shutdown-timeout), then the server exits.
 `run_server(args)` loads the engine, serves and shuts it down: `tokenmill serve [flags]`, or
 `python -m tokenmill.entrypoints.openai.api_server [flags]`.
@@ -32,10 +32,11 @@ from starlette.staticfiles import StaticFiles
 
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.entrypoints.openai.cli_args import (
-    DEFAULT_MAX_BODY_BYTES,
+    ServerConfig,
     add_serve_args,
     configure_logging,
     resolve_rate_limiter,
+    server_config_from_args,
 )
 from tokenmill.entrypoints.openai.errors import error_response, install_exception_handlers
 from tokenmill.entrypoints.openai.api_servers import STOP_GRACE_S, ApiServers, StatsCollector, listening_socket
@@ -90,39 +91,38 @@ def _version() -> str:
         return "0.0.0+unknown"
 
 
-def build_app(engine: "AsyncLLM", args: Optional[argparse.Namespace] = None,
+def build_app(engine: "AsyncLLM", server: Optional[ServerConfig] = None,
               relay_path: Optional[str] = None) -> FastAPI:
-    """relay_path: API server i > 0 of --api-server-count, whose /metrics and /stats are server 0's, fetched
+    """server: the server's flags (default: every default). relay_path: API server i > 0 of --api-server-count, whose /metrics and /stats are server 0's, fetched
     over this unix socket (its own request statistics are forwarded there, api_servers.StatsForwarder)."""
+    server = server if server is not None else ServerConfig()
     lifecycle = ServerLifecycle()
     app = FastAPI(title="tokenmill", version=_version(),
                   description="OpenAI-compatible API of the tokenmill inference engine")
     app.state.engine = engine
     app.state.lifecycle = lifecycle
     install_exception_handlers(app)
-    _add_openai_routes(app, engine, args)
+    _add_openai_routes(app, engine, server)
     _add_server_routes(app, engine, lifecycle)
     if relay_path is None:
-        _add_observability(app, engine, args)
+        _add_observability(app, engine, server)
     else:
         _add_relayed_observability(app, relay_path)
-    max_body = getattr(args, "max_request_body_bytes", DEFAULT_MAX_BODY_BYTES)
-    limiter = resolve_rate_limiter(args)
+    limiter = resolve_rate_limiter(server)
     app.state.rate_limiter = limiter  # the token limits are charged by the serving layer
 
     def rejected(reason: str) -> None:
         engine.num_rejected[reason] = engine.num_rejected.get(reason, 0) + 1
 
-    app.add_middleware(GatewayMiddleware, lifecycle=lifecycle, limiter=limiter, max_body_bytes=max_body,
+    app.add_middleware(GatewayMiddleware, lifecycle=lifecycle, limiter=limiter, max_body_bytes=server.max_request_body_bytes,
                        on_rejected=rejected)
     return app
 
 
-def _add_openai_routes(app: FastAPI, engine: "AsyncLLM", args: Optional[argparse.Namespace]) -> None:
+def _add_openai_routes(app: FastAPI, engine: "AsyncLLM", server: ServerConfig) -> None:
     name = engine.served_model_name
     completions = OpenAIServingCompletion(engine, name)
-    parser = getattr(args, "tool_call_parser", None) if getattr(args, "enable_auto_tool_choice", False) else None
-    chat = OpenAIServingChat(engine, name, tool_call_parser=parser)
+    chat = OpenAIServingChat(engine, name, tool_call_parser=server.auto_tool_call_parser)
     models = OpenAIServingModels(name, engine.max_model_len)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_STREAMING, **_ERRORS})
@@ -168,13 +168,13 @@ def _add_server_routes(app: FastAPI, engine: "AsyncLLM", lifecycle: ServerLifecy
 
 
 
-def _add_observability(app: FastAPI, engine: "AsyncLLM", args: Optional[argparse.Namespace]) -> None:
+def _add_observability(app: FastAPI, engine: "AsyncLLM", server: ServerConfig) -> None:
     """Attaches the stat loggers to the engine (they see every step) and serves what they collect."""
     on_cuda = engine.ready.device.startswith("cuda")
     prometheus = PrometheusStatLogger(engine.served_model_name, device_memory=on_cuda)
     window = WindowStatLogger()
     engine.stat_loggers.extend([prometheus, window])
-    if not getattr(args, "disable_log_stats", False):
+    if not server.disable_log_stats:
         engine.stat_loggers.append(LoggingStatLogger())
     app.state.prometheus = prometheus
     app.state.window_stats = window
@@ -335,33 +335,37 @@ class DrainingServer(uvicorn.Server):
         return await super().on_tick(counter)
 
 
-async def serve_app(app: FastAPI, args: argparse.Namespace, sockets: Optional[list[socket.socket]] = None,
+async def serve_app(app: FastAPI, server: ServerConfig, sockets: Optional[list[socket.socket]] = None,
                     on_drain: Optional[Callable[[], None]] = None, ignore_sigint: bool = False,
                     failure: Optional[Callable[[], Optional[str]]] = None) -> DrainingServer:
     """sockets: already bound (--api-server-count: the shared port, and server 0's private relay socket).
     Returns the server once it has stopped."""
     config = uvicorn.Config(
         app,
-        host=getattr(args, "host", "127.0.0.1"),
-        port=getattr(args, "port", 8000),
-        log_level=getattr(args, "uvicorn_log_level", "info"),
-        access_log=not getattr(args, "disable_access_log", False),
+        host=server.host,
+        port=server.port,
+        log_level=server.uvicorn_log_level,
+        access_log=not server.disable_access_log,
         lifespan="off",
     )
-    server = DrainingServer(config, app.state.lifecycle, getattr(args, "shutdown_timeout", 30.0), on_drain, failure,
-                            ignore_sigint)
-    await server.serve(sockets=sockets)
-    return server
+    draining = DrainingServer(config, app.state.lifecycle, server.shutdown_timeout, on_drain, failure, ignore_sigint)
+    await draining.serve(sockets=sockets)
+    return draining
 
 
 def run_server(args: argparse.Namespace) -> int:
     """Loads the model, serves until SIGTERM/SIGINT, drains, shuts the engine down. Returns the exit code."""
-    configure_logging(getattr(args, "log_level", None) or "INFO", not getattr(args, "disable_log_requests", False))
-    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
-        logger.error("--enable-auto-tool-choice needs --tool-call-parser (one of: %s)", ", ".join(TOOL_CALL_PARSERS))
-        return 2
+    # --log-level belongs to the `tokenmill` command, not to `serve`'s flags.
+    log_level = getattr(args, "log_level", None) or "INFO"
     try:
-        resolve_rate_limiter(args)
+        server = server_config_from_args(args)
+    except TokenmillError as exc:
+        configure_logging(log_level)
+        logger.error("invalid server settings: %s", exc.message)
+        return 2
+    configure_logging(log_level, not server.disable_log_requests)
+    try:
+        resolve_rate_limiter(server)
     except ValueError as exc:
         logger.error("%s", exc)
         return 2
@@ -371,20 +375,19 @@ def run_server(args: argparse.Namespace) -> int:
         logger.error("invalid engine settings: %s", exc.message)
         return 2
     try:
-        return event_loop.run(_serve(args, config))
+        return event_loop.run(_serve(server, config, log_level))
     except KeyboardInterrupt:  # Ctrl-C while the model was still loading
         return 130
 
 
-async def _serve(args: argparse.Namespace, config) -> int:
+async def _serve(server: ServerConfig, config, log_level: str) -> int:
     from tokenmill.engine.async_llm import AsyncLLM
 
-    count = getattr(args, "api_server_count", 1)
-    log_level = getattr(args, "log_level", None) or "INFO"
+    count = server.api_server_count
     try:
         # The engine core starts in its own process; this returns once it has loaded the model.
-        engine = AsyncLLM.from_config(config, log_level, request_timeout=getattr(args, "request_timeout", None),
-                                      stall_timeout=getattr(args, "engine_stall_timeout", None),
+        engine = AsyncLLM.from_config(config, log_level, request_timeout=server.request_timeout,
+                                      stall_timeout=server.engine_stall_timeout,
                                       api_server_count=count)
     except TokenmillError as exc:
         logger.error("cannot start the engine: %s", exc.message)
@@ -394,12 +397,12 @@ async def _serve(args: argparse.Namespace, config) -> int:
     failed = False
     sockets = None
     try:
-        app = build_app(engine, args)
+        app = build_app(engine, server)
         freeze_startup_heap()
         if count > 1:
             # Bound once the model is loaded, as uvicorn binds for a single server: until then connections
             # are refused rather than left waiting.
-            host, port = getattr(args, "host", "127.0.0.1"), getattr(args, "port", 8000)
+            host, port = server.host, server.port
             try:
                 sock = listening_socket(host, port)
             except OSError as exc:
@@ -413,16 +416,16 @@ async def _serve(args: argparse.Namespace, config) -> int:
             sockets = [sock, relay]
             collector = StatsCollector(directory, engine)
             collector.start(asyncio.get_running_loop())
-            servers = ApiServers(args, config, engine, sock, collector.address, relay_path, log_level)
+            servers = ApiServers(server, config, engine, sock, collector.address, relay_path, log_level)
             engine.ready_for_api_servers = None
-            logger.info("%d API servers on port %s (pids %s and this one)", count, getattr(args, "port", ""),
+            logger.info("%d API servers on port %s (pids %s and this one)", count, server.port,
                         ", ".join(str(pid) for pid in servers.pids))
-        server = await serve_app(app, args, sockets, on_drain=servers.drain if servers is not None else None,
-                                 failure=servers.failure if servers is not None else None)
-        failed = server.failed is not None
+        draining = await serve_app(app, server, sockets, on_drain=servers.drain if servers is not None else None,
+                                   failure=servers.failure if servers is not None else None)
+        failed = draining.failed is not None
     finally:
         if servers is not None:  # they drain their own requests, which the core still serves
-            servers.stop(getattr(args, "shutdown_timeout", 30.0) + STOP_GRACE_S)
+            servers.stop(server.shutdown_timeout + STOP_GRACE_S)
         if collector is not None:
             collector.close()
         try:

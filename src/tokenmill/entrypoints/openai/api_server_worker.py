@@ -21,21 +21,21 @@ async def _serve(settings: dict) -> int:
     from tokenmill.entrypoints.openai.api_servers import StatsForwarder, watch_parent
     from tokenmill.runner.host_memory import freeze_startup_heap
 
-    args, frontend = settings["args"], settings["frontend"]
+    server, frontend = settings["server"], settings["frontend"]
     ready = msgspec.msgpack.decode(settings["ready"], type=EngineCoreReady)
     client = AttachedClient(frontend, settings["input_address"], settings["output_address"], settings["core_pid"],
                             ready)
-    engine = AsyncLLM(settings["config"], settings["log_level"], request_timeout=getattr(args, "request_timeout", None),
-                      stall_timeout=getattr(args, "engine_stall_timeout", None), clients=[client])
+    engine = AsyncLLM(settings["config"], settings["log_level"], request_timeout=server.request_timeout,
+                      stall_timeout=server.engine_stall_timeout, clients=[client])
     forwarder = StatsForwarder(frontend, settings["stats_address"], engine.num_rejected)
     engine.stat_loggers.append(forwarder)
-    app = build_app(engine, args, relay_path=settings["relay_path"])
+    app = build_app(engine, server, relay_path=settings["relay_path"])
     freeze_startup_heap()
     sock = socket.socket(fileno=settings["socket_fd"])
     # Server 0 gone (killed without passing the drain on): drain too, as after SIGTERM.
     watch_parent(os.getppid(), lambda: os.kill(os.getpid(), signal.SIGTERM))
     try:
-        await serve_app(app, args, [sock], ignore_sigint=True)
+        await serve_app(app, server, [sock], ignore_sigint=True)
     finally:
         await engine.shutdown()
         forwarder.close()
@@ -46,8 +46,7 @@ def main() -> int:
     settings = pickle.loads(sys.stdin.buffer.read())
     from tokenmill.entrypoints.openai.cli_args import configure_logging
 
-    args = settings["args"]
-    configure_logging(settings["log_level"], not getattr(args, "disable_log_requests", False))
+    configure_logging(settings["log_level"], not settings["server"].disable_log_requests)
     from tokenmill.entrypoints.openai import event_loop
 
     return event_loop.run(_serve(settings))

@@ -18,7 +18,6 @@ are kept per server (each of the N enforces the limit on the requests it receive
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import logging
 import os
@@ -33,6 +32,7 @@ from typing import Any, Callable, Optional
 import msgspec
 import zmq
 
+from tokenmill.entrypoints.openai.cli_args import ServerConfig
 from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot
 
 logger = logging.getLogger("tokenmill.server")
@@ -135,7 +135,7 @@ class StatsCollector:
 class ApiServers:
     """API servers 1..N-1, each a fresh interpreter given its settings pickled on stdin."""
 
-    def __init__(self, args: argparse.Namespace, config: Any, engine: Any, sock: socket.socket,
+    def __init__(self, server: ServerConfig, config: Any, engine: Any, sock: socket.socket,
                  stats_address: str, relay_path: str, log_level: str) -> None:
         client = engine.client
         ready = msgspec.msgpack.encode(engine.ready_for_api_servers)
@@ -143,7 +143,7 @@ class ApiServers:
         self._signalled = False
         for index in range(1, len(client.frontend_addresses)):
             input_address, output_address = client.frontend_addresses[index]
-            payload = dict(args=args, config=config, frontend=index, input_address=input_address,
+            payload = dict(server=server, config=config, frontend=index, input_address=input_address,
                            output_address=output_address, core_pid=client.process.pid, ready=ready,
                            stats_address=stats_address, relay_path=relay_path, socket_fd=sock.fileno(),
                            log_level=log_level)

@@ -1,5 +1,6 @@
-"""Flags of `tokenmill serve` (the engine's own flags come from entrypoints/engine_args.py), the API keys
-they resolve to, and the server's logging setup. The server itself (`run_server`) lives in api_server.py,
+"""Flags of `tokenmill serve` as a dataclass, ServerConfig (the engine's own flags are EngineConfig's; both
+become argparse flags through entrypoints/engine_args.py), the API keys they resolve to, and the server's
+logging setup. The server itself (`run_server`) lives in api_server.py,
 which imports this module; nothing here imports the server back.
 """
 from __future__ import annotations
@@ -8,9 +9,12 @@ import argparse
 import logging
 import os
 import sys
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
-from tokenmill.config import parse_memory_size
+from tokenmill.config import option, parse_memory_size, validate_options
+from tokenmill.entrypoints.engine_args import add_option_args, options_from_args
+from tokenmill.errors import InvalidRequestError
 from tokenmill.entrypoints.openai.rate_limit import KeyPolicy, RateLimiter, load_api_keys_file
 from tokenmill.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
@@ -18,97 +22,99 @@ API_KEY_ENV = "TOKENMILL_API_KEY"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_STALL_TIMEOUT_S = 60.0
 
-def _size(value: str) -> int:
-    try:
-        return parse_memory_size(value)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _port(value: str) -> int:
-    if not value.isdigit() or not 0 <= int(value) <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {value!r}")
-    return int(value)
-
-
-def _positive_int(value: str) -> int:
-    if not value.isdigit() or int(value) < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}")
-    return int(value)
-
-
-def _non_negative(value: str) -> float:
-    try:
-        number = float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds, got {value!r}") from None
-    if not number >= 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative number of seconds, got {value!r}")
-    return number
-
-
 def _optional_seconds(value: str) -> Optional[float]:
     """A positive number of seconds, or 'none' for no limit."""
     if value.strip().lower() == "none":
         return None
-    number = _non_negative(value)
-    if number == 0:
-        raise argparse.ArgumentTypeError("expected a positive number of seconds, or 'none'")
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds or 'none', got {value!r}") from None
+    if not number > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds or 'none', got {value!r}")
     return number
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    group.add_argument("--port", type=_port, default=8000)
-    group.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                       help=f"require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: ${API_KEY_ENV})")
-    group.add_argument("--api-keys-file", default=None, metavar="PATH",
-                       help="JSON object: API key -> {tenant, requests_per_minute, tokens_per_minute} (all optional); "
-                       "over a limit: 429 with Retry-After; the tenant is the request's user for --scheduling-policy "
-                       "fair (adds to --api-key)")
-    group.add_argument("--api-server-count", type=_positive_int, default=1, metavar="N",
-                       help="HTTP frontend processes sharing the port and one engine core (tokenization, "
-                       "detokenization and streaming spread over N CPU cores); metrics count every server's requests")
-    group.add_argument("--shutdown-timeout", type=_non_negative, default=30.0,
-                       help="seconds in-flight requests may take to finish after SIGTERM/SIGINT")
-    group.add_argument("--request-timeout", type=_optional_seconds, default=None, metavar="SECONDS",
-                       help="a request running longer is aborted and answered 504 (type 'timeout'); default: none")
-    group.add_argument("--engine-stall-timeout", type=_optional_seconds, default=DEFAULT_STALL_TIMEOUT_S,
-                       metavar="SECONDS", help="a started request that gets no output from the engine core for this "
-                       "long fails with 504 (type 'timeout', code 'engine_stalled'); 'none' turns the watchdog off")
-    group.add_argument("--max-request-body-bytes", type=_size, default=DEFAULT_MAX_BODY_BYTES,
-                       help="larger request bodies get 413 (e.g. 16MiB)")
+def _tuple(values: Any) -> tuple:
+    return tuple(values)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """`tokenmill serve`'s own flags (the engine's are EngineConfig's): each declared once here, with its
+    default and help, and turned into argparse flags by entrypoints/engine_args.add_option_args."""
+
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on", bound="port")
+    api_key: Optional[tuple[str, ...]] = option(
+        None, f"require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: ${API_KEY_ENV})", repeat=True,
+        convert=_tuple, metavar="KEY")
+    api_keys_file: Optional[str] = option(
+        None, "JSON object: API key -> {tenant, requests_per_minute, tokens_per_minute} (all optional); over a "
+        "limit: 429 with Retry-After; the tenant is the request's user for --scheduling-policy fair (adds to "
+        "--api-key)", metavar="PATH")
+    api_server_count: int = option(
+        1, "HTTP frontend processes sharing the port and one engine core (tokenization, detokenization and "
+        "streaming spread over N CPU cores); metrics count every server's requests", bound="positive", metavar="N")
+    shutdown_timeout: float = option(30.0, "seconds in-flight requests may take to finish after SIGTERM/SIGINT",
+                                     bound="non_negative")
+    request_timeout: Optional[float] = option(
+        None, "a request running longer is aborted and answered 504 (type 'timeout'); default: none",
+        bound="positive", parse=_optional_seconds, metavar="SECONDS")
+    engine_stall_timeout: Optional[float] = option(
+        DEFAULT_STALL_TIMEOUT_S, "a started request that gets no output from the engine core for this long fails "
+        "with 504 (type 'timeout', code 'engine_stalled'); 'none' turns the watchdog off", bound="positive",
+        parse=_optional_seconds, metavar="SECONDS")
+    max_request_body_bytes: int = option(DEFAULT_MAX_BODY_BYTES, "larger request bodies get 413 (e.g. 16MiB)",
+                                         convert=parse_memory_size)
     # Not --log-level: the `tokenmill` command already has that flag (upper-case levels) for all subcommands.
-    group.add_argument("--uvicorn-log-level", default="info",
-                       choices=["trace", "debug", "info", "warning", "error", "critical"])
-    group.add_argument("--disable-access-log", action="store_true", help="no uvicorn access log lines")
-    group.add_argument("--disable-log-requests", action="store_true",
-                       help="no JSON line per finished request on the tokenmill.requests logger")
-    group.add_argument("--disable-log-stats", action="store_true",
-                       help="no periodic throughput/queue/KV-cache log line (Prometheus /metrics and /stats stay)")
-    group.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help="with tools and tool_choice 'auto', parse the model's tool calls out of its reply "
-                       "(needs --tool-call-parser); named and 'required' tool choices work without it")
-    group.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
-                       help="the model's tool-call format: hermes (<tool_call>{json}</tool_call>: Qwen2.5/3, Hermes)")
+    uvicorn_log_level: str = option("info", "uvicorn's log level",
+                                    choices=("trace", "debug", "info", "warning", "error", "critical"))
+    disable_access_log: bool = option(False, "no uvicorn access log lines")
+    disable_log_requests: bool = option(False, "no JSON line per finished request on the tokenmill.requests logger")
+    disable_log_stats: bool = option(
+        False, "no periodic throughput/queue/KV-cache log line (Prometheus /metrics and /stats stay)")
+    enable_auto_tool_choice: bool = option(
+        False, "with tools and tool_choice 'auto', parse the model's tool calls out of its reply (needs "
+        "--tool-call-parser); named and 'required' tool choices work without it")
+    tool_call_parser: Optional[str] = option(
+        None, "the model's tool-call format: hermes (<tool_call>{json}</tool_call>: Qwen2.5/3, Hermes)",
+        choices=tuple(TOOL_CALL_PARSERS))
+
+    def __post_init__(self) -> None:
+        validate_options(self)
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise InvalidRequestError(f"--enable-auto-tool-choice needs --tool-call-parser (one of: "
+                                      f"{', '.join(TOOL_CALL_PARSERS)})", "tool_call_parser")
+
+    @property
+    def auto_tool_call_parser(self) -> Optional[str]:
+        """The parser of tool calls in replies to tool_choice 'auto', when that is enabled."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
 
-def resolve_api_keys(args: Optional[argparse.Namespace]) -> list[str]:
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    add_option_args(parser, ServerConfig, "server")
+
+
+def server_config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return options_from_args(ServerConfig, args)
+
+
+def resolve_api_keys(server: ServerConfig) -> list[str]:
     """--api-key values win; otherwise $TOKENMILL_API_KEY; otherwise no authentication."""
-    keys = [key for key in (getattr(args, "api_key", None) or []) if key]
+    keys = [key for key in (server.api_key or ()) if key]
     if not keys and os.environ.get(API_KEY_ENV):
         keys = [os.environ[API_KEY_ENV]]
     return keys
 
 
-def resolve_rate_limiter(args: Optional[argparse.Namespace]) -> RateLimiter:
+def resolve_rate_limiter(server: ServerConfig) -> RateLimiter:
     """Every key the server accepts: --api-key / $TOKENMILL_API_KEY (no limits) and --api-keys-file.
     Raises ValueError for an unreadable or malformed keys file."""
-    keys = {key: KeyPolicy() for key in resolve_api_keys(args)}
-    path = getattr(args, "api_keys_file", None)
-    if path:
-        keys.update(load_api_keys_file(path))
+    keys = {key: KeyPolicy() for key in resolve_api_keys(server)}
+    if server.api_keys_file:
+        keys.update(load_api_keys_file(server.api_keys_file))
     return RateLimiter(keys)
 
 
