@@ -85,12 +85,12 @@ def kernels():
 @pytest.fixture(params=["masked", "split"])
 def chunk_path(request, monkeypatch):
     """Runs a test with prefill chunks that follow cached context through SDPA with a bottom-right
-    mask, then through the CPU split into prefix + causal square (attention.chunk_after_prefix_attention),
+    mask, then through the CPU split into prefix + causal square (torch_backend.chunk_after_prefix_attention),
     whatever the chunks' size."""
-    from tokenmill.model.layers import attention
+    from tokenmill.model.layers.attention import torch_backend
 
     threshold = 1 if request.param == "split" else 10**9
-    monkeypatch.setattr(attention, "SPLIT_CHUNK_MIN_TOKENS", threshold)
+    monkeypatch.setattr(torch_backend, "SPLIT_CHUNK_MIN_TOKENS", threshold)
     return request.param
 
 

@@ -19,7 +19,8 @@ class Row:
     spec_token_ids: list[int] = field(default_factory=list)
 
 
-def prepare_rows(rows: list[Row], block_size: int, device: torch.device, decode_buckets: bool) -> ModelInputs:
+def prepare_rows(rows: list[Row], block_size: int, device: torch.device, backend) -> tuple[ModelInputs, object]:
+    """The step's inputs, and `backend`'s metadata for them (its prepare_metadata)."""
     max_len = max(r.start_position + r.num_new_tokens for r in rows)
     batch = InputBatch(max_model_len=max(max_len, block_size), block_size=block_size)
     news, scheduled = [], []
@@ -31,4 +32,5 @@ def prepare_rows(rows: list[Row], block_size: int, device: torch.device, decode_
                                           tokens[row.start_position:], row.block_ids,
                                           spec_token_ids=row.spec_token_ids))
     states = batch.update(SchedulerOutput(new_requests=news, scheduled=scheduled))
-    return batch.prepare(scheduled, states, device, decode_buckets)
+    inputs = batch.prepare(scheduled, states, device, backend.paged_decode)
+    return inputs, backend.prepare_metadata(inputs.attention[0])

@@ -183,3 +183,69 @@ def test_the_api_process_modules_import_no_torch():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]", "the API process's modules import torch"
+
+
+# What each package may import (docs/architecture.md, "What each package may import"): one way, from the
+# entrypoints down to the leaves. An entry `package: names` limits an edge to those modules of the package.
+LEAVES = {"tokenmill.errors", "tokenmill.outputs", "tokenmill.metrics", "tokenmill.web", "tokenmill.child_process",
+          "tokenmill.distributed"}
+MAY_IMPORT: dict[str, set[str]] = {
+    **{leaf: set() for leaf in LEAVES},
+    "tokenmill.config": {"tokenmill.errors"},
+    "tokenmill.sampling_params": {"tokenmill.errors"},
+    "tokenmill.structured": {"tokenmill.errors", "tokenmill.sampling_params"},
+    "tokenmill.sample": {"tokenmill.outputs", "tokenmill.sampling_params", "tokenmill.structured"},
+    "tokenmill.spec_decode": {"tokenmill.config"},
+    "tokenmill.model": {"tokenmill.config", "tokenmill.distributed", "tokenmill.errors"},
+    "tokenmill.core": {"tokenmill.config", "tokenmill.outputs", "tokenmill.sampling_params"},
+    "tokenmill.runner": {"tokenmill.child_process", "tokenmill.config", "tokenmill.core", "tokenmill.distributed",
+                         "tokenmill.errors", "tokenmill.model", "tokenmill.sample", "tokenmill.sampling_params"},
+    "tokenmill.engine": {"tokenmill.child_process", "tokenmill.config", "tokenmill.core", "tokenmill.distributed",
+                         "tokenmill.errors", "tokenmill.metrics", "tokenmill.model", "tokenmill.outputs",
+                         "tokenmill.runner", "tokenmill.sampling_params", "tokenmill.spec_decode",
+                         "tokenmill.structured"},
+    "tokenmill.beam_search": {"tokenmill.engine", "tokenmill.errors", "tokenmill.outputs", "tokenmill.sampling_params"},
+    "tokenmill.bench": {"tokenmill.errors", "tokenmill.model"},
+    "tokenmill.planning": {"tokenmill.errors", "tokenmill.model"},
+    "tokenmill.entrypoints": {"tokenmill.beam_search", "tokenmill.bench", "tokenmill.config", "tokenmill.engine",
+                              "tokenmill.errors", "tokenmill.metrics", "tokenmill.outputs", "tokenmill.planning",
+                              "tokenmill.runner", "tokenmill.sampling_params"},
+    "tokenmill.serve": {"tokenmill.engine", "tokenmill.entrypoints", "tokenmill.model"},
+}
+# Edges into a package above the importer, allowed only to these modules: the scheduler's output types (the
+# message the runner receives) and the KV cache group plan; the one message type beam search reads; the
+# process-memory helper the API processes call once at start-up.
+ONLY_MODULES = {
+    ("tokenmill.runner", "tokenmill.core"): {"tokenmill.core.sched_output", "tokenmill.core.kv_cache_groups"},
+    ("tokenmill.beam_search", "tokenmill.engine"): {"tokenmill.engine.messages"},
+    ("tokenmill.entrypoints", "tokenmill.runner"): {"tokenmill.runner.host_memory"},
+}
+
+
+def test_every_package_imports_only_what_its_layer_may():
+    graph = import_graph()
+    wrong = []
+    for module, targets in sorted(graph.items()):
+        if module == "tokenmill":
+            continue
+        package = _package_of(module)
+        assert package in MAY_IMPORT, f"{package} is missing from MAY_IMPORT (and docs/architecture.md)"
+        for target in sorted(targets):
+            target_package = _package_of(target)
+            if target_package == package or target == "tokenmill":
+                continue
+            only = ONLY_MODULES.get((package, target_package))
+            if target_package not in MAY_IMPORT[package] or (only is not None and target not in only):
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports against the layering:\n    " + "\n    ".join(wrong)
+
+
+def test_the_config_is_a_leaf_and_attention_backends_do_not_import_each_other():
+    graph = import_graph()
+    assert graph["tokenmill.config"] <= {"tokenmill.errors"}
+    backends = {f"tokenmill.model.layers.attention.{name}" for name in ("torch_backend", "cpu_backend", "triton_backend")}
+    for backend in backends:
+        assert backend in graph, backend
+        # The C++ backend reuses the torch backend's paths for long float32 chunks; nothing else crosses.
+        allowed = {"tokenmill.model.layers.attention.torch_backend"} if backend.endswith("cpu_backend") else set()
+        assert graph[backend] & backends <= allowed, f"{backend} imports {graph[backend] & backends}"

@@ -5,9 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tokenmill.model.layers import attention
-from tokenmill.model.layers.attention import (CpuPagedAttentionBackend, TorchAttentionBackend,
-                                              chunk_after_prefix_attention, get_attention_backend)
+import numpy as np
+
+from tokenmill.model.layers.attention import (AttentionInputs, CpuPagedAttentionBackend, TorchAttentionBackend,
+                                              get_attention_backend, torch_backend)
+from tokenmill.model.layers.attention.torch_backend import chunk_after_prefix_attention
 from step_rows import Row, prepare_rows
 
 BLOCK = 4
@@ -105,11 +107,11 @@ def _scheduled(rid: str, prompt_len: int, start: int, count: int, blocks: list[i
     return Row(start, count, blocks)
 
 
-def _model_inputs(items: list[Row], decode_buckets: bool):
-    return prepare_rows(items, BLOCK, torch.device("cpu"), decode_buckets)
+def _model_inputs(items: list[Row], backend):
+    return prepare_rows(items, BLOCK, torch.device("cpu"), backend)
 
 
-@pytest.mark.skipif(attention._FLASH_WITH_LSE is None, reason="this torch has no CPU flash kernel with log-sum-exp")
+@pytest.mark.skipif(torch_backend._FLASH_WITH_LSE is None, reason="this torch has no CPU flash kernel with log-sum-exp")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(9, 3, 64), (4, 4, 16), (8, 1, 24)])
 @pytest.mark.parametrize("prefix_len,num_q", [(1, 1), (1, 7), (37, 5), (300, 64), (64, 300)])
@@ -146,12 +148,12 @@ def test_backends_agree_on_a_mixed_batch(kernels, backend_name, cache_dtype, chu
     ]
     backend = get_attention_backend(torch.device("cpu"), backend_name)
     assert isinstance(backend, CpuPagedAttentionBackend if backend_name == "cpu" else TorchAttentionBackend)
-    inputs = _model_inputs(items, backend.uses_decode_buckets)
+    inputs, meta = _model_inputs(items, backend)
     num_tokens = inputs.input_ids.numel()
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen)
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
-    out = backend.forward(q, k, v, cache, inputs.meta, 0.5)
+    out = backend.forward(q, k, v, cache, meta, 0.5)
     assert out.dtype == torch.float32
     tol = 1e-5 if cache_dtype == torch.float32 else 2e-3
 
@@ -185,9 +187,9 @@ def test_windowed_decodes_through_the_cpu_kernels_match_reference(kernels, cache
     for lengths in ([50, 7, 33, 20], [9, 16]):
         max_blocks = -(-max(lengths) // block)
         tables = torch.stack([torch.randperm(40, generator=gen)[:max_blocks] for _ in lengths]).to(torch.int32)
-        meta = attention.AttentionMetadata(slot_mapping=torch.zeros(len(lengths), dtype=torch.long),
-                                           num_decodes=len(lengths), decode_block_tables=tables,
-                                           decode_context_lens=torch.tensor(lengths, dtype=torch.int32))
+        meta = backend.prepare_metadata(AttentionInputs(
+            slot_mapping=torch.zeros(len(lengths), dtype=torch.long), block_size=block, num_decodes=len(lengths),
+            decode_block_table=tables.numpy(), decode_context_lens=np.array(lengths, dtype=np.int32)))
         q = torch.randn(len(lengths), num_heads, head_dim, generator=gen) * 2
         out = torch.full_like(q, float("nan"))
         backend.decode_into(out, q, cache, meta, scale, window, softcap)
@@ -211,12 +213,12 @@ def test_softcapped_attention_matches_reference(kernels, backend_name, window):
     items = [_scheduled("d0", 10, 9, 1, [5, 9, 2]), _scheduled("p0", 7, 0, 7, [11, 12]),
              _scheduled("d1", 3, 2, 1, [20]), _scheduled("p1", 12, 8, 4, [3, 4, 6])]
     backend = get_attention_backend(torch.device("cpu"), backend_name)
-    inputs = _model_inputs(items, backend.uses_decode_buckets)
+    inputs, meta = _model_inputs(items, backend)
     num_tokens = inputs.input_ids.numel()
     q = torch.randn(num_tokens, num_heads, head_dim, generator=gen) * 2
     k = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
     v = torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen)
-    out = backend.forward(q, k, v, cache, inputs.meta, scale, window=window, softcap=cap)
+    out = backend.forward(q, k, v, cache, meta, scale, window=window, softcap=cap)
     flat = 0
     for index in [2, 0, 1, 3]:  # decodes first, shortest context first, then prefills in order
         item = items[index]

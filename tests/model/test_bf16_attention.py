@@ -122,10 +122,10 @@ def test_engine_prefills_smollm2_through_the_bf16_kernel(bf16_attention, smollm2
     if block_matmul == "bfloat16-int8":
         if not isinstance(runner.block_kernels, Bf16TileInt8RowKernels):
             pytest.skip("bfloat16-int8 fell back on this CPU")
-        assert backend.bf16_prefill and f"prefill attention on {products}" in runner.linear_layers
+        assert backend.bf16_prefill and backend.describe() == f"cpu (prefill attention on {products})"
     else:
-        assert not backend.bf16_prefill
-        assert backend.describe_prefill(torch.bfloat16) == f"prefill attention on {products} over the bfloat16 cache"
+        assert backend.bf16_prefill
+        assert backend.describe() == f"cpu (prefill attention on {products} over the bfloat16 cache)"
     counting = backend.kernels = CountingKernels(backend.kernels)
     prompts = ["The history of the Roman Empire spans many centuries. " * 12,
                "Write a short poem about the sea, the wind and the light on the water. " * 2,
@@ -139,7 +139,7 @@ def test_engine_prefills_smollm2_through_the_bf16_kernel(bf16_attention, smollm2
 
     bf16 = run()
     assert counting.bf16_calls >= 30  # every layer of the prefill steps
-    backend.bf16_prefill, backend.bf16_cache_prefill_path, counting.bf16_calls = False, "", 0
+    backend.bf16_prefill, counting.bf16_calls = False, 0
     float32 = run()
     assert counting.bf16_calls == 0
     moved = 0.0

@@ -169,7 +169,7 @@ def test_unsupported_rope_is_a_load_error(tmp_path, family_dirs, smollm2_tokeniz
 
 @pytest.mark.parametrize("window", [6, 40])  # 40: wider than every context (only the table's blocks are read)
 def test_windowed_paged_decode_attends_only_the_window(window):
-    from tokenmill.model.layers.attention import windowed_paged_decode
+    from tokenmill.model.layers.attention.torch_backend import windowed_paged_decode
 
     torch.manual_seed(0)
     block_size, heads, kv_heads, dim = 4, 4, 2, 8

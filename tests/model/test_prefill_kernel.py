@@ -7,8 +7,11 @@ import pytest
 import torch
 
 from attention_reference import windowed_causal_reference
-from tokenmill.model.layers import attention
-from tokenmill.model.layers.attention import AttentionMetadata, CpuPagedAttentionBackend, TorchAttentionBackend
+import numpy as np
+
+from tokenmill.model.layers.attention import (AttentionInputs, AttentionMetadata, CpuPagedAttentionBackend,
+                                              TorchAttentionBackend, cpu_backend)
+from tokenmill.model.layers.attention.cpu_backend import cpu_prefill_tables
 
 
 @pytest.fixture(scope="module", params=["native", pytest.param("avx2", marks=pytest.mark.slow),
@@ -27,7 +30,7 @@ def variant(request, kernels):
 
 def make_step(chunks, num_heads, num_kv_heads, head_dim, block_size, cache_dtype, q_dtype, lead_rows=3, seed=0):
     """A flat batch of `lead_rows` decode rows then one prefill chunk per (ctx_len, num_q), each over a
-    scattered block table; returns (q, cache, meta)."""
+    scattered block table; returns (q, cache, meta) with the fields every backend's metadata has."""
     gen = torch.Generator().manual_seed(seed)
     blocks_per = [-(-ctx // block_size) for ctx, _ in chunks]
     num_blocks = sum(blocks_per) + 3
@@ -35,15 +38,22 @@ def make_step(chunks, num_heads, num_kv_heads, head_dim, block_size, cache_dtype
     perm = torch.randperm(num_blocks, generator=gen)
     total = lead_rows + sum(n for _, n in chunks)
     q = (torch.randn(total, num_heads, head_dim, generator=gen) * 1.5).to(q_dtype)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long), num_decodes=lead_rows)
+    inputs = AttentionInputs(slot_mapping=torch.zeros(0, dtype=torch.long), block_size=block_size,
+                             num_decodes=lead_rows, decode_block_table=np.zeros((lead_rows, 1), dtype=np.int32),
+                             decode_context_lens=np.ones(lead_rows, dtype=np.int32))
     row, used = lead_rows, 0
     for (ctx, n), nb in zip(chunks, blocks_per):
-        meta.prefill_query_ranges.append((row, row + n))
-        meta.prefill_context_lens.append(ctx)
-        meta.prefill_block_ids.append(perm[used:used + nb].clone())
+        inputs.prefill_query_ranges.append((row, row + n))
+        inputs.prefill_context_lens.append(ctx)
+        inputs.prefill_block_ids.append(perm[used:used + nb].numpy().astype(np.int64))
         row += n
         used += nb
-    return q, cache, meta
+    return q, cache, AttentionMetadata(**AttentionMetadata.common_fields(inputs))
+
+
+def kernel_tables(meta):
+    return cpu_prefill_tables(meta.prefill_query_ranges, meta.prefill_context_lens, meta.prefill_block_ids,
+                              cpu_backend.CPU_PREFILL_KERNEL_MAX_TOKENS)
 
 
 def expected_rows(q, cache, meta, scale, window=None, softcap=None):
@@ -59,7 +69,7 @@ def expected_rows(q, cache, meta, scale, window=None, softcap=None):
 
 
 def run_kernel(module, q, cache, meta, scale, window=None, softcap=None):
-    tables = attention.cpu_prefill_tables(meta)
+    tables = kernel_tables(meta)
     out = torch.full_like(q, 7.0)  # rows the kernel does not own must keep their values
     module.paged_prefill_attention(q, cache, tables.block_table, tables.query_ranges, tables.context_lens, scale,
                                    softcap or 0.0, window or 0, out)
@@ -103,7 +113,7 @@ def test_kernel_reads_16_bit_caches_as_their_values(kernels, cache_dtype, q_dtyp
 
 def test_kernel_refuses_what_it_cannot_read(kernels):
     q, cache, meta = make_step([(20, 20)], 4, 2, 16, 16, torch.float32, torch.float32)
-    tables = attention.cpu_prefill_tables(meta)
+    tables = kernel_tables(meta)
     args = (tables.block_table, tables.query_ranges, tables.context_lens, 0.5, 0.0, 0)
     with pytest.raises(RuntimeError, match="multiple of 8"):
         odd = torch.zeros(2, 4, 12, 2, 16)
@@ -119,17 +129,24 @@ def test_kernel_refuses_what_it_cannot_read(kernels):
 def test_backend_routes_long_chunks_to_sdpa(kernels, monkeypatch):
     """The CPU backend sends chunks under CPU_PREFILL_KERNEL_MAX_TOKENS to the kernel and the rest (here
     the middle chunk) to the torch path, in one step; every row matches the torch backend."""
-    monkeypatch.setattr(attention, "CPU_PREFILL_KERNEL_MAX_TOKENS", 100)
-    q, cache, meta = make_step([(90, 90), (500, 250), (130, 30)], 9, 3, 64, 16, torch.float32, torch.float32)
-    tables = attention.cpu_prefill_tables(meta)
+    monkeypatch.setattr(cpu_backend, "CPU_PREFILL_KERNEL_MAX_TOKENS", 100)
+    q, cache, common = make_step([(90, 90), (500, 250), (130, 30)], 9, 3, 64, 16, torch.float32, torch.float32)
+    tables = cpu_prefill_tables(common.prefill_query_ranges, common.prefill_context_lens, common.prefill_block_ids,
+                                max_tokens=100)
     assert tables.kernel_chunks == [0, 2] and tables.torch_chunks == [1]
     calls = []
     backend = CpuPagedAttentionBackend(kernels)
+    meta = backend.prepare_metadata(AttentionInputs(
+        slot_mapping=common.slot_mapping, block_size=16, num_decodes=3,
+        decode_block_table=np.zeros((3, 1), dtype=np.int32), decode_context_lens=np.ones(3, dtype=np.int32),
+        prefill_query_ranges=common.prefill_query_ranges, prefill_context_lens=common.prefill_context_lens,
+        prefill_block_ids=[ids.numpy() for ids in common.prefill_block_ids]))
+    assert meta.prefill_split.kernel_chunks == [0, 2] and meta.prefill_all.kernel_chunks == [0, 1, 2]
     original = backend._prefill
     monkeypatch.setattr(backend, "_prefill", lambda q_rows, *a, **k: calls.append(q_rows.shape[0]) or original(q_rows, *a, **k))
     out = torch.zeros_like(q)
     backend.prefill_into(out, q, cache, meta, 0.125)
     assert calls == [250]
     expected = torch.zeros_like(q)
-    TorchAttentionBackend().prefill_into(expected, q, cache, meta, 0.125)
+    TorchAttentionBackend().prefill_into(expected, q, cache, common, 0.125)
     torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)

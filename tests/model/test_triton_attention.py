@@ -17,7 +17,7 @@ from triton_setup import require_triton
 require_triton()
 
 from tokenmill.model.layers.attention import TorchAttentionBackend, get_attention_backend  # noqa: E402
-from tokenmill.model.layers.triton_attention import TritonAttentionBackend  # noqa: E402
+from tokenmill.model.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
 from step_rows import Row, prepare_rows  # noqa: E402
 from attention_reference import windowed_causal_reference  # noqa: E402
 
@@ -51,12 +51,12 @@ def run_batch(backend, specs, num_heads, num_kv_heads, head_dim, dtype, cache_dt
     num_blocks = sum(-(-(s + c) // BLOCK) for s, c, *_ in specs) + 3
     cache = torch.randn(2, num_blocks, BLOCK, num_kv_heads, head_dim, generator=gen).to(cache_dtype).to(DEVICE)
     rows = scheduled_rows(specs, num_blocks, gen)
-    inputs = prepare_rows(rows, BLOCK, DEVICE, backend.uses_decode_buckets)
+    inputs, meta = prepare_rows(rows, BLOCK, DEVICE, backend)
     tokens = inputs.input_ids.numel()
     q = torch.randn(tokens, num_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     k = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
     v = torch.randn(tokens, num_kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
-    out = backend.forward(q, k, v, cache, inputs.meta, 0.3, window=window, softcap=softcap)
+    out = backend.forward(q, k, v, cache, meta, 0.3, window=window, softcap=softcap)
     assert out.shape == q.shape and out.dtype == dtype
 
     tol = TOL[torch.promote_types(dtype, cache_dtype) if dtype == torch.float32 else dtype]
@@ -121,8 +121,8 @@ def test_mixed_batch_matches_the_torch_backend(cache_dtype):
     rows, q, k, v, cache, out = run_batch(TritonAttentionBackend(split_tokens=64), specs, 8, 2, 32, torch.float32,
                                           cache_dtype=cache_dtype, seed=1)
     torch_backend = TorchAttentionBackend()
-    inputs = prepare_rows(rows, BLOCK, DEVICE, torch_backend.uses_decode_buckets)
-    expected = torch_backend.forward(q, k, v, cache, inputs.meta, 0.3)
+    _, meta = prepare_rows(rows, BLOCK, DEVICE, torch_backend)
+    expected = torch_backend.forward(q, k, v, cache, meta, 0.3)
     torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
 
 
@@ -144,19 +144,19 @@ def test_sliding_window_and_softcap(window, softcap, dtype):
 
 
 def test_prefill_tables_are_built_once_per_step():
-    """The first layer packs the step's chunks into tables on the metadata; later layers reuse them."""
+    """The step's chunks are packed into tables once, on the step's metadata; every layer reuses them."""
     backend = TritonAttentionBackend()
     gen = torch.Generator().manual_seed(3)
     rows = scheduled_rows([(0, 5), (16, 3)], 8, gen)
-    inputs = prepare_rows(rows, BLOCK, DEVICE, backend.uses_decode_buckets)
+    _, meta = prepare_rows(rows, BLOCK, DEVICE, backend)
     cache = torch.zeros(2, 8, BLOCK, 1, 16, device=DEVICE)
     q, kv = torch.randn(8, 2, 16, device=DEVICE), torch.randn(8, 1, 16, device=DEVICE)
-    backend.forward(q, kv, kv, cache, inputs.meta, 0.25)
-    tables = inputs.meta.prefill_tables
+    backend.forward(q, kv, kv, cache, meta, 0.25)
+    (tables,) = meta.prefill_tables.values()
     assert tables.query_starts.tolist() == [0, 5, 8] and tables.context_lens.tolist() == [5, 19]
     assert tables.block_table.tolist() == [[rows[0].block_ids[0], 0], rows[1].block_ids[:2]]
-    backend.forward(q, kv, kv, cache, inputs.meta, 0.25)
-    assert inputs.meta.prefill_tables is tables
+    backend.forward(q, kv, kv, cache, meta, 0.25)
+    assert list(meta.prefill_tables.values()) == [tables] and meta.prefill_tables_for(tables.block_q) is tables
 
 
 def test_backend_selection(monkeypatch):

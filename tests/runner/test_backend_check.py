@@ -39,7 +39,7 @@ def test_the_torch_backend_passes_and_broken_kernels_are_named():
 
 def test_the_triton_kernels_pass_the_check_on_windowed_and_capped_layers():
     require_triton()
-    from tokenmill.model.layers.triton_attention import TritonAttentionBackend
+    from tokenmill.model.layers.attention.triton_backend import TritonAttentionBackend
 
     for layer in (LAYER, SimpleNamespace(**{**vars(LAYER), "window": 9, "softcap": 0.5})):
         assert attention_mismatch(TritonAttentionBackend(), layer, torch.float32, CPU) is None

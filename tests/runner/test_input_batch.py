@@ -5,6 +5,7 @@ import numpy as np
 import torch
 
 from tokenmill.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from tokenmill.model.layers.attention import TorchAttentionBackend
 from tokenmill.runner.input_batch import InputBatch
 from tokenmill.sampling_params import SamplingParams
 
@@ -71,21 +72,23 @@ def test_prepared_inputs_gather_ids_positions_and_slots_from_the_rows():
             ScheduledRequest("y", 3, 1, [6], [], samples=True),
             ScheduledRequest("z", 8, 4, list(range(308, 312)), [3], samples=True, more_group_block_ids=[[13]])]
     states = batch.update(SchedulerOutput(scheduled=step))
-    inputs = batch.prepare(step, states, CPU, decode_buckets=False)
+    inputs = batch.prepare(step, states, CPU, paged_decode=True)
     # y (context 4) before x (context 10), then z's chunk 8..11.
     assert inputs.input_ids.tolist() == [6, 5, 308, 309, 310, 311]
     assert inputs.positions.tolist() == [3, 9, 8, 9, 10, 11]
     assert inputs.last_token_index == [1, 0, 5]
-    assert inputs.meta.slot_mapping.tolist() == [2 * 4 + 3, 6 * 4 + 1, 3 * 4 + 0, 3 * 4 + 1, 3 * 4 + 2, 3 * 4 + 3]
-    assert inputs.more_metas[0].slot_mapping.tolist() == [12 * 4 + 3, 16 * 4 + 1, 13 * 4, 13 * 4 + 1, 13 * 4 + 2,
-                                                          13 * 4 + 3]
-    meta = inputs.meta
-    assert meta.num_decodes == 2 and meta.decode_context_lens.tolist() == [4, 10]
-    assert meta.decode_block_tables[0, :1].tolist() == [2] and meta.decode_block_tables[1, :3].tolist() == [4, 1, 6]
-    assert meta.prefill_query_ranges == [(2, 6)] and meta.prefill_context_lens == [12]
-    assert meta.prefill_block_ids[0].tolist() == [8, 9, 3]
+    assert len(inputs.attention) == 2  # one layout per KV cache group
+    assert inputs.attention[0].slot_mapping.tolist() == [2 * 4 + 3, 6 * 4 + 1, 3 * 4 + 0, 3 * 4 + 1, 3 * 4 + 2,
+                                                         3 * 4 + 3]
+    assert inputs.attention[1].slot_mapping.tolist() == [12 * 4 + 3, 16 * 4 + 1, 13 * 4, 13 * 4 + 1, 13 * 4 + 2,
+                                                         13 * 4 + 3]
+    layout = inputs.attention[0]
+    assert layout.num_decodes == 2 and layout.decode_context_lens.tolist() == [4, 10]
+    assert layout.decode_block_table[0, :1].tolist() == [2] and layout.decode_block_table[1, :3].tolist() == [4, 1, 6]
+    assert layout.prefill_query_ranges == [(2, 6)] and layout.prefill_context_lens == [12]
+    assert layout.prefill_block_ids[0].tolist() == [8, 9, 3]
     # The torch backend's buckets read the same tables.
-    bucketed = batch.prepare(step, states, CPU, decode_buckets=True).meta
+    bucketed = TorchAttentionBackend().prepare_metadata(batch.prepare(step, states, CPU).attention[0])
     bucket = bucketed.decode_buckets[0]
     assert bucket.max_blocks == 3 and bucket.block_ids.view(2, 3)[1].tolist() == [4, 1, 6]
     assert bucket.block_ids.view(2, 3)[0, 0].item() == 2
@@ -98,7 +101,7 @@ def test_a_verify_is_one_decode_row_per_position_with_block_tables():
                                  scheduled=[ScheduledRequest("v", 0, 5, [1, 2, 3, 4, 5], [7, 3])]))
     step = [ScheduledRequest("v", 5, 3, [9], [], samples=True, spec_token_ids=[10, 11])]
     states = batch.update(SchedulerOutput(scheduled=step))
-    meta = batch.prepare(step, states, CPU, decode_buckets=False).meta
-    assert meta.num_decodes == 3 and meta.decode_context_lens.tolist() == [6, 7, 8]
-    assert np.array_equal(meta.decode_block_tables.numpy(), np.array([[7, 3]] * 3, dtype=np.int32))
-    assert batch.prepare(step, states, CPU, decode_buckets=True).meta.prefill_query_ranges == [(0, 3)]
+    layout = batch.prepare(step, states, CPU, paged_decode=True).attention[0]
+    assert layout.num_decodes == 3 and layout.decode_context_lens.tolist() == [6, 7, 8]
+    assert np.array_equal(layout.decode_block_table, np.array([[7, 3]] * 3, dtype=np.int32))
+    assert batch.prepare(step, states, CPU, paged_decode=False).attention[0].prefill_query_ranges == [(0, 3)]

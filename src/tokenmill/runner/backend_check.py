@@ -37,7 +37,7 @@ def attention_mismatch(backend: AttentionBackend, attention: torch.nn.Module, dt
     q, k, v = (torch.randn(22, n, head_dim, generator=gen).to(device, dtype) for n in (heads, kv_heads, kv_heads))
     outputs = []
     for candidate in (TorchAttentionBackend(), backend):
-        meta = batch.prepare(steps, states, device, candidate.uses_decode_buckets).meta
+        meta = candidate.prepare_metadata(batch.prepare(steps, states, device, candidate.paged_decode).attention[0])
         try:
             outputs.append(candidate.forward(q, k, v, cache.clone(), meta, attention.scale, window=attention.window,
                                              softcap=attention.softcap).float())

@@ -24,13 +24,10 @@ import numpy as np
 import torch
 
 from tokenmill.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
-from tokenmill.model.layers.attention import AttentionMetadata, DecodeBucket
+from tokenmill.model.layers.attention import AttentionInputs
 from tokenmill.sample.sampler import SamplingArrays
 from tokenmill.sampling_params import SamplingParams
 
-# A decode bucket may pad its members up to this factor of their real total context.
-MAX_PADDING_FACTOR = 1.25
-MIN_BUCKET_SIZE = 8
 INITIAL_ROWS = 16
 
 
@@ -38,11 +35,11 @@ INITIAL_ROWS = 16
 class ModelInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
+    # The step's attention layout through each KV cache group's block tables (core.kv_cache_groups); the
+    # attention backend turns each into its metadata.
+    attention: list[AttentionInputs]
     # Flat index of each scheduled request's last token, in the order of the rows given.
     last_token_index: list[int]
-    # KV cache groups 1, 2, ... (core.kv_cache_groups): the same batch through their own block tables.
-    more_metas: list[AttentionMetadata] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -159,20 +156,20 @@ class InputBatch:
 
     # ---- the step's tensors ----------------------------------------------------------------
     def prepare(self, scheduled: Sequence[ScheduledRequest], states: Sequence[CachedRequestState],
-                device: torch.device, decode_buckets: bool = True) -> ModelInputs:
-        """Flat input ids, positions and attention metadata (one per KV cache group) for the step.
+                device: torch.device, paged_decode: bool = False) -> ModelInputs:
+        """Flat input ids, positions and attention layout (one per KV cache group) for the step.
 
-        Decodes come first, ordered by context length, then prefill chunks. With block tables
-        (paged-kernel backends) a speculative verify is attended as one decode row per position: the
-        same blocks, each row's context one token longer; its rows stay together, in order, so the
-        runner finds them right before the request's last token.
+        Decodes come first, ordered by context length, then prefill chunks. With paged_decode (a backend
+        attending decodes through block tables) a speculative verify is attended as one decode row per
+        position: the same blocks, each row's context one token longer; its rows stay together, in order,
+        so the runner finds them right before the request's last token.
         """
         n = len(scheduled)
         starts = np.fromiter((item.start_position for item in scheduled), dtype=np.int64, count=n)
         counts = np.fromiter((item.num_new_tokens for item in scheduled), dtype=np.int64, count=n)
         rows = np.fromiter((state.row for state in states), dtype=np.int64, count=n)
         is_decode = counts == 1
-        if not decode_buckets:
+        if paged_decode:
             is_decode |= np.fromiter((bool(item.spec_token_ids) for item in scheduled), dtype=bool, count=n)
         decode_order = np.flatnonzero(is_decode)
         decode_order = decode_order[np.argsort(starts[decode_order], kind="stable")]
@@ -191,40 +188,30 @@ class InputBatch:
         num_decode_tokens = int(ends[num_decode_items - 1]) if num_decode_items else 0
         step = _Step(token_rows, positions, num_decode_tokens, starts[num_decode_items:], counts[num_decode_items:],
                      rows[num_decode_items:], ends[num_decode_items:] - counts[num_decode_items:])
-        metas = [self._attention_metadata(step, table, device, decode_buckets) for table in self.block_tables]
         return ModelInputs(
             input_ids=torch.from_numpy(input_ids.astype(np.int64)).to(device),
             positions=torch.from_numpy(positions).to(device),
-            meta=metas[0],
+            attention=[self._attention_inputs(step, table, device) for table in self.block_tables],
             last_token_index=last_index.tolist(),
-            more_metas=metas[1:],
         )
 
-    def _attention_metadata(self, step: _Step, table: np.ndarray, device: torch.device,
-                            decode_buckets: bool) -> AttentionMetadata:
-        """The step's slots, decode tables or buckets and prefill blocks through one KV cache group's table."""
+    def _attention_inputs(self, step: _Step, table: np.ndarray, device: torch.device) -> AttentionInputs:
+        """The step's slots, decode rows' tables and prefill chunks' blocks through one KV cache group's table."""
         bs = self.block_size
         slots = table[step.token_rows, step.positions // bs].astype(np.int64) * bs + step.positions % bs
-        meta = AttentionMetadata(slot_mapping=torch.from_numpy(slots).to(device), num_decodes=step.num_decodes)
-        if step.num_decodes:
-            decode_rows = step.token_rows[:step.num_decodes]
-            lengths = step.positions[:step.num_decodes] + 1  # a decode row's context includes itself
-            if decode_buckets:
-                for lo, hi in _bucket_decodes(lengths.tolist()):
-                    meta.decode_buckets.append(_decode_bucket(table, decode_rows[lo:hi], lengths[lo:hi], lo, bs,
-                                                              device))
-            else:
-                max_blocks = _num_blocks(int(lengths.max()), bs)
-                meta.decode_block_tables = torch.from_numpy(table[decode_rows, :max_blocks]).to(device)
-                meta.decode_context_lens = torch.from_numpy(lengths.astype(np.int32)).to(device)
+        decode_rows = step.token_rows[:step.num_decodes]
+        lengths = (step.positions[:step.num_decodes] + 1).astype(np.int32)  # a decode row's context includes itself
+        max_blocks = _num_blocks(int(lengths.max()), bs) if step.num_decodes else 0
+        inputs = AttentionInputs(slot_mapping=torch.from_numpy(slots).to(device), block_size=bs,
+                                 num_decodes=step.num_decodes, decode_block_table=table[decode_rows, :max_blocks],
+                                 decode_context_lens=lengths)
         for start, count, row, offset in zip(step.prefill_starts.tolist(), step.prefill_counts.tolist(),
                                              step.prefill_rows.tolist(), step.prefill_offsets.tolist()):
             ctx_len = start + count
-            meta.prefill_query_ranges.append((offset, offset + count))
-            meta.prefill_context_lens.append(ctx_len)
-            blocks = table[row, :_num_blocks(ctx_len, bs)].astype(np.int64)
-            meta.prefill_block_ids.append(torch.from_numpy(blocks).to(device))
-        return meta
+            inputs.prefill_query_ranges.append((offset, offset + count))
+            inputs.prefill_context_lens.append(ctx_len)
+            inputs.prefill_block_ids.append(table[row, :_num_blocks(ctx_len, bs)].astype(np.int64))
+        return inputs
 
 
 @dataclass(slots=True)
@@ -242,29 +229,3 @@ class _Step:
 
 def _num_blocks(ctx_len: int, block_size: int) -> int:
     return -(-ctx_len // block_size)
-
-
-def _bucket_decodes(lengths: list[int]) -> list[tuple[int, int]]:
-    """Split ascending context lengths into [start, end) runs whose padding stays bounded."""
-    buckets, start, total = [], 0, 0
-    for i, length in enumerate(lengths):
-        count = i - start + 1
-        if count > MIN_BUCKET_SIZE and count * length > MAX_PADDING_FACTOR * (total + length):
-            buckets.append((start, i))
-            start, total = i, 0
-        total += length
-    if lengths:
-        buckets.append((start, len(lengths)))
-    return buckets
-
-
-def _decode_bucket(table: np.ndarray, rows: np.ndarray, lengths: np.ndarray, start: int, block_size: int,
-                   device: torch.device) -> DecodeBucket:
-    """Members' tables padded to the longest: entries past a member's own blocks are whatever its row
-    held before (valid block ids), hidden by the mask."""
-    max_blocks = _num_blocks(int(lengths.max()), block_size)
-    block_ids = torch.from_numpy(table[rows, :max_blocks].astype(np.int64).reshape(-1))
-    key_pos = torch.arange(max_blocks * block_size)
-    mask = key_pos.unsqueeze(0) < torch.from_numpy(lengths).unsqueeze(1)
-    return DecodeBucket(start=start, end=start + len(rows), block_ids=block_ids.to(device),
-                        max_blocks=max_blocks, mask=mask.view(len(rows), 1, 1, -1).to(device))

@@ -55,9 +55,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.hf_config = hf_config
         model_class = get_model_class(architecture)
-        self.attention_backend = get_attention_backend(device, config.attention_backend)
-        prefill = getattr(self.attention_backend, "describe_prefill", lambda _: "")(DTYPES[config.kv_cache_dtype])
-        logger.info("attention backend: %s%s", self.attention_backend.name, f" ({prefill})" if prefill else "")
+        self.attention_backend = get_attention_backend(device, config.attention_backend, DTYPES[config.kv_cache_dtype],
+                                                       config.block_matmul in ("bfloat16", "bfloat16-int8"))
+        logger.info("attention backend: %s", self.attention_backend.describe())
         # Parameters are allocated but not initialized: the checkpoint overwrites them, and those a GGUF's
         # kept blocks replace are dropped with their pages never written (never resident).
         with torch.device(device), skip_weight_init():
@@ -68,9 +68,9 @@ class ModelRunner:
         self.model.eval().requires_grad_(False)
         if config.attention_backend == "auto" and self.attention_backend.name == "triton":
             self._check_attention_kernels()
-        kernels = getattr(self.attention_backend, "kernels", None)
+        kernels = self.attention_backend.kernels
         if kernels is not None:
-            # The backend built tokenmill's C++ CPU kernels: norms, rotary and activation use them too.
+            # The backend runs on tokenmill's C++ CPU kernels: norms, rotary and activation use them too.
             use_cpu_kernels(self.model, kernels)
         attn = self.model.layers[0].self_attn
         cache_dtype = DTYPES[config.kv_cache_dtype]
@@ -91,7 +91,7 @@ class ModelRunner:
         self.input_batch = InputBatch(max_model_len, block_size, len(self.kv_layout.groups), config.max_num_seqs)
         self.packed_linear_rows = min(config.max_num_seqs, 256) if config.packed_linear else None
         # Each linear layer's method is chosen once, by the model's LinearMethods, when the weights are in.
-        self.linear_methods = LinearMethods(self.model, self.attention_backend, device, self.dtype,
+        self.linear_methods = LinearMethods(self.model, kernels, device, self.dtype,
                                             config.quantization, config.block_matmul, self.packed_linear_rows,
                                             self.tp)
         self.linear_layers = ""  # how the projections run, once loaded (logged; reported by benchmarks)
@@ -225,11 +225,11 @@ class ModelRunner:
         if not output.scheduled:
             return result
         batch = self.input_batch
-        inputs = batch.prepare(output.scheduled, states, self.device, self.attention_backend.uses_decode_buckets)
-        meta = inputs.meta
-        if inputs.more_metas:  # several KV cache groups: each layer attends through its group's tables
-            metas = [inputs.meta, *inputs.more_metas]
-            meta = [metas[group] for group in self._layer_group]
+        backend = self.attention_backend
+        inputs = batch.prepare(output.scheduled, states, self.device, backend.paged_decode)
+        metas = [backend.prepare_metadata(group_inputs) for group_inputs in inputs.attention]
+        # Several KV cache groups: each layer attends through its group's tables.
+        meta = metas[0] if len(metas) == 1 else [metas[group] for group in self._layer_group]
         hidden = self.model(inputs.input_ids, inputs.positions, self.layer_kv_caches, meta)
 
         # Rows the sampler picks a token for, their items and states (in the same order), and the

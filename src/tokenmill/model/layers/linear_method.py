@@ -16,8 +16,6 @@ from typing import Optional
 import torch
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.model.layers.attention import CpuPagedAttentionBackend
-from tokenmill.model.layers.decoder import DecoderAttention
 from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, INT8_DOT_PATHS, QUANT_BLOCK, Bf16TileInt8RowKernels,
                                           Bf16TileKernels, BlockQuantLinear, Int8ActivationKernels, Int8Blocks,
                                           PackedLinear, dense_linear, onednn_packing_supported, runs_bf16_tiles,
@@ -30,14 +28,15 @@ INT8_KERNELS_NEEDED = ("needs the CPU device, dtype float32 and tokenmill's CPU 
 
 
 class LinearMethods:
-    """The linear layers' methods for one model. quantization, block_matmul: the engine's (resolved) options;
+    """The linear layers' methods for one model. kernels: tokenmill's C++ CPU kernels where the model runs on them
+    (else None: dense torch layers, or triton's on CUDA); quantization, block_matmul: the engine's (resolved) options;
     packed_linear_rows: the row count oneDNN packs dense weights for (None: no packing); tp: the tensor-parallel
     group when the model is one rank's shard."""
 
-    def __init__(self, model: torch.nn.Module, attention_backend, device: torch.device, dtype: torch.dtype,
+    def __init__(self, model: torch.nn.Module, kernels, device: torch.device, dtype: torch.dtype,
                  quantization: Optional[str], block_matmul: str, packed_linear_rows: Optional[int], tp=None) -> None:
         self.model = model
-        self.attention_backend = attention_backend
+        self.kernels = kernels
         self.device = device
         self.dtype = dtype
         self.quantization = quantization
@@ -52,7 +51,7 @@ class LinearMethods:
         """tokenmill's C++ kernels when block-int8 layers can run here (CPU backend, float32), else None;
         under `--block-matmul int8` / `bfloat16` wrapped so block matmuls take integer dot products / run
         prefill-sized steps in bfloat16."""
-        kernels = getattr(self.attention_backend, "kernels", None)
+        kernels = self.kernels
         if kernels is None or self.dtype != torch.float32 or not hasattr(self.model, "convert_linear_layers"):
             return None
         if self.block_matmul == "float32":
@@ -142,7 +141,7 @@ class LinearMethods:
 
             self.model.convert_linear_layers(make_q8_0)
             return ("Q8_0 weights rounded at load (" + self._block_kernel_paths(kernels)
-                    + self._enable_bf16_attention(kernels) + self._enable_int8_decode(kernels))
+                    + self._enable_int8_decode(kernels))
         if int8_blocks:
             widths: dict[int, int] = {}
             requantized: list[str] = []
@@ -180,7 +179,7 @@ class LinearMethods:
             if requantized:
                 kept += f", {len(requantized)} rounded to Q8_0 at load"
             return (f"GGUF weights kept quantized in {self.num_gguf_layers_kept} layers ({kept}{embedding}; "
-                    + self._block_kernel_paths(kernels) + self._enable_bf16_attention(kernels)
+                    + self._block_kernel_paths(kernels)
                     + self._enable_int8_decode(kernels))
         if self.block_matmul != "float32":
             logger.warning("--block-matmul %s applies to block-quantized weights (a GGUF's kept blocks, "
@@ -218,21 +217,6 @@ class LinearMethods:
                     f"{self._bf16_tile_path(kernels)} above, no float copy")
         return (f"row kernel for steps of up to {BLOCK_KERNEL_MAX_ROWS} rows, dequantized tiles through sgemm "
                 "above, no float copy")
-
-    def _enable_bf16_attention(self, kernels) -> str:
-        """Under the bfloat16 block matmuls, prefill attention takes bfloat16 products too (AMX tiles, or AVX-512
-        BF16 dot products; scores from high and low bfloat16 parts of q and k; v and the probabilities rounded to
-        bfloat16), over any cache dtype, where every layer's heads fit the kernel."""
-        if not isinstance(kernels, (Bf16TileKernels, Bf16TileInt8RowKernels)) or \
-                not getattr(kernels, "bf16_attention_available", lambda: False)() or \
-                not isinstance(self.attention_backend, CpuPagedAttentionBackend):
-            return ""
-        layers = [module for module in self.model.modules() if isinstance(module, DecoderAttention)]
-        if not layers or any(layer.softcap is not None or layer.head_dim % 32 for layer in layers):
-            return ""
-        self.attention_backend.bf16_prefill = True
-        products = {"amx": "AMX bfloat16 tiles", "avx512_bf16": "AVX-512 BF16 dot products"}
-        return f"; prefill attention on {products.get(kernels.bf16_attention_path(), 'bfloat16 products')}"
 
     def _enable_int8_decode(self, kernels) -> str:
         if not self._runs_cpu_kernels(kernels):

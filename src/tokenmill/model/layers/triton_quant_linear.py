@@ -98,7 +98,7 @@ def block_kernel_problem(kernels: TritonBlockKernels, device: torch.device, dtyp
 def load_triton_block_kernels(device: torch.device, dtype: torch.dtype) -> tuple[Optional[TritonBlockKernels], str]:
     """(kernels, "") where the Triton block kernel runs on `device` and passes its check in `dtype`,
     else (None, the reason)."""
-    from tokenmill.model.layers.triton_attention import triton_unavailable_reason
+    from tokenmill.model.layers.attention.triton_backend import triton_unavailable_reason
 
     reason = triton_unavailable_reason(device)
     if reason is not None:

@@ -1,6 +1,6 @@
 """Triton kernels for paged attention: decodes with split-K, prefill chunks with causal masking.
 
-Imported only by `triton_attention.py` once the triton backend is chosen, so tokenmill imports
+Imported only by `triton_backend.py` once the triton backend is chosen, so tokenmill imports
 without triton. Whether kernels compile for the GPU or run in Triton's interpreter is fixed when this
 module is imported (TRITON_INTERPRET=1 before the import: the interpreter, which takes CPU tensors).
 
