@@ -135,8 +135,15 @@ def build_error() -> Optional[str]:
 
 
 if __name__ == "__main__":
+    import sys
+
     logging.basicConfig(level=logging.INFO)
     module = load(verbose=True)
     if module is None:
         raise SystemExit(f"could not build tokenmill's CPU kernels: {build_error()}")
     print(f"built {_extension_name()}")
+    if "--test-variants" in sys.argv[1:]:
+        # The narrower builds the tests run every SIMD path with (`make test` builds them before the tests).
+        _compile_side_by_side(list(VARIANT_DEFINES))
+        for variant in VARIANT_DEFINES:
+            print(f"built {_extension_name(variant)}")
