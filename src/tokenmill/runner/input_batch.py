@@ -17,7 +17,7 @@ is corrected by the next chunk, which starts where the kept tokens end and overw
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np

@@ -7,7 +7,7 @@ Configured as in vLLM: `speculative_config={"method": "ngram", "num_speculative_
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 

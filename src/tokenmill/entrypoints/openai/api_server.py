@@ -60,7 +60,6 @@ from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
-from tokenmill.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from tokenmill.errors import ServiceUnavailableError, TokenmillError
 from tokenmill.metrics.loggers import LoggingStatLogger
 from tokenmill.metrics.prometheus import PrometheusStatLogger
