@@ -42,20 +42,19 @@ def smollm2_path() -> Path:
 
 @pytest.fixture(scope="session")
 def smollm2_tokenizer(smollm2_path):
-    from transformers import AutoTokenizer
+    from gguf_compat import hf_tokenizer_from_gguf
 
-    return AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+    return hf_tokenizer_from_gguf(smollm2_path)
 
 
 @pytest.fixture(scope="session")
 def smollm2_hf(smollm2_path):
     """HF transformers' own model of the embedded GGUF (its weights dequantized by transformers, float32),
-    the reference of the greedy parity tests; loaded once (~13 s on 2 cores). Tests must not move it or
-    change its weights (hf_greedy clears its EOS ids, which every user of it tolerates)."""
-    from transformers import AutoModelForCausalLM
+    the reference of the greedy parity tests; loaded once. Tests must not move it or change its weights
+    (hf_greedy clears its EOS ids, which every user of it tolerates)."""
+    from gguf_compat import hf_model_from_gguf
 
-    return AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                                dtype=torch.float32).eval()
+    return hf_model_from_gguf(smollm2_path, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="session")

@@ -81,10 +81,9 @@ def test_gemma3_270m_gguf_matches_hf_on_chat_prompts(kernels, gemma3_270m_gguf):
     """The real Gemma 3 270M GGUF (`make gemma`; skipped without it), its blocks kept as stored (Q8_0 head
     and embedding, Q5_0/Q4_K projections; Q6_K ones dequantized): 8 chat prompts in Gemma's template,
     32 greedy tokens each, token-exact with HF transformers on the same dequantized weights."""
-    from transformers import AutoModelForCausalLM
+    from gguf_compat import hf_model_from_gguf
 
-    hf = AutoModelForCausalLM.from_pretrained(str(gemma3_270m_gguf.parent), gguf_file=gemma3_270m_gguf.name,
-                                              dtype=torch.float32).eval()
+    hf = hf_model_from_gguf(gemma3_270m_gguf, dtype=torch.float32).eval()
     llm = LLM(str(gemma3_270m_gguf), device="cpu", max_num_batched_tokens=64, num_kv_blocks=400,
               max_model_len=512, numerics="exact")
     tokenizer = llm.get_tokenizer()

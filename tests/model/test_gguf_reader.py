@@ -6,14 +6,15 @@ import gguf
 import numpy as np
 import pytest
 
+from gguf_compat import GGUFPartsReader
 from model_factory import finish_gguf
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.gguf_loader import open_gguf
 from tokenmill.model.gguf_reader import FastGGUFReader
 
 
-def assert_same_reading(path) -> None:
-    reference, fast = gguf.GGUFReader(path), FastGGUFReader(path)
+def assert_same_reading(path, reference=None) -> None:
+    reference, fast = reference or gguf.GGUFReader(path), FastGGUFReader(path)
     assert list(fast.fields) == list(reference.fields)
     for name, expected in reference.fields.items():
         field = fast.fields[name]
@@ -54,8 +55,25 @@ def test_every_kind_of_field_reads_as_gguf_py_reads_it(assorted_gguf):
     assert fast.fields["test.ints"].contents() == [3, -1, 2**30]
 
 
+def assert_same_parts(path, reference=None) -> None:
+    """The tests' reader for transformers (gguf_compat.py) lays out every field as gguf-py does, part for part."""
+    reference, compat = reference or gguf.GGUFReader(path), GGUFPartsReader(path)
+    assert list(compat.fields) == list(reference.fields)
+    for name, expected in reference.fields.items():
+        field = compat.fields[name]
+        assert field.data == expected.data and field.types == expected.types, name
+        assert len(field.parts) == len(expected.parts), name
+        assert all(np.array_equal(a, b) and a.dtype == b.dtype for a, b in zip(field.parts, expected.parts)), name
+
+
 def test_the_embedded_model_reads_as_gguf_py_reads_it(smollm2_path):
-    assert_same_reading(smollm2_path)
+    reference = gguf.GGUFReader(smollm2_path)  # gguf-py's own reader takes seconds over the vocabulary
+    assert_same_reading(smollm2_path, reference)
+    assert_same_parts(smollm2_path, reference)
+
+
+def test_the_tests_reader_for_transformers_keeps_gguf_py_parts(assorted_gguf):
+    assert_same_parts(assorted_gguf)
 
 
 def test_a_truncated_file_is_a_load_error(assorted_gguf, tmp_path):
