@@ -16,6 +16,7 @@ from triton_setup import require_triton
 require_triton()
 
 from tokenmill.model.layers.linear import BlockQuantLinear, Int8Blocks, pack_blocks  # noqa: E402
+from tokenmill.model.layers import triton_quant_linear  # noqa: E402
 from tokenmill.model.layers.triton_quant_linear import TritonBlockKernels, block_kernel_problem  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -33,6 +34,12 @@ ROWS, FEATURES, INPUTS = (1, 5, 33, 70), (32, 96, 160), (32, 96, 256)
 @pytest.fixture(scope="module")
 def triton_kernels():
     return TritonBlockKernels()
+
+
+@pytest.fixture(autouse=True)
+def gpu_tiles(monkeypatch):
+    """The kernel-level tests run the tiles a GPU runs (several feature tiles per matrix), in the interpreter too."""
+    monkeypatch.setattr(triton_quant_linear, "INTERPRETED_BLOCK_N", triton_quant_linear.BLOCK_N)
 
 
 def random_blocks(kind: str, out_features: int, in_features: int, gen: torch.Generator) -> Int8Blocks:
@@ -132,7 +139,9 @@ def test_engine_runs_kept_gguf_blocks_through_triton(kernels, tiny_gguf_path, ti
                                                      monkeypatch):
     """The runner's CUDA path: a GGUF's kept blocks become triton block layers on the device (no C++ fused
     decode stack), no float copy of any projection is held, and greedy tokens equal those of the C++
-    block kernels on the CPU. Without a GPU the runner is handed the interpreted kernels on the CPU."""
+    block kernels on the CPU. Without a GPU the runner is handed the interpreted kernels on the CPU, with
+    the interpreter's wide tiles (the head's 49k features in 48 programs rather than 768)."""
+    monkeypatch.setattr(triton_quant_linear, "INTERPRETED_BLOCK_N", 1024)
     from test_gguf_int8 import greedy
     from tokenmill import LLM
     from tokenmill.model.layers.linear import BlockQuantEmbedding

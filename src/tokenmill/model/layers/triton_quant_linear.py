@@ -19,6 +19,9 @@ import torch
 from tokenmill.model.layers.linear import QUANT_BLOCK, QUANT_PANEL, Int8Blocks, pack_blocks
 
 BLOCK_N = 64  # output features per program: four panels of 16
+# Under Triton's interpreter (the CPU, in tests) programs run one after another in Python, each paying a fixed
+# cost: wider tiles there make the same products in far fewer programs.
+INTERPRETED_BLOCK_N = 1024
 
 
 def _block_m(rows: int) -> int:
@@ -57,12 +60,13 @@ class TritonBlockKernels:
             return y
         compute = tl.float32 if self._kernels.INTERPRETED or x.dtype == torch.float32 else dtypes[x.dtype]
         block_m = _block_m(rows)
-        grid = (-(-rows // block_m), -(-out_features // BLOCK_N))
+        block_n = INTERPRETED_BLOCK_N if self._kernels.INTERPRETED else BLOCK_N
+        grid = (-(-rows // block_m), -(-out_features // block_n))
         self._kernels.block_linear_kernel[grid](
             x, q, scales, mins if mins is not None else scales, bias if bias is not None else scales, y,
             rows, out_features, in_features // QUANT_BLOCK, x.stride(0), y.stride(0),
             BITS=8 if q.dtype == torch.int8 else 4, HAS_MINS=mins is not None, HAS_BIAS=bias is not None,
-            BLOCK_M=block_m, BLOCK_N=BLOCK_N, COMPUTE=compute, IEEE=compute == tl.float32)
+            BLOCK_M=block_m, BLOCK_N=block_n, COMPUTE=compute, IEEE=compute == tl.float32)
         return y
 
 
