@@ -41,7 +41,7 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 class ModelSource:
     hf_config: PretrainedConfig
     architecture: str
-    tokenizer: PreTrainedTokenizerBase
+    tokenizer: PreTrainedTokenizerBase | None  # None when loaded without it (a tensor-parallel worker's)
     served_model_name: str
     path: Path
     is_gguf: bool
@@ -74,8 +74,9 @@ class ModelSource:
             yield from _iter_safetensors(self.path, dtype)
 
 
-def load_model_source(model: str | None, tokenizer: str | None = None) -> ModelSource:
-    """Resolve `model` (None = the embedded default) into a ModelSource; ModelLoadError if unusable."""
+def load_model_source(model: str | None, tokenizer: str | None = None, with_tokenizer: bool = True) -> ModelSource:
+    """Resolve `model` (None = the embedded default) into a ModelSource; ModelLoadError if unusable.
+    with_tokenizer=False: the config and weights only (a tensor-parallel worker never tokenizes)."""
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path} (models are loaded from local files only)")
@@ -83,11 +84,11 @@ def load_model_source(model: str | None, tokenizer: str | None = None) -> ModelS
     if path.is_dir():
         gguf_file = _single_gguf_in(path)
         if gguf_file is None:
-            return _load_hf_dir(path, tokenizer)
+            return _load_hf_dir(path, tokenizer, with_tokenizer)
         path = gguf_file
     if path.suffix.lower() != ".gguf":
         raise ModelLoadError(f"not a model directory or .gguf file: {path}")
-    source = _load_gguf(path, tokenizer)
+    source = _load_gguf(path, tokenizer, with_tokenizer)
     if is_default:
         source.served_model_name = DEFAULT_MODEL_NAME
     return source
@@ -120,11 +121,13 @@ def _single_gguf_in(directory: Path) -> Path | None:
     raise ModelLoadError(f"{directory} has neither config.json nor a .gguf file")
 
 
-def _load_gguf(path: Path, tokenizer: str | None) -> ModelSource:
+def _load_gguf(path: Path, tokenizer: str | None, with_tokenizer: bool = True) -> ModelSource:
     reader = gguf_loader.open_gguf(path)
     config, architecture = gguf_loader.read_gguf_config(reader, path)
-    tok = _load_tokenizer(Path(tokenizer).expanduser()) if tokenizer else gguf_loader.load_gguf_tokenizer(path)
-    _add_known_chat_template(tok, architecture, path)
+    tok = None
+    if with_tokenizer:
+        tok = _load_tokenizer(Path(tokenizer).expanduser()) if tokenizer else gguf_loader.load_gguf_tokenizer(path)
+        _add_known_chat_template(tok, architecture, path)
     return ModelSource(
         hf_config=config,
         architecture=architecture,
@@ -136,7 +139,7 @@ def _load_gguf(path: Path, tokenizer: str | None) -> ModelSource:
     )
 
 
-def _load_hf_dir(directory: Path, tokenizer: str | None) -> ModelSource:
+def _load_hf_dir(directory: Path, tokenizer: str | None, with_tokenizer: bool = True) -> ModelSource:
     from transformers import AutoConfig
 
     directory = directory.resolve()
@@ -147,8 +150,10 @@ def _load_hf_dir(directory: Path, tokenizer: str | None) -> ModelSource:
         config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     except Exception as exc:  # transformers raises ValueError/KeyError/OSError for bad configs
         raise ModelLoadError(f"cannot read {directory / 'config.json'}: {exc}".splitlines()[0]) from None
-    tok = _load_tokenizer(Path(tokenizer).expanduser() if tokenizer else directory)
-    _add_known_chat_template(tok, architecture, directory)
+    tok = None
+    if with_tokenizer:
+        tok = _load_tokenizer(Path(tokenizer).expanduser() if tokenizer else directory)
+        _add_known_chat_template(tok, architecture, directory)
     return ModelSource(
         hf_config=config,
         architecture=architecture,

@@ -83,7 +83,7 @@ def _load(config, rank: int, size: int, store_port: int, max_model_len: int):
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     tp = init_tensor_parallel(rank, size, store_port, device)
-    source = load_model_source(config.model, config.tokenizer)
+    source = load_model_source(config.model, config.tokenizer, with_tokenizer=False)
     runner = ModelRunner(config, source.hf_config, source.architecture, device, max_model_len, tp)
     runner.load_checkpoint(source)
     return runner
