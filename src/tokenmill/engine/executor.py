@@ -136,7 +136,9 @@ def _kill_workers(workers: list[WorkerProcess]) -> None:
 class MultiprocExecutor:
     """N tensor-parallel workers. Construction blocks until every worker has loaded its shard."""
 
-    def __init__(self, config: EngineConfig, max_model_len: int, log_level: Optional[str] = None) -> None:
+    def __init__(self, config: EngineConfig, source, max_model_len: int, log_level: Optional[str] = None) -> None:
+        """source: the core's loaded model source; each worker gets its config and weights' location (never the
+        tokenizer), so none reads the config again."""
         from tokenmill.distributed.parallel_state import start_store
 
         size = config.tensor_parallel_size
@@ -157,7 +159,8 @@ class MultiprocExecutor:
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         settings = worker_config(config)
         self.workers = [WorkerProcess(rank, (settings, rank, size, self._store.port, f"ipc://{self._dir}/input-{rank}",
-                                             output_address, os.getpid(), max_model_len, level))
+                                             output_address, os.getpid(), max_model_len, level,
+                                             source.for_weights()))
                         for rank in range(size)]
         self._finalizer = weakref.finalize(self, _kill_workers, self.workers)
         self._closed = False
@@ -255,5 +258,5 @@ class MultiprocExecutor:
 
 def make_executor(config: EngineConfig, source, device, max_model_len: int):
     if config.tensor_parallel_size > 1:
-        return MultiprocExecutor(config, max_model_len)
+        return MultiprocExecutor(config, source, max_model_len)
     return UniprocExecutor(config, source, device, max_model_len)

@@ -9,6 +9,7 @@ model builder can copy each into place without two copies of the model in memory
 from __future__ import annotations
 
 import json
+import dataclasses
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -41,13 +42,18 @@ _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 class ModelSource:
     hf_config: PretrainedConfig
     architecture: str
-    tokenizer: PreTrainedTokenizerBase | None  # None when loaded without it (a tensor-parallel worker's)
+    tokenizer: PreTrainedTokenizerBase | None  # None in a copy for the weights only (for_weights)
     served_model_name: str
     path: Path
     is_gguf: bool
     # The GGUFReader that read the config, handed to the first iter_weights and then dropped so a
     # long-lived ModelSource does not pin its per-field numpy views.
     _gguf_reader: Any = field(default=None, repr=False, compare=False)
+
+    def for_weights(self) -> "ModelSource":
+        """This source without its tokenizer and open reader: what a process that only loads the weights
+        needs (a tensor-parallel worker, sent it pickled), so it never reads the config or tokenizer again."""
+        return dataclasses.replace(self, tokenizer=None, _gguf_reader=None)
 
     def has_int8_block_matrices(self) -> bool:
         """Whether the file holds matrices in a type the block kernels run as stored (a GGUF's Q8_0, Q4_0/1,
@@ -74,9 +80,8 @@ class ModelSource:
             yield from _iter_safetensors(self.path, dtype)
 
 
-def load_model_source(model: str | None, tokenizer: str | None = None, with_tokenizer: bool = True) -> ModelSource:
-    """Resolve `model` (None = the embedded default) into a ModelSource; ModelLoadError if unusable.
-    with_tokenizer=False: the config and weights only (a tensor-parallel worker never tokenizes)."""
+def load_model_source(model: str | None, tokenizer: str | None = None) -> ModelSource:
+    """Resolve `model` (None = the embedded default) into a ModelSource; ModelLoadError if unusable."""
     path = default_model_path() if model is None else Path(model).expanduser()
     if not path.exists():
         raise ModelLoadError(f"model path does not exist: {path} (models are loaded from local files only)")
@@ -84,11 +89,11 @@ def load_model_source(model: str | None, tokenizer: str | None = None, with_toke
     if path.is_dir():
         gguf_file = _single_gguf_in(path)
         if gguf_file is None:
-            return _load_hf_dir(path, tokenizer, with_tokenizer)
+            return _load_hf_dir(path, tokenizer)
         path = gguf_file
     if path.suffix.lower() != ".gguf":
         raise ModelLoadError(f"not a model directory or .gguf file: {path}")
-    source = _load_gguf(path, tokenizer, with_tokenizer)
+    source = _load_gguf(path, tokenizer)
     if is_default:
         source.served_model_name = DEFAULT_MODEL_NAME
     return source
@@ -121,13 +126,11 @@ def _single_gguf_in(directory: Path) -> Path | None:
     raise ModelLoadError(f"{directory} has neither config.json nor a .gguf file")
 
 
-def _load_gguf(path: Path, tokenizer: str | None, with_tokenizer: bool = True) -> ModelSource:
+def _load_gguf(path: Path, tokenizer: str | None) -> ModelSource:
     reader = gguf_loader.open_gguf(path)
     config, architecture = gguf_loader.read_gguf_config(reader, path)
-    tok = None
-    if with_tokenizer:
-        tok = _load_tokenizer(Path(tokenizer).expanduser()) if tokenizer else gguf_loader.load_gguf_tokenizer(path)
-        _add_known_chat_template(tok, architecture, path)
+    tok = _load_tokenizer(Path(tokenizer).expanduser()) if tokenizer else gguf_loader.load_gguf_tokenizer(path)
+    _add_known_chat_template(tok, architecture, path)
     return ModelSource(
         hf_config=config,
         architecture=architecture,
@@ -139,7 +142,7 @@ def _load_gguf(path: Path, tokenizer: str | None, with_tokenizer: bool = True) -
     )
 
 
-def _load_hf_dir(directory: Path, tokenizer: str | None, with_tokenizer: bool = True) -> ModelSource:
+def _load_hf_dir(directory: Path, tokenizer: str | None) -> ModelSource:
     from transformers import AutoConfig
 
     directory = directory.resolve()
@@ -150,10 +153,8 @@ def _load_hf_dir(directory: Path, tokenizer: str | None, with_tokenizer: bool = 
         config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
     except Exception as exc:  # transformers raises ValueError/KeyError/OSError for bad configs
         raise ModelLoadError(f"cannot read {directory / 'config.json'}: {exc}".splitlines()[0]) from None
-    tok = None
-    if with_tokenizer:
-        tok = _load_tokenizer(Path(tokenizer).expanduser() if tokenizer else directory)
-        _add_known_chat_template(tok, architecture, directory)
+    tok = _load_tokenizer(Path(tokenizer).expanduser() if tokenizer else directory)
+    _add_known_chat_template(tok, architecture, directory)
     return ModelSource(
         hf_config=config,
         architecture=architecture,

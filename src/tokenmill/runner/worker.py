@@ -46,12 +46,13 @@ def _exit_with_parent(lifeline) -> None:
 
 
 def run_worker(config, rank: int, size: int, store_port: int, input_address: str, output_address: str,
-               parent: int, max_model_len: int, log_level: str = "INFO") -> None:
+               parent: int, max_model_len: int, log_level: str, source) -> None:
+    """source: the core's ModelSource for the weights only (loader.ModelSource.for_weights)."""
     channels = start_child_process(f"tp{rank}", log_level, input_address, output_address)
     inputs, outputs = channels.inputs, channels.outputs
     code = 0
     try:
-        runner = _load(config, rank, size, store_port, max_model_len)
+        runner = _load(config, source, rank, size, store_port, max_model_len)
         outputs.send(_encoder.encode(WorkerReady(rank, runner.kv_cache_capacity(config),
                                                  runner.kv_spec.bytes_per_block, runner.linear_layers,
                                                  list(runner.kv_layout.windows))))
@@ -71,11 +72,10 @@ def run_worker(config, rank: int, size: int, store_port: int, input_address: str
         os._exit(code)  # no torch.distributed teardown: a peer may be gone
 
 
-def _load(config, rank: int, size: int, store_port: int, max_model_len: int):
+def _load(config, source, rank: int, size: int, store_port: int, max_model_len: int):
     import torch
 
     from tokenmill.distributed.parallel_state import init_tensor_parallel
-    from tokenmill.model.loader import load_model_source
     from tokenmill.runner.model_runner import ModelRunner, resolve_device
 
     device = resolve_device(config.device)
@@ -83,7 +83,6 @@ def _load(config, rank: int, size: int, store_port: int, max_model_len: int):
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     tp = init_tensor_parallel(rank, size, store_port, device)
-    source = load_model_source(config.model, config.tokenizer, with_tokenizer=False)
     runner = ModelRunner(config, source.hf_config, source.architecture, device, max_model_len, tp)
     runner.load_checkpoint(source)
     return runner
