@@ -91,6 +91,21 @@ def test_rejections_are_counted_from_running_totals():
     assert value(exporter, "tokenmill:request_rejected_total", reason="queue_timeout") == 1
 
 
+def test_http_responses_are_counted_by_route_method_and_status_class():
+    from tokenmill.metrics.prometheus import http_response_key
+
+    exporter = PrometheusStatLogger("m")
+    totals = {http_response_key("/v1/completions", "POST", 200): 3, http_response_key("/v1/completions", "POST", 503): 1}
+    exporter.record_responses(totals)
+    totals[http_response_key("/v1/completions", "POST", 201)] = 4  # the same class: one series
+    exporter.record_responses(totals)
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(exporter.render().decode()) for s in family.samples}
+    labels = (("handler", "/v1/completions"), ("method", "POST"))
+    assert samples[("http_requests_total", tuple(sorted(labels + (("status", "2xx"),))))] == 4
+    assert samples[("http_requests_total", tuple(sorted(labels + (("status", "5xx"),))))] == 1
+
+
 def test_two_exporters_in_one_process_do_not_collide():
     first, second = PrometheusStatLogger("a"), PrometheusStatLogger("b")
     first.record(SchedulerSnapshot(), IterationStats(num_generation_tokens=7))

@@ -82,6 +82,8 @@ class AsyncLLM:
         self.output_processor = self.frontend.output_processor
         self.stat_loggers: list[StatLogger] = []
         self.num_rejected: dict[str, int] = {}  # reason -> count, for metrics
+        # HTTP answers of the server in front ('handler method Nxx' -> count), for metrics.
+        self.num_responses: dict[str, int] = {}
         self._snapshots: list[Optional[SchedulerSnapshot]] = [None] * len(self.clients)
         self._dead: Optional[str] = None
         self._stopped = False

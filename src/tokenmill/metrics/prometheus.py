@@ -19,6 +19,11 @@ TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20
 # Series that exist from the start (others appear when first seen).
 FINISHED_REASONS = ("stop", "length", "abort")
 REJECTION_REASONS = ("queue_full", "queue_timeout")
+
+
+def http_response_key(handler: str, method: str, status: int) -> str:
+    """The key an HTTP answer is counted under: 'handler method Nxx' (the status class, as vLLM labels it)."""
+    return f"{handler} {method} {status // 100}xx"
 # Data parallelism, per engine core: (key of AsyncLLM.replica_stats(), metric name, description).
 REPLICA_GAUGES = (
     ("num_requests_running", "engine_num_requests_running", "Running requests per engine core"),
@@ -66,6 +71,10 @@ class PrometheusStatLogger:
                                      registry=r)
         self.rejected = Counter(p + "request_rejected", "Requests refused by admission control",
                                 labels + ["reason"], registry=r)
+        # vLLM's name and labels (prometheus-fastapi-instrumentator's): every HTTP answer, by route, method and
+        # status class, for error-rate alerts (a 5xx rate, a 429 rate).
+        self.http_responses = Counter("http_requests", "HTTP responses by route, method and status class",
+                                      ["handler", "method", "status"], registry=r)
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
         self.itl = self._histogram("inter_token_latency_seconds", "Time between consecutive tokens",
                                    LATENCY_BUCKETS)
@@ -90,6 +99,7 @@ class PrometheusStatLogger:
                                        labels, registry=r)
         self._last = SchedulerSnapshot()
         self._rejected_seen: dict[str, int] = {}
+        self._responses_seen: dict[str, int] = {}
         self._create_series()
 
     def _create_series(self) -> None:
@@ -163,6 +173,14 @@ class PrometheusStatLogger:
             if total > seen:
                 self.rejected.labels(self.model_name, reason).inc(total - seen)
                 self._rejected_seen[reason] = total
+
+    def record_responses(self, totals: dict[str, int]) -> None:
+        """HTTP responses (cumulative per http_response_key), passed before each scrape like the refusals."""
+        for key, total in dict(totals).items():
+            seen = self._responses_seen.get(key, 0)
+            if total > seen:
+                self.http_responses.labels(*key.split(" ", 2)).inc(total - seen)
+                self._responses_seen[key] = total
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -165,6 +165,21 @@ def test_metrics_equal_usage_of_known_requests_and_count_rejections(start_server
     assert metric(samples, "request_success_total", finished_reason="length") == n - 1 + len(served)
     assert metric(samples, "generation_tokens_total") == completion_tokens + 100 * len(served)
     assert httpx.get(server.url + "/stats").json()["num_rejected"] == {"queue_full": len(refused)}
+    # Every answer counted by route, method and status class (vLLM's http_requests_total): the refused
+    # ones, the completions, the key-less /v1/models; a path that is no route counts as "other".
+    assert httpx.get(server.url + "/no/such/path").status_code == 404
+    samples = scrape(server)
+
+    def answers(handler: str, method: str, status: str) -> float:
+        return samples.get(("http_requests_total", (("handler", handler), ("method", method), ("status", status))), 0)
+
+    assert answers("/v1/completions", "POST", "4xx") == len(refused)
+    assert answers("/v1/completions", "POST", "2xx") == 4 + len(served)  # 3 complete(), 1 stream, the burst
+    assert answers("/v1/chat/completions", "POST", "2xx") == 1
+    assert answers("/v1/models", "GET", "4xx") == 1
+    assert answers("other", "GET", "4xx") == 1
+    assert not any(name == "http_requests_total" and status.endswith("5xx") for (name, labels) in samples
+                   for key, status in labels if key == "status")
 
 
 @pytest.mark.slow

@@ -62,7 +62,7 @@ from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
 from tokenmill.errors import ServiceUnavailableError, TokenmillError
 from tokenmill.metrics.loggers import LoggingStatLogger
-from tokenmill.metrics.prometheus import PrometheusStatLogger
+from tokenmill.metrics.prometheus import PrometheusStatLogger, http_response_key
 from tokenmill.metrics.stats import WindowStatLogger
 from tokenmill.runner.host_memory import freeze_startup_heap
 
@@ -113,8 +113,16 @@ def build_app(engine: "AsyncLLM", server: Optional[ServerConfig] = None,
     def rejected(reason: str) -> None:
         engine.num_rejected[reason] = engine.num_rejected.get(reason, 0) + 1
 
+    # Responses counted per route, method and status class (vLLM's http_requests_total); paths that are no
+    # route of this app count as one handler, so a scan of random URLs cannot grow the series.
+    handlers = {route.path for route in app.routes if "{" not in getattr(route, "path", "{")}
+
+    def responded(path: str, method: str, status: int) -> None:
+        key = http_response_key(path if path in handlers else "other", method, status)
+        engine.num_responses[key] = engine.num_responses.get(key, 0) + 1
+
     app.add_middleware(GatewayMiddleware, lifecycle=lifecycle, limiter=limiter, max_body_bytes=server.max_request_body_bytes,
-                       on_rejected=rejected)
+                       on_rejected=rejected, on_response=responded)
     return app
 
 
@@ -182,6 +190,7 @@ def _add_observability(app: FastAPI, engine: "AsyncLLM", server: ServerConfig) -
              responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def metrics() -> Response:
         prometheus.record_rejections(engine.num_rejected)
+        prometheus.record_responses(engine.num_responses)
         if engine.router is not None:
             prometheus.record_replicas(engine.replica_stats())
         return Response(prometheus.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -27,7 +27,7 @@ async def _serve(settings: dict) -> int:
                             ready)
     engine = AsyncLLM(settings["config"], settings["log_level"], request_timeout=server.request_timeout,
                       stall_timeout=server.engine_stall_timeout, clients=[client])
-    forwarder = StatsForwarder(frontend, settings["stats_address"], engine.num_rejected)
+    forwarder = StatsForwarder(frontend, settings["stats_address"], engine.num_rejected, engine.num_responses)
     engine.stat_loggers.append(forwarder)
     app = build_app(engine, server, relay_path=settings["relay_path"])
     freeze_startup_heap()

@@ -46,6 +46,7 @@ class ForwardedStats(msgspec.Struct):
     frontend: int
     iteration: IterationStats
     num_rejected: dict[str, int]  # cumulative, per reason
+    num_responses: dict[str, int] = msgspec.field(default_factory=dict)  # cumulative HTTP answers, per 'handler method Nxx'
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -62,9 +63,11 @@ def listening_socket(host: str, port: int) -> socket.socket:
 class StatsForwarder:
     """A stat logger of API server i > 0: each step's request statistics go to server 0."""
 
-    def __init__(self, frontend: int, address: str, num_rejected: dict[str, int]) -> None:
+    def __init__(self, frontend: int, address: str, num_rejected: dict[str, int],
+                 num_responses: Optional[dict[str, int]] = None) -> None:
         self.frontend = frontend
         self.num_rejected = num_rejected  # the engine's running totals (read at each send)
+        self.num_responses = num_responses if num_responses is not None else {}
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PUSH)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -73,7 +76,7 @@ class StatsForwarder:
         self._encoder = msgspec.msgpack.Encoder()
 
     def record(self, scheduler: SchedulerSnapshot, iteration: IterationStats) -> None:
-        message = ForwardedStats(self.frontend, iteration, dict(self.num_rejected))
+        message = ForwardedStats(self.frontend, iteration, dict(self.num_rejected), dict(self.num_responses))
         try:
             self._socket.send(self._encoder.encode(message), zmq.NOBLOCK)
         except zmq.ZMQError:  # server 0 is gone or far behind: statistics are not worth blocking for
@@ -84,6 +87,16 @@ class StatsForwarder:
         self._context.term()
 
 
+def _add_new(totals: dict[str, int], seen: dict[int, dict[str, int]], frontend: int, cumulative: dict[str, int]) -> None:
+    """Adds to `totals` what a server's cumulative counts gained since its last message."""
+    before = seen.get(frontend, {})
+    for key, total in cumulative.items():
+        added = total - before.get(key, 0)
+        if added > 0:
+            totals[key] = totals.get(key, 0) + added
+    seen[frontend] = cumulative
+
+
 class StatsCollector:
     """API server 0's side: servers 1..N-1's statistics, recorded by server 0's stat loggers on its
     event loop (with the core's latest scheduler snapshot), and their refusals added to its totals."""
@@ -92,6 +105,7 @@ class StatsCollector:
         self.address = f"ipc://{directory}/api-stats"
         self.engine = engine
         self._rejected: dict[int, dict[str, int]] = {}  # per server: its cumulative refusals
+        self._responses: dict[int, dict[str, int]] = {}  # per server: its cumulative HTTP answers
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.PULL)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -116,12 +130,8 @@ class StatsCollector:
 
     def _record(self, message: ForwardedStats) -> None:
         engine = self.engine
-        before = self._rejected.get(message.frontend, {})
-        for reason, total in message.num_rejected.items():
-            added = total - before.get(reason, 0)
-            if added > 0:
-                engine.num_rejected[reason] = engine.num_rejected.get(reason, 0) + added
-        self._rejected[message.frontend] = message.num_rejected
+        _add_new(engine.num_rejected, self._rejected, message.frontend, message.num_rejected)
+        _add_new(engine.num_responses, self._responses, message.frontend, message.num_responses)
         engine.record_iteration(message.iteration)
 
     def close(self) -> None:

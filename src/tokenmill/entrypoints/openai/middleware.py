@@ -41,8 +41,11 @@ class ServerLifecycle:
 class GatewayMiddleware:
     def __init__(self, app: ASGIApp, lifecycle: ServerLifecycle, api_keys: Sequence[str] = (),
                  max_body_bytes: Optional[int] = None, limiter: Optional[RateLimiter] = None,
-                 on_rejected: Optional[Callable[[str], None]] = None) -> None:
+                 on_rejected: Optional[Callable[[str], None]] = None,
+                 on_response: Optional[Callable[[str, str, int], None]] = None) -> None:
+        """on_response(path, method, status): called once per answered request (its status as sent)."""
         self.app = app
+        self.on_response = on_response
         self.lifecycle = lifecycle
         # Without a limiter (build_app makes one from --api-key and --api-keys-file): keys without limits.
         self.limiter = limiter if limiter is not None else RateLimiter({key: KeyPolicy() for key in api_keys if key})
@@ -56,6 +59,8 @@ class GatewayMiddleware:
         request_id = _request_id(scope)
         scope.setdefault("state", {})["request_id"] = request_id
         send = _with_header(send, b"x-request-id", request_id.encode())
+        if self.on_response is not None:
+            send = _observing_status(send, scope, self.on_response)
         # /health answers for itself (it tells a dead engine core from a shutdown).
         if self.lifecycle.draining and scope["path"] != "/health":
             await _reject(send, 503, "the server is shutting down", "service_unavailable", "shutting_down",
@@ -171,3 +176,14 @@ async def _reject(send: Send, status: int, message: str, error_type: str, code: 
                *extra_headers]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
+
+
+def _observing_status(send: Send, scope: Scope, on_response: Callable[[str, str, int], None]) -> Send:
+    """`send`, reporting the response's status once, as it starts (refusals here and the app's answers alike)."""
+
+    async def observed(message) -> None:
+        if message["type"] == "http.response.start":
+            on_response(scope["path"], scope.get("method", ""), int(message["status"]))
+        await send(message)
+
+    return observed
