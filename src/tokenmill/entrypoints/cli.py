@@ -77,6 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tokenmill.entrypoints.eval_cli import add_eval_subcommands
 
     add_eval_subcommands(subparsers)
+    from tokenmill.entrypoints.check_cli import add_check_subcommand
+
+    add_check_subcommand(subparsers)
     return parser
 
 
