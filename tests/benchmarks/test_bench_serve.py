@@ -38,7 +38,7 @@ RESULT_FIELDS = (
     "num_prompts", "duration", "completed", "failed", "total_input_tokens", "total_output_tokens",
     "request_throughput", "request_goodput", "good_requests", "slo", "output_throughput", "total_token_throughput",
     "max_concurrent_requests", "usage_reported", "input_lens", "output_lens", "ttfts", "itls", "e2els",
-    "start_times", "errors", "server", "dataset", "prompt_format",
+    "start_times", "errors", "server", "engine", "dataset", "prompt_format",
 ) + tuple(f"{stat}_{m}_ms" for m in METRICS for stat in ("mean", "median", "std", "p50", "p90", "p95", "p99", "max"))
 
 
@@ -199,6 +199,61 @@ def _assert_ordered(result: dict, metric: str) -> None:
 
 
 @pytest.mark.slow
+def test_a_time_boxed_run_stops_on_time_and_reports_the_stable_segment(live_server, tmp_path, capsys):
+    url, proc, _ = live_server
+    out = tmp_path / "timed.json"
+    start = time.monotonic()
+    code = cli.main([
+        "bench", "serve", "--base-url", url, "--dataset", "random", "--num-prompts", "4", "--random-input-len", "32",
+        "--random-output-len", "8", "--max-concurrency", "2", "--duration", "4", "--warmup", "2",
+        "--slo-ttft-ms", "60000", "--slo-tpot-ms", "0.001", "--disable-tqdm", "--result-json", str(out)])
+    wall = time.monotonic() - start
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert code == 0 and "Stable segment, measured (s):" in printed and "within the SLO:" in printed
+    segments = result["segments"]
+    assert segments["warmup_s"] == 2 and segments["stable_s"] == 4 and result["duration"] == 4
+    assert 6 <= segments["wall_s"] < 6 + 10 and wall < 6 + 30  # stops sending at 6 s; the drain is short
+    # The 4 requests are cycled for the whole run, at most 2 in flight, and the warm-up's are left out.
+    assert segments["requests_sent"] > 4 and result["max_concurrent_requests"] <= 2
+    assert 0 < segments["requests_in_warmup"] < segments["requests_sent"]
+    assert result["num_prompts"] == segments["requests_in_stable_segment"]
+    assert all(2 <= t < 6 for t in result["start_times"])
+    assert result["output_throughput"] > 0 and result["whole_run"]["output_throughput"] > 0
+    # A TPOT SLO no server meets: the verdict says so; the TTFT one is met.
+    verdict = result["verdict"]
+    assert verdict["meets_slo"] is False and verdict["p95_ttft_within_slo"] and not verdict["p95_tpot_within_slo"]
+    # The engine's configuration as the server reports it.
+    engine = result["engine"]
+    assert engine["config"]["max_num_seqs"] == 64 and engine["config"]["block_size"] == 16
+    assert engine["models"][0]["max_model_len"] == 512 and engine["numerics"]
+
+
+def test_the_stable_segment_counts_only_what_happened_inside_it():
+    from tokenmill.bench.serve import summarize_stable_segment
+
+    cfg = ServeConfig(max_concurrency=1, duration_s=10.0, warmup_s=5.0)
+    results = [
+        RequestResult(prompt_len=10, success=True, output_len=11, ttft=1.0, itl=[0.1] * 10, latency=2.0, start_time=4.0),
+        RequestResult(prompt_len=10, success=True, output_len=11, ttft=1.0, itl=[0.1] * 10, latency=2.0, start_time=8.0),
+        RequestResult(prompt_len=10, success=True, output_len=11, ttft=1.0, itl=[0.1] * 10, latency=2.0, start_time=14.0),
+    ]
+    result = summarize_stable_segment(results, 16.5, cfg)
+    # Starts at 4 (warm-up), 8 and 14 (stable); the third ends at 16, in the drain.
+    assert result["segments"]["requests_in_warmup"] == 1 and result["num_prompts"] == 2
+    assert result["segments"]["drain_s"] == pytest.approx(1.5)
+    # Tokens inside [5, 15): all 11 of the first (its first at 5.0, where the segment starts, the rest by 6) and
+    # of the second; the third's first token comes at 15, outside: none of it.
+    assert result["output_throughput"] == pytest.approx((11 + 11 + 0) / 10)
+    late = RequestResult(prompt_len=10, success=True, output_len=11, ttft=0.5, itl=[0.1] * 10, latency=1.5,
+                         start_time=14.0)  # first token at 14.5, the other 10 spread over 14.5..15.5: half inside
+    assert summarize_stable_segment([late], 16.0, cfg)["output_throughput"] == pytest.approx((1 + 5) / 10)
+    assert result["request_throughput"] == pytest.approx(2 / 10)  # the first two end at 6 and 10
+    assert result["verdict"] is None  # no SLO numbers
+    with pytest.raises(InvalidRequestError, match="fixed load"):
+        ServeConfig(duration_s=10.0)
+
+
 def test_bench_serve_against_live_server(live_server, tiny_llama_dir, tmp_path, capsys):
     url, proc, log_path = live_server
     before = len(_server_usage(log_path))

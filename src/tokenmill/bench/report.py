@@ -35,8 +35,14 @@ def _banner(title: str, fill: str, width: int = 50) -> str:
 
 def format_serve_table(result: dict[str, Any]) -> str:
     """The result as `vllm bench serve` prints it (plus P90/P95, failures, goodput and server memory)."""
-    lines = [_banner("Serving Benchmark Result", "="),
-             _line("Successful requests:", result["completed"]),
+    lines = [_banner("Serving Benchmark Result", "=")]
+    segments = result.get("segments")
+    if segments:
+        lines += [_line("Warm-up, excluded (s):", segments["warmup_s"]),
+                  _line("Stable segment, measured (s):", segments["stable_s"]),
+                  _line("Drain, excluded (s):", segments["drain_s"]),
+                  _line("Requests sent (all segments):", segments["requests_sent"])]
+    lines += [_line("Successful requests:", result["completed"]),
              _line("Failed requests:", result["failed"]),
              _line("Maximum request concurrency:", result.get("max_concurrency")),
              _line("Request rate configured (RPS):", result.get("request_rate")),
@@ -46,6 +52,9 @@ def format_serve_table(result: dict[str, Any]) -> str:
              _line("Request throughput (req/s):", result["request_throughput"])]
     if result.get("request_goodput") is not None:
         lines.append(_line("Request goodput (req/s):", result["request_goodput"]))
+    verdict = result.get("verdict")
+    if verdict:
+        lines.append(_line("P95 TTFT and TPOT within the SLO:", "yes" if verdict["meets_slo"] else "NO"))
     lines += [_line("Output token throughput (tok/s):", result["output_throughput"]),
               _line("Total Token throughput (tok/s):", result["total_token_throughput"]),
               _line("Peak concurrent requests:", result.get("max_concurrent_requests"))]

@@ -9,6 +9,7 @@ Requests go out on a schedule (all at once, or Poisson/gamma arrivals at --reque
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import time
@@ -52,6 +53,11 @@ class ServeConfig:
     # Extra JSON fields merged into every request body (engine-specific knobs such as
     # llama.cpp's {"cache_prompt": false}).
     extra_body: dict[str, Any] = field(default_factory=dict)
+    # A time-boxed run (--duration): requests (the dataset's, cycled) are sent for warmup_s + duration_s; the
+    # figures are those of the stable segment after the warm-up, the requests still running at its end
+    # finish (the drain) and count only for what they did inside it.
+    duration_s: Optional[float] = None
+    warmup_s: float = 0.0
 
     def __post_init__(self) -> None:
         self.base_url = self.base_url.rstrip("/")
@@ -65,6 +71,11 @@ class ServeConfig:
             raise InvalidRequestError("--request-rate must be positive (inf sends all requests at once)")
         if not self.burstiness > 0:
             raise InvalidRequestError("--burstiness must be positive")
+        if self.duration_s is not None:
+            if not self.duration_s > 0 or self.warmup_s < 0:
+                raise InvalidRequestError("--duration must be positive and --warmup non-negative")
+            if math.isinf(self.request_rate) and self.max_concurrency is None:
+                raise InvalidRequestError("--duration needs a fixed load: --max-concurrency N or --request-rate R")
 
     @property
     def headers(self) -> dict[str, str]:
@@ -231,22 +242,137 @@ async def run_benchmark(requests: Sequence[BenchRequest], cfg: ServeConfig,
             progress.update(1)
             return result
 
-        tasks = []
-        gaps = arrival_intervals(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
-        send_at = t0
-        for request, gap in zip(requests, gaps):
-            # Sleep to absolute send times, so oversleeping one gap does not delay all later requests.
-            if send_at > time.perf_counter():
-                await asyncio.sleep(send_at - time.perf_counter())
-            tasks.append(asyncio.create_task(one(request)))
-            send_at += gap
-        results = await asyncio.gather(*tasks)
+        if cfg.duration_s is not None:
+            progress.close()
+            results = await _send_for_duration(client, cfg, model, requests, t0)
+        else:
+            tasks = []
+            gaps = arrival_intervals(len(requests), cfg.request_rate, cfg.burstiness, cfg.seed)
+            send_at = t0
+            for request, gap in zip(requests, gaps):
+                # Sleep to absolute send times, so oversleeping one gap does not delay all later requests.
+                if send_at > time.perf_counter():
+                    await asyncio.sleep(send_at - time.perf_counter())
+                tasks.append(asyncio.create_task(one(request)))
+                send_at += gap
+            results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - t0
         progress.close()
         server = await sampler.stop()
-    result = summarize(results, duration, cfg)
-    result.update(model=model, server=server, **(extra or {}))
+        engine = await server_configuration(client, cfg)
+    if cfg.duration_s is not None:
+        result = summarize_stable_segment(results, duration, cfg)
+    else:
+        result = summarize(results, duration, cfg)
+    result.update(model=model, server=server, engine=engine, **(extra or {}))
     return result
+
+
+async def _send_for_duration(client: Any, cfg: ServeConfig, model: str, requests: Sequence[BenchRequest],
+                             t0: float) -> list[RequestResult]:
+    """Sends the requests, cycled, until warmup + duration has passed: at a fixed concurrency (each slot sends
+    its next request as its last one ends) or at a fixed rate (gamma gaps, capped by --max-concurrency if
+    given); then waits for those still running."""
+    end = t0 + cfg.warmup_s + cfg.duration_s
+    source = itertools.cycle(requests)
+    if math.isinf(cfg.request_rate):
+        async def slot() -> list[RequestResult]:
+            done = []
+            while time.perf_counter() < end:
+                done.append(await send_request(client, cfg, model, next(source), t0=t0))
+            return done
+
+        return [r for results in await asyncio.gather(*(slot() for _ in range(cfg.max_concurrency))) for r in results]
+    semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
+
+    async def one(request: BenchRequest) -> RequestResult:
+        if semaphore is None:
+            return await send_request(client, cfg, model, request, t0=t0)
+        async with semaphore:
+            return await send_request(client, cfg, model, request, t0=t0)
+
+    rng = np.random.default_rng(cfg.seed)
+    scale = 1.0 / (cfg.request_rate * cfg.burstiness)
+    tasks, send_at = [], t0
+    while send_at < end:
+        if send_at > time.perf_counter():
+            await asyncio.sleep(send_at - time.perf_counter())
+        tasks.append(asyncio.create_task(one(next(source))))
+        send_at += float(rng.gamma(shape=cfg.burstiness, scale=scale))
+    return list(await asyncio.gather(*tasks))
+
+
+async def server_configuration(client: Any, cfg: ServeConfig) -> dict[str, Any]:
+    """What the server says about itself: /version, the models (with max_model_len), and tokenmill's /stats
+    engine settings and numerics (None for what a server does not answer)."""
+    out: dict[str, Any] = {}
+    for key, path in (("version", "/version"), ("models", "/v1/models"), ("stats", "/stats")):
+        try:
+            response = await client.get(cfg.base_url + path, headers=cfg.headers, timeout=10.0)
+            out[key] = response.json() if response.status_code == 200 else None
+        except Exception:  # any server, any answer: this is a record, not a check
+            out[key] = None
+    stats = out.pop("stats") or {}
+    out["models"] = (out["models"] or {}).get("data") if isinstance(out["models"], dict) else None
+    out["config"] = stats.get("config")
+    out["numerics"] = stats.get("numerics")
+    return out
+
+
+def _tokens_inside(r: RequestResult, start: float, end: float) -> float:
+    """The request's output tokens generated inside [start, end): its first at TTFT, the rest spread over the
+    time to its last, each counted where it fell."""
+    if not r.success or r.ttft is None or r.output_len < 1:
+        return 0.0
+    first = r.start_time + r.ttft
+    last = r.start_time + r.latency
+    inside = 1.0 if start <= first < end else 0.0
+    if r.output_len > 1:
+        span = max(last - first, 1e-9)
+        overlap = max(0.0, min(last, end) - max(first, start))
+        inside += (r.output_len - 1) * overlap / span
+    return inside
+
+
+def summarize_stable_segment(results: Sequence[RequestResult], duration: float, cfg: ServeConfig) -> dict[str, Any]:
+    """A time-boxed run's figures over its stable segment [warmup, warmup + duration): latency percentiles of
+    the requests that started in it, throughput from the tokens generated in it and the requests that ended in
+    it; the warm-up and the drain reported apart, with the whole run's throughput beside for comparison."""
+    start, end = cfg.warmup_s, cfg.warmup_s + cfg.duration_s
+    stable = [r for r in results if start <= r.start_time < end]
+    result = summarize(stable, cfg.duration_s, cfg)
+    output_tokens = sum(_tokens_inside(r, start, end) for r in results)
+    ended = [r for r in results if r.success and start <= r.start_time + r.latency < end]
+    input_tokens = sum(r.prompt_len for r in stable if r.success)
+    result.update(
+        output_throughput=output_tokens / cfg.duration_s,
+        total_token_throughput=(output_tokens + input_tokens) / cfg.duration_s,
+        request_throughput=len(ended) / cfg.duration_s,
+        duration=cfg.duration_s,
+        segments={"warmup_s": cfg.warmup_s, "stable_s": cfg.duration_s, "drain_s": max(0.0, duration - end),
+                  "wall_s": duration, "requests_sent": len(results), "requests_in_warmup":
+                      sum(r.start_time < start for r in results), "requests_in_stable_segment": len(stable)},
+        whole_run={"output_throughput": sum(r.output_len for r in results if r.success) / max(duration, 1e-9),
+                   **{f"{k}_ttft_ms": v for k, v in _stats([r.ttft for r in results if r.success and r.ttft is not None],
+                                                           (50.0, 95.0)).items() if k in ("median", "p95")}},
+    )
+    if result["good_requests"] is not None:
+        result["request_goodput"] = sum(_is_good(r, cfg) for r in ended) / cfg.duration_s
+    result["verdict"] = slo_verdict(result, cfg)
+    return result
+
+
+def slo_verdict(result: dict[str, Any], cfg: ServeConfig) -> Optional[dict[str, Any]]:
+    """Whether the stable segment's P95 TTFT and P95 TPOT are within --slo-ttft-ms / --slo-tpot-ms (None without
+    SLO numbers), with the share of requests that met every given SLO (goodput)."""
+    checks = {name: (slo, result.get(f"p95_{name}_ms")) for name, slo in (("ttft", cfg.slo_ttft_ms),
+                                                                         ("tpot", cfg.slo_tpot_ms)) if slo is not None}
+    if not checks:
+        return None
+    met = {name: value is not None and value <= slo for name, (slo, value) in checks.items()}
+    completed = result["completed"]
+    return {"meets_slo": all(met.values()), **{f"p95_{name}_within_slo": ok for name, ok in met.items()},
+            "good_share": None if not completed else result["good_requests"] / completed}
 
 
 def _stats(values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str, Optional[float]]:

@@ -344,6 +344,7 @@ class AsyncLLM:
             body["data_parallel"] = self.replica_stats()
         body["memory"] = self.memory_stats()
         body["numerics"] = self.ready.numerics
+        body["config"] = self.ready.config
         return body
 
     def memory_stats(self) -> dict[str, Any]:

@@ -5,8 +5,10 @@ frontend's process (the offline LLM, tests) or in its own (`core_proc.py`, what 
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
+from typing import Any
 
 import msgspec
 import torch
@@ -177,7 +179,15 @@ class EngineCore:
                                block_size=self.config.block_size, device=str(self.device),
                                linear_layers=self.linear_layers, weights_bytes=self.memory.weights,
                                buffers_bytes=self.memory.buffers, kv_cache_bytes=self.memory.kv_cache, activations_bytes=self.memory.activations,
-                               rss_bytes=self.memory.rss, numerics=self.numerics.as_dict(), model_info=info)
+                               rss_bytes=self.memory.rss, numerics=self.numerics.as_dict(), model_info=info,
+                               config=self.resolved_options())
+
+    def resolved_options(self) -> dict[str, Any]:
+        """The options the core runs with, as plain data (the model's path, not a secret; no API keys live here)."""
+        options = dataclasses.asdict(self.config)
+        options["max_model_len"] = self.max_model_len  # the effective limit, capped by the KV cache
+        options["num_kv_blocks"] = self.num_kv_blocks
+        return options
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, message: EngineCoreRequest) -> None:

@@ -14,7 +14,7 @@ frame (`encode` / `decode_input` / `decode_output`). Nothing here refers to a li
 """
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import msgspec
 
@@ -121,6 +121,9 @@ class EngineCoreReady(msgspec.Struct, tag=True, omit_defaults=True):
     activations_bytes: int = 0
     rss_bytes: Optional[int] = None
     model_info: Optional[FrontendModelInfo] = None
+    # The engine's options as the core runs them (every default resolved; EngineConfig's field names), for
+    # /stats and benchmark records.
+    config: dict[str, Any] = {}
 
 
 class EngineCoreFailure(msgspec.Struct, tag=True):

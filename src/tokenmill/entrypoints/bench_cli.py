@@ -12,7 +12,7 @@ import json
 import math
 import os
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any, Optional
 
@@ -178,6 +178,12 @@ def _add_serve(subparsers: Any) -> None:
     parser = subparsers.add_parser("serve", help="load-test an OpenAI-compatible server (streaming)")
     _add_client_args(parser)
     parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight")
+    parser.add_argument("--duration", type=float, default=None, metavar="SECONDS",
+                        help="a time-boxed load test: send the dataset's requests (cycled) for --warmup + SECONDS at "
+                        "--max-concurrency or --request-rate, and report the stable segment after the warm-up "
+                        "(the drain excluded) with a verdict against --slo-ttft-ms/--slo-tpot-ms")
+    parser.add_argument("--warmup", type=float, default=0.0, metavar="SECONDS",
+                        help="with --duration: seconds of load before the measured segment (default: 0)")
     _add_dataset_args(parser)
     parser.set_defaults(handler=run_bench_serve)
 
@@ -188,7 +194,7 @@ def run_bench_serve(args: argparse.Namespace) -> int:
     from tokenmill.bench.report import format_serve_table
     from tokenmill.bench.serve import run_benchmark
 
-    cfg = _serve_config(args, args.max_concurrency)
+    cfg = replace(_serve_config(args, args.max_concurrency), duration_s=args.duration, warmup_s=args.warmup)
     requests, extra = _client_requests(args)
     result = asyncio.run(run_benchmark(requests, cfg, extra))
     print(format_serve_table(result))
