@@ -206,7 +206,8 @@ def test_a_time_boxed_run_stops_on_time_and_reports_the_stable_segment(live_serv
     code = cli.main([
         "bench", "serve", "--base-url", url, "--dataset", "random", "--num-prompts", "4", "--random-input-len", "32",
         "--random-output-len", "8", "--max-concurrency", "2", "--duration", "4", "--warmup", "2",
-        "--slo-ttft-ms", "60000", "--slo-tpot-ms", "0.001", "--disable-tqdm", "--result-json", str(out)])
+        "--slo-ttft-ms", "60000", "--slo-tpot-ms", "0.001", "--price-per-hour", "2.5", "--disable-tqdm",
+        "--result-json", str(out)])
     wall = time.monotonic() - start
     printed = capsys.readouterr().out
     result = json.loads(out.read_text())
@@ -227,6 +228,10 @@ def test_a_time_boxed_run_stops_on_time_and_reports_the_stable_segment(live_serv
     engine = result["engine"]
     assert engine["config"]["max_num_seqs"] == 64 and engine["config"]["block_size"] == 16
     assert engine["models"][0]["max_model_len"] == 512 and engine["numerics"]
+    # The price of an hour turned into the price of a million tokens at the measured throughput.
+    cost = result["cost"]
+    assert cost["per_million_output_tokens"] == pytest.approx(2.5 / (result["output_throughput"] * 3600) * 1e6)
+    assert cost["per_million_tokens"] < cost["per_million_output_tokens"] and "Cost per 1M output tokens:" in printed
 
 
 def test_the_stable_segment_counts_only_what_happened_inside_it():

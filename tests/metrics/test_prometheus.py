@@ -106,6 +106,23 @@ def test_http_responses_are_counted_by_route_method_and_status_class():
     assert samples[("http_requests_total", tuple(sorted(labels + (("status", "5xx"),))))] == 1
 
 
+def test_tokens_are_counted_per_tenant_with_bounded_series(monkeypatch):
+    from dataclasses import replace
+
+    from tokenmill.metrics import prometheus
+
+    monkeypatch.setattr(prometheus, "MAX_TENANT_SERIES", 3)
+    exporter = PrometheusStatLogger("m")
+    requests = [replace(finished("length", 10, 4), tenant=tenant) for tenant in ("alice", "bob", None, "carol", "alice")]
+    requests.append(replace(finished("stop", 7, 2), tenant="dave"))
+    exporter.record(SchedulerSnapshot(), IterationStats(finished=requests))
+    generated = {labels[0][1]: v for (name, labels), v in samples(exporter).items()
+                 if name == "tokenmill:tenant_generation_tokens_total"}
+    # alice (twice), bob and the tenant-less "none" hold the three series; carol and dave count as "other".
+    assert generated == {"alice": 8, "bob": 4, "none": 4, "other": 6}
+    assert value(exporter, "tokenmill:tenant_prompt_tokens_total", tenant="other") == 17
+
+
 def test_two_exporters_in_one_process_do_not_collide():
     first, second = PrometheusStatLogger("a"), PrometheusStatLogger("b")
     first.record(SchedulerSnapshot(), IterationStats(num_generation_tokens=7))

@@ -52,6 +52,10 @@ def format_serve_table(result: dict[str, Any]) -> str:
              _line("Request throughput (req/s):", result["request_throughput"])]
     if result.get("request_goodput") is not None:
         lines.append(_line("Request goodput (req/s):", result["request_goodput"]))
+    cost = result.get("cost")
+    if cost:
+        lines.append(_line("Cost per 1M output tokens:", cost["per_million_output_tokens"]))
+        lines.append(_line("Cost per 1M tokens (in + out):", cost["per_million_tokens"]))
     verdict = result.get("verdict")
     if verdict:
         lines.append(_line("P95 TTFT and TPOT within the SLO:", "yes" if verdict["meets_slo"] else "NO"))

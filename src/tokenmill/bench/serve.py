@@ -58,6 +58,9 @@ class ServeConfig:
     # finish (the drain) and count only for what they did inside it.
     duration_s: Optional[float] = None
     warmup_s: float = 0.0
+    # What the server costs an hour (any currency): the result then says what a million tokens cost at the
+    # measured throughput.
+    price_per_hour: Optional[float] = None
 
     def __post_init__(self) -> None:
         self.base_url = self.base_url.rstrip("/")
@@ -71,6 +74,8 @@ class ServeConfig:
             raise InvalidRequestError("--request-rate must be positive (inf sends all requests at once)")
         if not self.burstiness > 0:
             raise InvalidRequestError("--burstiness must be positive")
+        if self.price_per_hour is not None and not self.price_per_hour > 0:
+            raise InvalidRequestError("--price-per-hour must be positive")
         if self.duration_s is not None:
             if not self.duration_s > 0 or self.warmup_s < 0:
                 raise InvalidRequestError("--duration must be positive and --warmup non-negative")
@@ -265,7 +270,21 @@ async def run_benchmark(requests: Sequence[BenchRequest], cfg: ServeConfig,
     else:
         result = summarize(results, duration, cfg)
     result.update(model=model, server=server, engine=engine, **(extra or {}))
+    if cfg.price_per_hour is not None:
+        result["cost"] = token_cost(result, cfg.price_per_hour)
     return result
+
+
+def token_cost(result: dict[str, Any], price_per_hour: float) -> dict[str, Any]:
+    """What a million tokens cost at the run's throughput on a server billed price_per_hour: per million output
+    tokens (the whole machine's time charged to what it generated, as per-token price lists quote output), and
+    per million tokens read and generated together."""
+    def per_million(tokens_per_s: float) -> Optional[float]:
+        return price_per_hour / (tokens_per_s * 3600) * 1e6 if tokens_per_s > 0 else None
+
+    return {"price_per_hour": price_per_hour,
+            "per_million_output_tokens": per_million(result["output_throughput"]),
+            "per_million_tokens": per_million(result["total_token_throughput"])}
 
 
 async def _send_for_duration(client: Any, cfg: ServeConfig, model: str, requests: Sequence[BenchRequest],

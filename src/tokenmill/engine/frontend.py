@@ -55,7 +55,7 @@ class Frontend:
                                                  priority=priority, user=user, arrival_time=arrival_time)
         parent = message.request_id if message.fork_children else None
         self.output_processor.add_request(request_id, prompt.prompt, prompt.prompt_token_ids, params, core_ids,
-                                          parent, message.arrival_time, queue=queue)
+                                          parent, message.arrival_time, queue=queue, tenant=user)
         return message
 
 

@@ -53,6 +53,7 @@ class RequestState:
     # Monotonic times, for the async frontend's request timeout and stall watchdog.
     added_time: float = field(default_factory=time.monotonic)
     last_output_time: Optional[float] = None
+    tenant: Optional[str] = None  # who the request is for (the fair policy's tenant), for per-tenant metrics
 
     @property
     def finished(self) -> bool:
@@ -75,9 +76,9 @@ class OutputProcessor:
     # ---- registration --------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: Optional[str], prompt_token_ids: list[int],
                     params: SamplingParams, core_ids: list[str], parent_core_id: Optional[str],
-                    arrival_time: float, queue: Any = None) -> RequestState:
+                    arrival_time: float, queue: Any = None, tenant: Optional[str] = None) -> RequestState:
         state = RequestState(request_id, prompt, prompt_token_ids, params, [], RequestMetrics(arrival_time),
-                             parent_core_id=parent_core_id, queue=queue)
+                             parent_core_id=parent_core_id, queue=queue, tenant=tenant)
         if params.prompt_logprobs is not None:
             state.prompt_logprobs = [None] * len(prompt_token_ids)
         for index, core_id in enumerate(core_ids):
@@ -263,4 +264,5 @@ class OutputProcessor:
             tpot=decode_time / (longest - 1) if longest > 1 else None,
             num_preemptions=m.num_preemptions,
             num_cached_tokens=m.num_cached_tokens,
+            tenant=state.tenant,
         )

@@ -109,6 +109,9 @@ def _add_client_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT limit")
     group.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT limit")
     group.add_argument("--slo-e2el-ms", type=float, default=None, help="goodput: end-to-end limit")
+    group.add_argument("--price-per-hour", type=float, default=None,
+                       help="what the server costs an hour: the result adds the cost of a million tokens at the "
+                       "measured throughput")
     group.add_argument("--metric-percentiles", type=_float_list, default=(50.0, 90.0, 95.0, 99.0),
                        help="comma-separated (default: 50,90,95,99)")
     group.add_argument("--server-pid", type=int, default=None,
@@ -140,7 +143,7 @@ def _serve_config(args: argparse.Namespace, max_concurrency: Optional[int]):
                        slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms, slo_e2el_ms=args.slo_e2el_ms,
                        percentiles=tuple(args.metric_percentiles), server_pid=args.server_pid,
                        sample_server=args.sample_server, disable_tqdm=args.disable_tqdm, label=args.label,
-                       extra_body=args.extra_body)
+                       extra_body=args.extra_body, price_per_hour=args.price_per_hour)
 
 
 def _api_key(args: argparse.Namespace) -> Optional[str]:

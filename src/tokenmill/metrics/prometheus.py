@@ -21,6 +21,11 @@ FINISHED_REASONS = ("stop", "length", "abort")
 REJECTION_REASONS = ("queue_full", "queue_timeout")
 
 
+# Tenants with series of their own in the per-tenant token counters; the rest count under "other".
+MAX_TENANT_SERIES = 100
+NO_TENANT = "none"  # requests with no user and no tenant key
+
+
 def http_response_key(handler: str, method: str, status: int) -> str:
     """The key an HTTP answer is counted under: 'handler method Nxx' (the status class, as vLLM labels it)."""
     return f"{handler} {method} {status // 100}xx"
@@ -73,6 +78,14 @@ class PrometheusStatLogger:
                                 labels + ["reason"], registry=r)
         # vLLM's name and labels (prometheus-fastapi-instrumentator's): every HTTP answer, by route, method and
         # status class, for error-rate alerts (a 5xx rate, a 429 rate).
+        # Tokens per tenant (the request's user, or its API key's tenant), so a machine's cost can be split by
+        # customer; the first MAX_TENANT_SERIES tenants get series of their own, later ones count as "other".
+        self.tenant_prompt_tokens = Counter(p + "tenant_prompt_tokens", "Prompt tokens of finished requests, per tenant",
+                                            labels + ["tenant"], registry=r)
+        self.tenant_generation_tokens = Counter(p + "tenant_generation_tokens",
+                                                "Generated tokens of finished requests, per tenant",
+                                                labels + ["tenant"], registry=r)
+        self._tenants: set[str] = set()
         self.http_responses = Counter("http_requests", "HTTP responses by route, method and status class",
                                       ["handler", "method", "status"], registry=r)
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
@@ -153,6 +166,19 @@ class PrometheusStatLogger:
             self.req_generation.labels(m).observe(request.num_generation_tokens)
             if request.tpot is not None:
                 self.tpot.labels(m).observe(request.tpot)
+            tenant = self._tenant_label(request.tenant)
+            self.tenant_prompt_tokens.labels(m, tenant).inc(request.num_prompt_tokens)
+            self.tenant_generation_tokens.labels(m, tenant).inc(request.num_generation_tokens)
+
+    def _tenant_label(self, tenant: Optional[str]) -> str:
+        """The tenant's own label while fewer than MAX_TENANT_SERIES have one, else "other" (bounded cardinality)."""
+        name = tenant or NO_TENANT
+        if name in self._tenants:
+            return name
+        if len(self._tenants) < MAX_TENANT_SERIES and name != "other":
+            self._tenants.add(name)
+            return name
+        return "other"
 
     def record_replicas(self, replicas: list[dict]) -> None:
         """Data parallelism: each engine core's load and prefix hits, and the router's choices, labelled

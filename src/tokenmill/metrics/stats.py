@@ -40,6 +40,7 @@ class FinishedRequestStats:
     tpot: Optional[float]  # mean time per output token after the first
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    tenant: Optional[str] = None  # the request's user (or its API key's tenant), for per-tenant token counts
 
 
 @dataclass(slots=True)

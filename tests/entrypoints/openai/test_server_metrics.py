@@ -92,7 +92,7 @@ def test_metrics_equal_usage_of_known_requests_and_count_rejections(start_server
             reasons.append(response.json()["choices"][0]["finish_reason"])
             return response.json()
 
-        complete({"prompt": "Hello world", "max_tokens": 7, "ignore_eos": True})
+        complete({"prompt": "Hello world", "max_tokens": 7, "ignore_eos": True, "user": "alice"})
         chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi!"}],
                                                          "max_tokens": 5, "ignore_eos": True})
         assert chat.status_code == 200
@@ -129,6 +129,10 @@ def test_metrics_equal_usage_of_known_requests_and_count_rejections(start_server
     assert metric(samples, "num_requests_running") == 0
     assert metric(samples, "num_preemptions_total") == 0
     assert metric(samples, "prefix_cache_queries_total") >= prompt_tokens - n
+    # Per tenant (the request's `user`; none for the others): the same tokens, split.
+    assert metric(samples, "tenant_generation_tokens_total", tenant="alice") == usages[0]["completion_tokens"] == 7
+    assert metric(samples, "tenant_prompt_tokens_total", tenant="alice") == usages[0]["prompt_tokens"]
+    assert metric(samples, "tenant_generation_tokens_total", tenant="none") == completion_tokens - 7
 
     stats = httpx.get(server.url + "/stats").json()  # no key needed either
     assert stats["num_finished_requests"] == n
