@@ -93,6 +93,28 @@ def test_profile_crossing_interpolates_p95_ttft():
         profile_crossing({"points": []}, 100)
 
 
+def test_a_price_per_device_hour_gives_the_plan_its_cost_per_token(capsys):
+    profile = {"points": [
+        {"max_concurrency": 1, "p95_ttft_ms": 100.0, "output_throughput": 100.0},
+        {"max_concurrency": 4, "p95_ttft_ms": 200.0, "output_throughput": 300.0},
+        {"max_concurrency": 16, "p95_ttft_ms": 600.0, "output_throughput": 900.0},
+    ]}
+    plan = make_plan(PlanInputs(PRESETS["llama-3-8b"], find_gpu("H100-80GB"), max_model_len=4096, concurrency=50,
+                                target_ttft_ms=400, profile=profile, price_per_device_hour=3.0))
+    cost = plan["cost"]
+    # 5 replicas of one device; each runs at concurrency 10, where the sweep measured 600 tok/s (interpolated).
+    assert cost["devices"] == 5 and cost["per_hour"] == 15.0 and cost["replica_output_tok_s"] == pytest.approx(600.0)
+    assert cost["per_million_output_tokens"] == pytest.approx(3.0 / (600.0 * 3600) * 1e6)
+    no_profile = make_plan(PlanInputs(PRESETS["llama-3-8b"], find_gpu("H100-80GB"), max_model_len=4096,
+                                      price_per_device_hour=3.0))["cost"]
+    assert no_profile["per_hour"] == 3.0 and no_profile["per_million_output_tokens"] is None
+    with pytest.raises(InvalidRequestError, match="price-per-hour"):
+        make_plan(PlanInputs(PRESETS["llama-3-8b"], find_gpu("H100-80GB"), price_per_device_hour=0.0))
+    assert cli.main(["plan", "--model", "llama-3-8b", "--gpu", "H100-80GB", "--concurrency", "8",
+                     "--price-per-hour", "2.5"]) == 0
+    assert "2.50 an hour (1 device(s) × 2.5)" in capsys.readouterr().out
+
+
 def test_hf_directory_config_and_safetensors_count(tmp_path):
     from safetensors.torch import save_file
 

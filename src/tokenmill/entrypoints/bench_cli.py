@@ -313,6 +313,9 @@ def _add_plan(subparsers: Any) -> None:
     parser.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None, help="default: smallest that fits")
     parser.add_argument("--profile", default=None, help="a `bench sweep` JSON measured on this model and device")
+    parser.add_argument("--price-per-hour", type=float, default=None,
+                        help="what one device costs an hour: the plan adds its hourly cost and, with --profile, the "
+                        "cost of a million output tokens at the operating concurrency")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(handler=run_plan)
 
@@ -332,7 +335,8 @@ def run_plan(args: argparse.Namespace) -> int:
                         concurrency=args.concurrency, headroom=args.headroom, dtype=args.dtype,
                         kv_cache_dtype=args.kv_cache_dtype, block_size=block_size,
                         tensor_parallel_size=args.tensor_parallel_size, target_ttft_ms=args.target_ttft_ms,
-                        profile=load_result(args.profile) if args.profile else None, profile_path=args.profile)
+                        profile=load_result(args.profile) if args.profile else None, profile_path=args.profile,
+                        price_per_device_hour=args.price_per_hour)
     plan = make_plan(inputs)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0

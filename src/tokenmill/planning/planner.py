@@ -160,6 +160,7 @@ class PlanInputs:
     target_ttft_ms: Optional[float] = None
     profile: Optional[dict[str, Any]] = None  # a `bench sweep` result
     profile_path: Optional[str] = None
+    price_per_device_hour: Optional[float] = None  # what one device costs an hour (any currency)
 
 
 def _check(inputs: PlanInputs) -> tuple[str, str, int]:
@@ -251,6 +252,8 @@ def make_plan(inputs: PlanInputs) -> dict[str, Any]:
         replicas = math.ceil(inputs.concurrency / per_replica)
         plan.update(replicas_needed=replicas, devices_needed=replicas * tp)
     plan["scale_out_trigger"] = scale_out_trigger(plan)
+    if inputs.price_per_device_hour is not None:
+        plan["cost"] = plan_cost(plan, inputs.price_per_device_hour, inputs.profile)
     replicas = plan.get("replicas_needed") or 1
     plan["serve_flags"] = (f"--max-model-len {length} --max-num-seqs {per_replica} "
                            f"--gpu-memory-utilization {1.0 - inputs.headroom:g}"
@@ -302,6 +305,26 @@ def _lerp(xs: list[float], ys: list[float], x: float) -> float:
         if x0 <= x <= x1:
             return y0 + (y1 - y0) * (x - x0) / (x1 - x0) if x1 > x0 else y0
     return ys[-1]
+
+
+def plan_cost(plan: dict[str, Any], price_per_device_hour: float, profile: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """The plan's devices an hour and, with a measured profile (a `bench sweep` on this model and device), the cost
+    of a million output tokens at the operating concurrency, from the output throughput interpolated there."""
+    if not price_per_device_hour > 0:
+        raise InvalidRequestError("--price-per-hour must be positive")
+    devices = plan.get("devices_needed") or plan["tensor_parallel_size"]
+    out: dict[str, Any] = {"price_per_device_hour": price_per_device_hour, "devices": devices,
+                           "per_hour": devices * price_per_device_hour, "per_million_output_tokens": None,
+                           "replica_output_tok_s": None}
+    points = sorted((float(p["max_concurrency"]), float(p["output_throughput"])) for p in (profile or {}).get("points", [])
+                    if p.get("max_concurrency") and p.get("output_throughput"))
+    if points:
+        xs, ys = [c for c, _ in points], [t for _, t in points]
+        concurrency = min(max(plan["concurrency_per_replica"], xs[0]), xs[-1])  # measured range only
+        tok_s = _lerp(xs, ys, concurrency)
+        out.update(replica_output_tok_s=tok_s, at_concurrency=concurrency,
+                   per_million_output_tokens=price_per_device_hour * plan["tensor_parallel_size"] / (tok_s * 3600) * 1e6)
+    return out
 
 
 def scale_out_trigger(plan: dict[str, Any]) -> dict[str, Any]:
@@ -362,6 +385,14 @@ def format_plan(plan: dict[str, Any]) -> str:
         rows += [("target concurrency", str(plan["target_concurrency"])),
                  ("replicas needed", f"{plan['replicas_needed']} × TP {plan['tensor_parallel_size']} = "
                                      f"{plan['devices_needed']} devices")]
+    cost = plan.get("cost")
+    if cost:
+        rows.append(("cost", f"{cost['per_hour']:,.2f} an hour ({cost["devices"]} device(s) × "
+                             f"{cost['price_per_device_hour']:g})"))
+        if cost["per_million_output_tokens"] is not None:
+            rows.append(("cost per 1M output tokens", f"{cost['per_million_output_tokens']:,.3f} (a replica measured at "
+                                                     f"{cost['replica_output_tok_s']:,.0f} tok/s, concurrency "
+                                                     f"{cost['at_concurrency']:g})"))
     rows += [("scale-out trigger", plan["scale_out_trigger"]["text"]),
              ("server flags (vLLM names)", plan["serve_flags"])]
     width = max(len(label) for label, _ in rows) + 2
