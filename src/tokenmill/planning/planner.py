@@ -387,7 +387,7 @@ def format_plan(plan: dict[str, Any]) -> str:
                                      f"{plan['devices_needed']} devices")]
     cost = plan.get("cost")
     if cost:
-        rows.append(("cost", f"{cost['per_hour']:,.2f} an hour ({cost["devices"]} device(s) × "
+        rows.append(("cost", f"{cost['per_hour']:,.2f} an hour ({cost['devices']} device(s) × "
                              f"{cost['price_per_device_hour']:g})"))
         if cost["per_million_output_tokens"] is not None:
             rows.append(("cost per 1M output tokens", f"{cost['per_million_output_tokens']:,.3f} (a replica measured at "
