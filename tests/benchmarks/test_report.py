@@ -89,6 +89,29 @@ def test_compare_cli_writes_markdown_and_valid_pngs(tmp_path, capsys):
     assert code == 1 and "--labels has 1 names for 2 results" in capsys.readouterr().err
 
 
+def test_compare_turns_each_servers_price_into_a_cost_per_token(tmp_path, capsys):
+    from tokenmill.bench.report import apply_prices
+
+    # A GPU server 3x as fast at 10x the price against a CPU host: the host's tokens are the cheaper ones.
+    gpu, cpu = _sweep("gpu", 3.0), _sweep("cpu", 1.0)
+    apply_prices([gpu, cpu], [10.0, 1.0])
+    out = compare_results([gpu, cpu], ["gpu", "cpu"])
+    row = next(r for r in out["rows"] if r["concurrency"] == "4" and r["metric"] == "cost.per_million_output_tokens")
+    assert row["values"]["gpu"] == pytest.approx(10.0 / (600.0 * 3600) * 1e6)
+    assert row["values"]["cpu"] == pytest.approx(1.0 / (200.0 * 3600) * 1e6)
+    assert row["diffs"]["cpu"]["verdict"] == "better"  # lower cost per token
+    with pytest.raises(InvalidRequestError, match="one per result"):
+        apply_prices([gpu, cpu], [1.0, 2.0, 3.0])
+    paths = []
+    for name, data in (("gpu", _sweep("gpu", 3.0)), ("cpu", _sweep("cpu", 1.0))):
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(data))
+    assert cli.main(["bench", "compare", *map(str, paths), "--price-per-hour", "10,1",
+                     "--output-dir", str(tmp_path / "report")]) == 0
+    assert "| cost per 1M output tokens |" in (tmp_path / "report" / "report.md").read_text()
+    capsys.readouterr()
+
+
 def test_compare_without_matplotlib_fails_with_a_one_line_hint(tmp_path, capsys, monkeypatch):
     paths = []
     for name, data in (("a", _sweep("tokenmill", 1.0)), ("b", _sweep("vllm", 1.2, 0.8))):

@@ -106,7 +106,7 @@ def format_sweep_table(sweep: dict[str, Any]) -> str:
 # ---- compare -----------------------------------------------------------------------------------------
 @dataclass(slots=True)
 class CompareMetric:
-    key: str  # a result key; "server.x" reads result["server"]["x"]
+    key: str  # a result key; "server.x" reads result["server"]["x"] (and "cost.x" result["cost"]["x"])
     title: str
     higher_is_better: bool
 
@@ -123,6 +123,7 @@ COMPARE_METRICS = (
     CompareMetric("median_e2el_ms", "E2E latency p50 (ms)", False),
     CompareMetric("p95_e2el_ms", "E2E latency p95 (ms)", False),
     CompareMetric("server.peak_rss_bytes", "peak server memory (bytes)", False),
+    CompareMetric("cost.per_million_output_tokens", "cost per 1M output tokens", False),
 )
 
 
@@ -154,8 +155,9 @@ def load_result(path: str | Path) -> dict[str, Any]:
 
 
 def _value(point: dict[str, Any], key: str) -> Optional[float]:
-    if key.startswith("server."):
-        return (point.get("server") or {}).get(key[len("server."):])
+    if "." in key:
+        section, name = key.split(".", 1)
+        return (point.get(section) or {}).get(name)
     return point.get(key)
 
 
@@ -304,10 +306,27 @@ def plot_latency_throughput(results: Sequence[dict[str, Any]], labels: Sequence[
     plt.close(fig)
 
 
+def apply_prices(results: Sequence[dict[str, Any]], prices_per_hour: Sequence[float]) -> None:
+    """Sets each point's `cost` from its result's price an hour (one price for all results, or one each)."""
+    from tokenmill.bench.serve import token_cost
+
+    prices = list(prices_per_hour) * len(results) if len(prices_per_hour) == 1 else list(prices_per_hour)
+    if len(prices) != len(results) or not all(price > 0 for price in prices):
+        raise InvalidRequestError(f"--price-per-hour takes one positive price, or one per result ({len(results)})")
+    for result, price in zip(results, prices):
+        for point in result["points"]:
+            point["cost"] = token_cost(point, price)
+
+
 def write_compare_report(paths: Sequence[str | Path], labels: Optional[Sequence[str]], output_dir: str | Path,
-                         tie_threshold: float = TIE_THRESHOLD) -> dict[str, Any]:
-    """Loads the results, writes report.md, compare.json and the PNG plots; returns the comparison."""
+                         tie_threshold: float = TIE_THRESHOLD,
+                         prices_per_hour: Optional[Sequence[float]] = None) -> dict[str, Any]:
+    """Loads the results, writes report.md, compare.json and the PNG plots; returns the comparison.
+    prices_per_hour: what each result's server costs an hour (one for all, or one per result): every point then
+    gets its cost per million tokens at its measured throughput (a GPU's price against a CPU host's)."""
     results = [load_result(p) for p in paths]
+    if prices_per_hour:
+        apply_prices(results, prices_per_hour)
     if labels is None:
         labels = [r.get("label") or Path(p).stem for r, p in zip(results, paths)]
     if len(labels) != len(results):

@@ -29,6 +29,16 @@ def _int_list(value: str) -> list[int]:
     return items
 
 
+def _prices(value: str) -> tuple[float, ...]:
+    try:
+        items = tuple(float(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated prices, got {value!r}") from None
+    if not items or any(not price > 0 for price in items):
+        raise argparse.ArgumentTypeError(f"prices must be positive, got {value!r}")
+    return items
+
+
 def _float_list(value: str) -> tuple[float, ...]:
     try:
         items = tuple(float(v) for v in value.split(",") if v.strip())
@@ -241,6 +251,9 @@ def _add_compare(subparsers: Any) -> None:
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--tie-threshold", type=float, default=0.10,
                         help="relative differences under this count as ties (default: 0.10)")
+    parser.add_argument("--price-per-hour", type=_prices, default=None,
+                        help="what the servers cost an hour: one price for all, or comma-separated, one per result; "
+                        "the report adds the cost of a million output tokens at each measured throughput")
     parser.set_defaults(handler=run_bench_compare)
 
 
@@ -250,7 +263,8 @@ def run_bench_compare(args: argparse.Namespace) -> int:
     labels = [l.strip() for l in args.labels.split(",")] if args.labels else None
     if not 0 <= args.tie_threshold < 1:
         raise InvalidRequestError("--tie-threshold must be in [0, 1)")
-    comparison = write_compare_report(args.results, labels, args.output_dir, args.tie_threshold)
+    comparison = write_compare_report(args.results, labels, args.output_dir, args.tie_threshold,
+                                      args.price_per_hour)
     print(comparison["markdown"])
     print(f"wrote {Path(args.output_dir) / 'report.md'}")
     return 0
