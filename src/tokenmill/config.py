@@ -300,6 +300,10 @@ class EngineConfig:
     data_parallel_routing: str = option(
         "prefix", "with --data-parallel-size > 1: prefix (the core holding the longest cached prefix, unless it "
         "is much busier than the least-loaded one) or round_robin", choices=DATA_PARALLEL_ROUTING)
+    data_parallel_long_prompt_threshold: Optional[int] = option(
+        None, "with --data-parallel-size > 1: prompts of more tokens than this go to a lane of their own (the last "
+        "engine core) and shorter ones to the others, so a long prefill never delays short requests' first tokens",
+        bound="positive")
     tensor_parallel_size: int = option(
         1, "worker processes that each hold 1/N of the model (its attention heads, KV heads, MLP features and "
         "vocabulary) and of every KV block, joined by all-reduces (gloo on CPU, nccl on CUDA: one GPU per "

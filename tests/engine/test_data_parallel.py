@@ -32,6 +32,18 @@ def test_router_prefers_the_core_holding_the_prefix_unless_it_is_much_busier():
     assert router.engines[0].in_flight == 1
 
 
+@pytest.mark.parametrize("policy", ["prefix", "round_robin"])
+def test_long_prompts_have_a_lane_of_their_own(policy):
+    router = DataParallelRouter(3, block_size=4, capacity_blocks=100, policy=policy, long_prompt_threshold=50)
+    long_prompt, short_prompts = list(range(200)), [[1000 + i] * 10 for i in range(6)]
+    # The long prompt goes to the last core even while it is the busiest; short ones never do.
+    assert [router.choose(long_prompt) for _ in range(3)] == [2, 2, 2]
+    assert sorted(router.choose(p) for p in short_prompts) == [0, 0, 0, 1, 1, 1]
+    assert router.choose(list(range(50))) in (0, 1)  # at the threshold: short
+    single = DataParallelRouter(1, block_size=4, capacity_blocks=100, long_prompt_threshold=50)
+    assert single.choose(long_prompt) == 0 and single.choose([1] * 10) == 0  # one core: no lanes
+
+
 def test_round_robin_ignores_prefixes():
     router = DataParallelRouter(2, block_size=4, capacity_blocks=100, policy="round_robin")
     assert [router.choose(list(range(16))) for _ in range(4)] == [0, 1, 0, 1]

@@ -11,12 +11,16 @@ router forgets prefixes the core itself would have evicted first. That policy is
 keyed by any replica name, which the Ray Serve router (tokenmill.serve) shares.
 
 `round_robin` ignores prefixes (the baseline a benchmark compares against).
+
+Length-aware lanes (`--data-parallel-long-prompt-threshold T`): prompts of more than T tokens go to the last
+core, shorter ones to the others, and each policy chooses within the lane. A 3,000-token prefill then
+shares steps only with other long prompts, and the short requests' first tokens never wait for it.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Generic, Hashable, Mapping, Sequence, TypeVar
+from typing import Generic, Hashable, Mapping, Optional, Sequence, TypeVar
 
 from tokenmill.config import DATA_PARALLEL_ROUTING as ROUTING_POLICIES
 from tokenmill.core.kv_cache_manager import hash_block_tokens
@@ -100,13 +104,15 @@ class EngineLoad:
 
 class DataParallelRouter:
     def __init__(self, num_engines: int, block_size: int, capacity_blocks: int, policy: str = "prefix",
-                 max_imbalance: int = 4) -> None:
+                 max_imbalance: int = 4, long_prompt_threshold: Optional[int] = None) -> None:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}")
+        # With two or more cores and a threshold: the last core is the long prompts' lane.
+        self.long_prompt_threshold = long_prompt_threshold if num_engines > 1 else None
+        self._next_in_lane: dict[bool, int] = {False: 0, True: 0}
         self.engines = [EngineLoad() for _ in range(num_engines)]
         self.affinity: PrefixAffinity[int] = PrefixAffinity(block_size, capacity_blocks, max_imbalance)
         self.policy = policy
-        self._next = 0
 
     @property
     def block_size(self) -> int:
@@ -115,15 +121,24 @@ class DataParallelRouter:
     def block_hashes(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
         return self.affinity.block_hashes(prompt_token_ids)
 
+    def lane(self, num_prompt_tokens: int) -> list[int]:
+        """The engine indices a prompt of this length may go to."""
+        last = len(self.engines) - 1
+        if self.long_prompt_threshold is None:
+            return list(range(len(self.engines)))
+        return [last] if num_prompt_tokens > self.long_prompt_threshold else list(range(last))
+
     def choose(self, prompt_token_ids: Sequence[int]) -> int:
         """The engine index for a new request (counted as in flight there until `finished`)."""
+        lane = self.lane(len(prompt_token_ids))
         if self.policy == "round_robin":
-            index = self._next % len(self.engines)
-            self._next += 1
+            is_long = lane == [len(self.engines) - 1] and self.long_prompt_threshold is not None
+            index = lane[self._next_in_lane[is_long] % len(lane)]
+            self._next_in_lane[is_long] += 1
             self._assign(index, [], by_prefix=False)
             return index
         hashes = self.affinity.block_hashes(prompt_token_ids)
-        index, by_prefix = self.affinity.choose(hashes, {i: e.in_flight for i, e in enumerate(self.engines)})
+        index, by_prefix = self.affinity.choose(hashes, {i: self.engines[i].in_flight for i in lane})
         self._assign(index, hashes, by_prefix)
         return index
 
