@@ -194,19 +194,19 @@ class PrometheusStatLogger:
     def record_rejections(self, totals: dict[str, int]) -> None:
         """Admission-control refusals (cumulative per reason) happen outside engine steps, so the server
         passes the engine's running totals before each scrape."""
-        for reason, total in dict(totals).items():  # a copy: the engine thread may add a reason meanwhile
-            seen = self._rejected_seen.get(reason, 0)
-            if total > seen:
-                self.rejected.labels(self.model_name, reason).inc(total - seen)
-                self._rejected_seen[reason] = total
+        _count_new(totals, self._rejected_seen, lambda reason: self.rejected.labels(self.model_name, reason))
 
     def record_responses(self, totals: dict[str, int]) -> None:
         """HTTP responses (cumulative per http_response_key), passed before each scrape like the refusals."""
-        for key, total in dict(totals).items():
-            seen = self._responses_seen.get(key, 0)
-            if total > seen:
-                self.http_responses.labels(*key.split(" ", 2)).inc(total - seen)
-                self._responses_seen[key] = total
+        _count_new(totals, self._responses_seen, lambda key: self.http_responses.labels(*key.split(" ", 2)))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _count_new(totals: dict[str, int], seen: dict[str, int], counter) -> None:
+    """Adds to counter(key) what each running total gained since the last call (seen: the totals then)."""
+    for key, total in dict(totals).items():  # a copy: the engine thread may add a key meanwhile
+        if total > seen.get(key, 0):
+            counter(key).inc(total - seen.get(key, 0))
+            seen[key] = total

@@ -159,13 +159,11 @@ class DecoderForCausalLM(nn.Module):
         """metas: each layer's (its KV cache group's) attention metadata."""
         kernels, params = self._int8_decode
         attn = self.layers[0].self_attn
-        rows = torch.arange(metas[0].num_decodes, dtype=torch.int32)
-        decode_ranges = torch.stack((rows, rows + 1), dim=1)  # each row a one-token chunk, for windowed layers
         layers = [layer.self_attn for layer in self.layers]
         return kernels.decoder_decode_int8(
             self.embed(input_ids), positions, [meta.slot_mapping for meta in metas],
             [meta.decode_block_tables for meta in metas], [meta.decode_context_lens for meta in metas],
-            decode_ranges, kv_caches, params,
+            metas[0].decode_ranges, kv_caches, params,  # each row a one-token chunk, for windowed layers
             [layer.rotary.cos for layer in layers], [layer.rotary.sin for layer in layers],
             [layer.window or 0 for layer in layers], self.norm.weight, attn.num_heads, attn.num_kv_heads,
             attn.head_dim, self.norm.eps, attn.scale, attn.softcap or 0.0, self.spec.activation != "silu",
