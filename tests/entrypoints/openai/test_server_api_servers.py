@@ -40,14 +40,19 @@ def _processes(server) -> tuple[int, int]:
     raise AssertionError(f"no worker/core among the children:\n{server.log_tail()}")
 
 
+# Every request of these tests presents a key; "sk-limited" has limits the two servers must share.
+KEYS = {"sk-all": {}, "sk-limited": {"requests_per_minute": 4, "tokens_per_minute": 300}}
+AUTH = {"Authorization": "Bearer sk-all"}
+
+
 def _complete(url: str, prompt: str, stream: bool = False, **extra) -> tuple[int, str]:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 8, "temperature": 0, "stream": stream, **extra}
     if not stream:
-        response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        response = httpx.post(url + "/v1/completions", json=body, timeout=120, headers=AUTH)
         return response.status_code, (response.json()["choices"][0]["text"] if response.status_code == 200
                                       else response.text)
     text = []
-    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120, headers=AUTH) as response:
         for line in response.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
                 text.extend(choice["text"] for choice in json.loads(line[6:])["choices"])
@@ -61,9 +66,21 @@ def _metric(url: str, name: str) -> float:
     raise AssertionError(f"no {name} series")
 
 
+def _limited(url: str, path: str, body: dict) -> str:
+    """"200", or which limit refused the request."""
+    response = httpx.post(url + path, json={"model": MODEL, **body}, timeout=120,
+                          headers={"Authorization": "Bearer sk-limited"})
+    if response.status_code == 429:
+        return "requests" if "requests per minute" in response.json()["error"]["message"] else "tokens"
+    assert response.status_code == 200, response.text
+    return "200"
+
+
 @pytest.mark.slow
-def test_two_api_servers_share_one_core_and_one_set_of_metrics(start_server, tiny_llama_dir):
-    server = _start_two(start_server, tiny_llama_dir, "--shutdown-timeout", "10")
+def test_two_api_servers_share_one_core_and_one_set_of_metrics_and_limits(start_server, tiny_llama_dir, tmp_path):
+    keys_file = tmp_path / "keys.json"
+    keys_file.write_text(json.dumps(KEYS))
+    server = _start_two(start_server, tiny_llama_dir, "--shutdown-timeout", "10", "--api-keys-file", str(keys_file))
     worker, core = _processes(server)
     prompts = [f"Request number {i} says" for i in range(8)]
     with ThreadPoolExecutor(8) as pool:
@@ -82,6 +99,7 @@ def test_two_api_servers_share_one_core_and_one_set_of_metrics(start_server, tin
         os.kill(server.proc.pid, signal.SIGCONT)
     assert [status for status, _ in only_worker] == [200, 200, 200], only_worker
     assert only_worker[0][1] == answers[1][1] and only_worker[1][1] == answers[2][1]
+
     # One set of metrics, whichever server answers the scrape: 8 + 1 requests, then the second server's 3
     # (the n = 2 request counts once), which it forwarded to server 0.
     deadline = time.monotonic() + 10
@@ -89,6 +107,27 @@ def test_two_api_servers_share_one_core_and_one_set_of_metrics(start_server, tin
         time.sleep(0.1)
     assert _metric(server.url, "request_success_total") == 12
     assert httpx.get(server.url + "/stats", timeout=10).json()["num_requests_running"] == 0
+
+    # A key's limits hold for the whole server, not per process: 4 requests a minute and 300 tokens
+    # (prompt + max_tokens) a minute, spent partly through each server (either alone would accept every
+    # request below).
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100}
+    os.kill(worker, signal.SIGSTOP)  # every connection to server 0
+    try:
+        through_server_0 = [_limited(server.url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}),
+                            _limited(server.url, "/v1/chat/completions", chat)]
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    os.kill(server.proc.pid, signal.SIGSTOP)  # every connection to the second server
+    try:
+        through_server_1 = [_limited(server.url, "/v1/chat/completions", chat) for _ in range(2)]
+        through_server_1.append(_limited(server.url, "/v1/completions", {"prompt": "Hi", "max_tokens": 2}))
+    finally:
+        os.kill(server.proc.pid, signal.SIGCONT)
+    # Tokens: ~4 + ~130 through server 0, ~130 more fit, a third chat does not. Requests: that refused
+    # chat was the 4th (counted on arrival), so the 5th is refused before its tokens are counted.
+    assert through_server_0 == ["200", "200"], through_server_0
+    assert through_server_1 == ["200", "tokens", "requests"], through_server_1
 
     # SIGTERM to API server 0 drains and stops both servers and the core.
     assert server.stop() == 0

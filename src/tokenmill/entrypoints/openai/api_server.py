@@ -31,6 +31,7 @@ from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from tokenmill.entrypoints.openai.rate_limit import RateLimiter
 from tokenmill.entrypoints.openai.cli_args import (
     ServerConfig,
     add_serve_args,
@@ -91,9 +92,11 @@ def _version() -> str:
 
 
 def build_app(engine: "AsyncLLM", server: Optional[ServerConfig] = None,
-              relay_path: Optional[str] = None) -> FastAPI:
+              relay_path: Optional[str] = None, limiter: Optional[RateLimiter] = None) -> FastAPI:
     """server: the server's flags (default: every default). relay_path: API server i > 0 of --api-server-count, whose /metrics and /stats are server 0's, fetched
-    over this unix socket (its own request statistics are forwarded there, api_servers.StatsForwarder)."""
+    over this unix socket (its own request statistics are forwarded there, api_servers.StatsForwarder).
+    limiter: the API keys and their buckets (default: read from the flags; with several API servers, the
+    buckets they share)."""
     server = server if server is not None else ServerConfig()
     lifecycle = ServerLifecycle()
     app = FastAPI(title="tokenmill", version=_version(),
@@ -107,7 +110,7 @@ def build_app(engine: "AsyncLLM", server: Optional[ServerConfig] = None,
         _add_observability(app, engine, server)
     else:
         _add_relayed_observability(app, relay_path)
-    limiter = resolve_rate_limiter(server)
+    limiter = limiter if limiter is not None else resolve_rate_limiter(server)
     app.state.rate_limiter = limiter  # the token limits are charged by the serving layer
 
     def rejected(reason: str) -> None:
@@ -405,7 +408,10 @@ async def _serve(server: ServerConfig, config, log_level: str) -> int:
     failed = False
     sockets = None
     try:
-        app = build_app(engine, server)
+        limiter = resolve_rate_limiter(server)
+        if count > 1:  # one set of buckets for every API server: a key's limit holds for the whole server
+            limiter.share(os.path.join(engine.client.run_directory, "rate-limits"))
+        app = build_app(engine, server, limiter=limiter)
         freeze_startup_heap()
         if count > 1:
             # Bound once the model is loaded, as uvicorn binds for a single server: until then connections
@@ -424,7 +430,7 @@ async def _serve(server: ServerConfig, config, log_level: str) -> int:
             sockets = [sock, relay]
             collector = StatsCollector(directory, engine)
             collector.start(asyncio.get_running_loop())
-            servers = ApiServers(server, config, engine, sock, collector.address, relay_path, log_level)
+            servers = ApiServers(server, config, engine, sock, collector.address, relay_path, log_level, limiter)
             engine.ready_for_api_servers = None
             logger.info("%d API servers on port %s (pids %s and this one)", count, server.port,
                         ", ".join(str(pid) for pid in servers.pids))

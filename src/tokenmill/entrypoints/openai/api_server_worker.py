@@ -19,6 +19,7 @@ async def _serve(settings: dict) -> int:
     from tokenmill.engine.messages import EngineCoreReady
     from tokenmill.entrypoints.openai.api_server import build_app, serve_app
     from tokenmill.entrypoints.openai.api_servers import StatsForwarder, watch_parent
+    from tokenmill.entrypoints.openai.rate_limit import RateLimiter
     from tokenmill.runner.host_memory import freeze_startup_heap
 
     server, frontend = settings["server"], settings["frontend"]
@@ -29,7 +30,9 @@ async def _serve(settings: dict) -> int:
                       stall_timeout=server.engine_stall_timeout, clients=[client])
     forwarder = StatsForwarder(frontend, settings["stats_address"], engine.num_rejected, engine.num_responses)
     engine.stat_loggers.append(forwarder)
-    app = build_app(engine, server, relay_path=settings["relay_path"])
+    # Server 0's keys, attached to the buckets it shares (its keys file is not read again).
+    limiter = RateLimiter(settings["api_keys"], shared_path=settings["rate_limits_path"])
+    app = build_app(engine, server, relay_path=settings["relay_path"], limiter=limiter)
     freeze_startup_heap()
     sock = socket.socket(fileno=settings["socket_fd"])
     # Server 0 gone (killed without passing the drain on): drain too, as after SIGTERM.
@@ -39,6 +42,7 @@ async def _serve(settings: dict) -> int:
     finally:
         await engine.shutdown()
         forwarder.close()
+        limiter.close()
     return 1 if engine.errored else 0
 
 

@@ -14,7 +14,7 @@ frontend's work (HTTP, JSON, detokenization) uses N CPU cores.
 One set of metrics: servers 1..N-1 send each step's request statistics (and their admission refusals) to
 server 0, whose Prometheus exporter and sliding-window stats count every server's requests; their
 `/metrics` and `/stats` answer with server 0's, fetched over a private unix socket. API keys' rate limits
-are kept per server (each of the N enforces the limit on the requests it receives).
+hold for the whole server: the N share one set of buckets (rate_limit.SharedBucketState).
 """
 from __future__ import annotations
 
@@ -33,6 +33,7 @@ import msgspec
 import zmq
 
 from tokenmill.entrypoints.openai.cli_args import ServerConfig
+from tokenmill.entrypoints.openai.rate_limit import RateLimiter
 from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot
 
 logger = logging.getLogger("tokenmill.server")
@@ -146,7 +147,7 @@ class ApiServers:
     """API servers 1..N-1, each a fresh interpreter given its settings pickled on stdin."""
 
     def __init__(self, server: ServerConfig, config: Any, engine: Any, sock: socket.socket,
-                 stats_address: str, relay_path: str, log_level: str) -> None:
+                 stats_address: str, relay_path: str, log_level: str, limiter: RateLimiter) -> None:
         client = engine.client
         ready = msgspec.msgpack.encode(engine.ready_for_api_servers)
         self.processes: list[subprocess.Popen] = []
@@ -156,7 +157,7 @@ class ApiServers:
             payload = dict(server=server, config=config, frontend=index, input_address=input_address,
                            output_address=output_address, core_pid=client.process.pid, ready=ready,
                            stats_address=stats_address, relay_path=relay_path, socket_fd=sock.fileno(),
-                           log_level=log_level)
+                           log_level=log_level, api_keys=limiter.policies, rate_limits_path=limiter.shared_path)
             process = subprocess.Popen([sys.executable, "-m", "tokenmill.entrypoints.openai.api_server_worker"],
                                        stdin=subprocess.PIPE, pass_fds=(sock.fileno(),))
             process.stdin.write(pickle.dumps(payload))

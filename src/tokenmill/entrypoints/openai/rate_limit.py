@@ -16,16 +16,27 @@ when the request leaves it out), the most it can cost. Either refusal is a 429 w
 
 The key's tenant replaces the request's `user` field, which the `fair` scheduling policy shares
 tokens by, and is written into the request log line.
+
+With `--api-server-count N` the limits hold for the whole server, not per process: API server 0 moves
+the buckets into a small file in the server's run directory (`RateLimiter.share`), which servers
+1..N-1 map (`RateLimiter(keys, shared_path=...)`); every charge reads and updates it under an
+exclusive `flock`, so a key's limit is spent once whichever process takes its requests. The clock is
+CLOCK_MONOTONIC, which every process on the host reads alike.
 """
 from __future__ import annotations
 
+import array
+import contextlib
+import fcntl
 import hmac
 import json
 import math
+import mmap
+import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from tokenmill.errors import RateLimitExceededError
 
@@ -40,39 +51,107 @@ class KeyPolicy:
     tokens_per_minute: Optional[float] = None
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class TokenBucket:
+    """A bucket of `per_minute` that refills continuously; its level and the time of its last refill
+    live at `slot` of the limiter's state (local, or shared by the API servers)."""
+
     per_minute: float
-    level: float = field(init=False)
-    updated: float = field(default_factory=time.monotonic)
+    slot: int
 
-    def __post_init__(self) -> None:
-        self.level = self.per_minute
-
-    def take(self, cost: float, now: float) -> Optional[float]:
+    def take(self, state: "BucketState", cost: float, now: float) -> Optional[float]:
         """Takes `cost` and returns None, or returns the seconds until it could (taking nothing)."""
-        rate = self.per_minute / 60.0
-        self.level = min(self.per_minute, self.level + max(0.0, now - self.updated) * rate)
-        self.updated = now
-        if cost <= self.level:
-            self.level -= cost
-            return None
-        return (cost - self.level) / rate
+        with state.locked() as values:
+            level_at, updated_at = 2 * self.slot, 2 * self.slot + 1
+            rate = self.per_minute / 60.0
+            level = min(self.per_minute, values[level_at] + max(0.0, now - values[updated_at]) * rate)
+            values[updated_at] = now
+            if cost <= level:
+                values[level_at] = level - cost
+                return None
+            values[level_at] = level
+            return (cost - level) / rate
+
+
+class BucketState:
+    """Every bucket's (level, last refill) pair in one process's memory."""
+
+    def __init__(self, initial: list[float]) -> None:
+        self.values: Any = list(initial)
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[Any]:
+        yield self.values  # one event loop per process: nothing else changes it meanwhile
+
+    def close(self) -> None:
+        pass
+
+
+class SharedBucketState(BucketState):
+    """The pairs in a file every API server maps, read and changed under an exclusive flock."""
+
+    def __init__(self, path: str, size: int, initial: Optional[list[float]] = None) -> None:
+        # initial given: create the file (API server 0, before servers 1..N-1 start); else attach to it.
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if initial is not None else 0)
+        self._fd = os.open(path, flags, 0o600)
+        try:
+            if initial is not None:
+                os.write(self._fd, array.array("d", initial).tobytes())
+            if os.fstat(self._fd).st_size != size * 8:
+                raise ValueError(f"{path} holds other rate-limit buckets than this server's keys")
+            self._map = mmap.mmap(self._fd, size * 8)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.values = memoryview(self._map).cast("d")
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[Any]:
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        try:
+            yield self.values
+        finally:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        self.values.release()
+        self._map.close()
+        os.close(self._fd)
 
 
 class RateLimiter:
-    """The server's API keys: which one a request presents, its tenant, and its buckets."""
+    """The server's API keys: which one a request presents, its tenant, and its buckets.
 
-    def __init__(self, keys: dict[str, KeyPolicy]) -> None:
+    shared_path: attach to the buckets API server 0 shared there (`share`) instead of keeping them here;
+    `keys` must be server 0's, in its order (it hands them over with the path)."""
+
+    def __init__(self, keys: dict[str, KeyPolicy], shared_path: Optional[str] = None) -> None:
         self.policies = dict(keys)
         self._encoded = [(key.encode(), key) for key in self.policies]
-        self._requests = {k: TokenBucket(p.requests_per_minute) for k, p in self.policies.items()
-                          if p.requests_per_minute is not None}
-        self._tokens = {k: TokenBucket(p.tokens_per_minute) for k, p in self.policies.items()
-                        if p.tokens_per_minute is not None}
+        limits = [(kind, key, getattr(policy, kind)) for kind in ("requests_per_minute", "tokens_per_minute")
+                  for key, policy in self.policies.items() if getattr(policy, kind) is not None]
+        self._requests = {key: TokenBucket(limit, slot) for slot, (kind, key, limit) in enumerate(limits)
+                          if kind == "requests_per_minute"}
+        self._tokens = {key: TokenBucket(limit, slot) for slot, (kind, key, limit) in enumerate(limits)
+                        if kind == "tokens_per_minute"}
+        now = time.monotonic()
+        self._initial = [value for _, _, limit in limits for value in (float(limit), now)]  # full buckets
+        self.shared_path = shared_path if limits else None  # where the buckets are kept, when shared
+        self._state = (SharedBucketState(shared_path, len(self._initial)) if self.shared_path
+                       else BucketState(self._initial))
 
     def __bool__(self) -> bool:
         return bool(self.policies)
+
+    def share(self, path: str) -> None:
+        """Moves the buckets into a new file at `path` for API servers 1..N-1 to attach to (call before
+        any request is charged; nothing to share without limits)."""
+        if self._initial:
+            self._state = SharedBucketState(path, len(self._initial), self._initial)
+            self.shared_path = path
+
+    def close(self) -> None:
+        self._state.close()
 
     def match(self, presented: bytes) -> Optional[str]:
         """The key `presented` equals, compared in constant time against every key (the time taken
@@ -90,7 +169,7 @@ class RateLimiter:
     def charge_request(self, key: str, now: Optional[float] = None) -> None:
         bucket = self._requests.get(key)
         if bucket is not None:
-            wait = bucket.take(1, time.monotonic() if now is None else now)
+            wait = bucket.take(self._state, 1, time.monotonic() if now is None else now)
             if wait is not None:
                 raise _exceeded(f"this API key is limited to {bucket.per_minute:g} requests per minute", wait)
 
@@ -101,7 +180,7 @@ class RateLimiter:
         if cost > bucket.per_minute:
             raise _exceeded(f"this request may use {cost} tokens (prompt + n x max_tokens), more than this API "
                             f"key's limit of {bucket.per_minute:g} tokens per minute; lower max_tokens", 60.0)
-        wait = bucket.take(cost, time.monotonic() if now is None else now)
+        wait = bucket.take(self._state, cost, time.monotonic() if now is None else now)
         if wait is not None:
             raise _exceeded(f"this API key is limited to {bucket.per_minute:g} tokens per minute "
                             f"(this request counts {cost}: prompt + n x max_tokens)", wait)
