@@ -36,10 +36,22 @@ def test_router_prefers_the_core_holding_the_prefix_unless_it_is_much_busier():
 def test_long_prompts_have_a_lane_of_their_own(policy):
     router = DataParallelRouter(3, block_size=4, capacity_blocks=100, policy=policy, long_prompt_threshold=50)
     long_prompt, short_prompts = list(range(200)), [[1000 + i] * 10 for i in range(6)]
-    # The long prompt goes to the last core even while it is the busiest; short ones never do.
-    assert [router.choose(long_prompt) for _ in range(3)] == [2, 2, 2]
-    assert sorted(router.choose(p) for p in short_prompts) == [0, 0, 0, 1, 1, 1]
+    # Short prompts never go to the last core, even while it is idle.
+    short_cores = [router.choose(p, key=f"s{i}") for i, p in enumerate(short_prompts)]
+    assert sorted(short_cores) == [0, 0, 0, 1, 1, 1]
     assert router.choose(list(range(50))) in (0, 1)  # at the threshold: short
+    # A long prompt goes to the last core; while it carries one, the next borrows a short-lane core
+    # carrying no long prompt (each at most one), and once every core carries one the rest queue in the lane.
+    assert router.choose(long_prompt, key="l0") == 2
+    borrowed = [router.choose(long_prompt, key=f"l{i}") for i in (1, 2)]
+    assert sorted(borrowed) == [0, 1]
+    assert [router.choose(long_prompt, key=f"l{i}") for i in (3, 4)] == [2, 2]
+    assert [e.long_in_flight for e in router.engines] == [1, 1, 3]
+    # A borrowed core that finished its long prompt may take the next one.
+    router.finished(borrowed[0], key="l1")
+    assert router.choose(long_prompt, key="l5") == borrowed[0]
+    router.finished(short_cores[0], key="s0")  # a short request finishing changes no long count
+    assert [e.long_in_flight for e in router.engines] == [1, 1, 3]
     single = DataParallelRouter(1, block_size=4, capacity_blocks=100, long_prompt_threshold=50)
     assert single.choose(long_prompt) == 0 and single.choose([1] * 10) == 0  # one core: no lanes
 

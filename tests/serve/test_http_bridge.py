@@ -75,7 +75,7 @@ def test_routing_hashes_the_prompt_the_replica_will_see(smollm2_tokenizer):
     assert ids == processor.apply_chat_template(messages).prompt_token_ids
     routed = routed_request(HttpRequest("POST", "/v1/chat/completions", body=chat), processor, 16, 100)
     assert routed.block_hashes == prompt_block_hashes(ids, 16) and len(routed.block_hashes) >= 4
-    assert routed.capacity_blocks == 100
+    assert routed.capacity_blocks == 100 and routed.num_prompt_tokens == len(ids)
     batch = json.dumps({"model": "m", "prompt": [[5] * 40, [6] * 40]}).encode()
     assert prompt_token_ids(processor, "/v1/completions", batch) == [5] * 40  # the first prompt places a batch
     # Bodies the replica will refuse, and endpoints without a prompt, route on load alone.

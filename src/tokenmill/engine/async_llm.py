@@ -142,13 +142,13 @@ class AsyncLLM:
             if limits:
                 self._watchdog = loop.create_task(self._watch(max(0.05, min(1.0, min(limits) / 4))))
 
-    def _route(self, prompt_token_ids: list[int]) -> int:
-        return self.router.choose(prompt_token_ids) if self.router is not None else 0
+    def _route(self, prompt_token_ids: list[int], key: str) -> int:
+        return self.router.choose(prompt_token_ids, key) if self.router is not None else 0
 
     def _release(self, key: str) -> None:
         index = self._engine_of.pop(key, None)
         if index is not None and self.router is not None:
-            self.router.finished(index)
+            self.router.finished(index, key)
 
     # ---- requests ------------------------------------------------------------------------
     def submit(self, prompt: ProcessedPrompt, sampling_params: SamplingParams, request_id: str, sink: Any, *,
@@ -161,7 +161,7 @@ class AsyncLLM:
         self._ensure_receiving()
         message = self.frontend.admit(request_id, prompt, sampling_params, priority=priority, user=user,
                                       queue=sink, validated=validated)
-        index = self._engine_of[request_id] = self._route(prompt.prompt_token_ids)
+        index = self._engine_of[request_id] = self._route(prompt.prompt_token_ids, request_id)
         self.clients[index].add_request(message)
 
     async def generate(self, prompt: ProcessedPrompt, sampling_params: SamplingParams, request_id: str, *,
@@ -238,7 +238,7 @@ class AsyncLLM:
         await self.check_health()
         self._ensure_receiving()
         self._listeners[message.request_id] = listener
-        index = self._engine_of[message.request_id] = self._route(message.prompt_token_ids)
+        index = self._engine_of[message.request_id] = self._route(message.prompt_token_ids, message.request_id)
         self.clients[index].add_request(message)
 
     async def fork_core_request(self, message: EngineCoreFork, listener: asyncio.Queue) -> None:

@@ -14,7 +14,12 @@ keyed by any replica name, which the Ray Serve router (tokenmill.serve) shares.
 
 Length-aware lanes (`--data-parallel-long-prompt-threshold T`): prompts of more than T tokens go to the last
 core, shorter ones to the others, and each policy chooses within the lane. A 3,000-token prefill then
-shares steps only with other long prompts, and the short requests' first tokens never wait for it.
+shares steps only with other long prompts, and the short requests' first tokens never wait behind a
+queue of them. The long lane lends nothing, but borrows: a long prompt that would queue behind another
+in its own lane goes to a short-lane core carrying no long prompt, if there is one. A short request
+then waits behind at most one long prompt, and the short lane's cores do not idle while long prompts
+queue (with two cores and long prompts holding most of the work, the strict lanes left one core idle
+for most of a run).
 """
 from __future__ import annotations
 
@@ -95,11 +100,27 @@ class PrefixAffinity(Generic[Key]):
         self.blocks.pop(key, None)
 
 
+def length_lane(is_long: bool, replicas: Sequence[Key], long_in_flight: Mapping[Key, int],
+                long_lane_size: int = 1) -> list[Key]:
+    """The replicas a prompt may go to when the last `long_lane_size` of `replicas` are the long prompts'
+    lane (no lanes unless some replica is left for short prompts). A long prompt goes to a long-lane
+    replica carrying no long prompt; when each carries one, to a short-lane replica carrying none (it
+    would otherwise queue behind another long prompt); when each of those does too, to its own lane."""
+    if long_lane_size <= 0 or len(replicas) <= long_lane_size:
+        return list(replicas)
+    short, long = list(replicas[:-long_lane_size]), list(replicas[-long_lane_size:])
+    if not is_long:
+        return short
+    free = [key for key in long if not long_in_flight.get(key, 0)]
+    return free or [key for key in short if not long_in_flight.get(key, 0)] or long
+
+
 @dataclass
 class EngineLoad:
     in_flight: int = 0
     routed: int = 0  # requests sent here
     routed_by_prefix: int = 0  # of those, sent for a cached prefix
+    long_in_flight: int = 0  # of the in flight, prompts above the long-prompt threshold
 
 
 class DataParallelRouter:
@@ -109,7 +130,8 @@ class DataParallelRouter:
             raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}")
         # With two or more cores and a threshold: the last core is the long prompts' lane.
         self.long_prompt_threshold = long_prompt_threshold if num_engines > 1 else None
-        self._next_in_lane: dict[bool, int] = {False: 0, True: 0}
+        self._next_in_lane: dict[tuple[int, ...], int] = {}  # round robin: each lane's turn
+        self._long_requests: set[Hashable] = set()  # the keys of long prompts in flight
         self.engines = [EngineLoad() for _ in range(num_engines)]
         self.affinity: PrefixAffinity[int] = PrefixAffinity(block_size, capacity_blocks, max_imbalance)
         self.policy = policy
@@ -121,25 +143,35 @@ class DataParallelRouter:
     def block_hashes(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
         return self.affinity.block_hashes(prompt_token_ids)
 
-    def lane(self, num_prompt_tokens: int) -> list[int]:
-        """The engine indices a prompt of this length may go to."""
-        last = len(self.engines) - 1
-        if self.long_prompt_threshold is None:
-            return list(range(len(self.engines)))
-        return [last] if num_prompt_tokens > self.long_prompt_threshold else list(range(last))
+    def is_long(self, num_prompt_tokens: int) -> bool:
+        return self.long_prompt_threshold is not None and num_prompt_tokens > self.long_prompt_threshold
 
-    def choose(self, prompt_token_ids: Sequence[int]) -> int:
-        """The engine index for a new request (counted as in flight there until `finished`)."""
+    def lane(self, num_prompt_tokens: int) -> list[int]:
+        """The engine indices a prompt of this length may go to (the last core is the long lane)."""
+        indices = list(range(len(self.engines)))
+        if self.long_prompt_threshold is None:
+            return indices
+        return length_lane(self.is_long(num_prompt_tokens), indices,
+                           {i: e.long_in_flight for i, e in enumerate(self.engines)})
+
+    def choose(self, prompt_token_ids: Sequence[int], key: Optional[Hashable] = None) -> int:
+        """The engine index for a new request (counted as in flight there until `finished`). key: the
+        request's, to count it among the long prompts in flight until `finished(index, key)`."""
         lane = self.lane(len(prompt_token_ids))
+        is_long = self.is_long(len(prompt_token_ids))
         if self.policy == "round_robin":
-            is_long = lane == [len(self.engines) - 1] and self.long_prompt_threshold is not None
-            index = lane[self._next_in_lane[is_long] % len(lane)]
-            self._next_in_lane[is_long] += 1
-            self._assign(index, [], by_prefix=False)
-            return index
-        hashes = self.affinity.block_hashes(prompt_token_ids)
-        index, by_prefix = self.affinity.choose(hashes, {i: self.engines[i].in_flight for i in lane})
+            turn = self._next_in_lane.get(tuple(lane), 0)
+            index = lane[turn % len(lane)]
+            self._next_in_lane[tuple(lane)] = turn + 1
+            hashes: list[bytes] = []
+            by_prefix = False
+        else:
+            hashes = self.affinity.block_hashes(prompt_token_ids)
+            index, by_prefix = self.affinity.choose(hashes, {i: self.engines[i].in_flight for i in lane})
         self._assign(index, hashes, by_prefix)
+        if is_long and key is not None:
+            self._long_requests.add(key)
+            self.engines[index].long_in_flight += 1
         return index
 
     def _assign(self, index: int, hashes: list[bytes], by_prefix: bool) -> None:
@@ -149,8 +181,11 @@ class DataParallelRouter:
         engine.routed_by_prefix += by_prefix
         self.affinity.remember(index, hashes)
 
-    def finished(self, index: int) -> None:
+    def finished(self, index: int, key: Optional[Hashable] = None) -> None:
         self.engines[index].in_flight -= 1
+        if key is not None and key in self._long_requests:
+            self._long_requests.discard(key)
+            self.engines[index].long_in_flight -= 1
 
     def stats(self) -> list[dict[str, int]]:
         return [{"engine": i, "in_flight": e.in_flight, "routed": e.routed, "routed_by_prefix": e.routed_by_prefix}

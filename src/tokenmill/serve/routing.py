@@ -29,6 +29,7 @@ class RoutedRequest:
     block_hashes: list[bytes] = field(default_factory=list)
     # The replicas' KV cache size in blocks: the router remembers no more than that per replica.
     capacity_blocks: Optional[int] = None
+    num_prompt_tokens: int = 0  # 0 when unknown: routed as a short prompt
 
 
 def prompt_token_ids(processor: InputProcessor, path: str, body: bytes) -> Optional[list[int]]:
@@ -50,8 +51,9 @@ def routed_request(http: HttpRequest, processor: InputProcessor, block_size: int
     """`http` with the block hashes of its prompt (none for a body over the server's size limit, which
     the replica refuses without the front tokenizing it first)."""
     hashes: list[bytes] = []
+    ids: Optional[list[int]] = None
     if http.method.upper() == "POST" and (max_body_bytes is None or len(http.body) <= max_body_bytes):
         ids = prompt_token_ids(processor, http.path, http.body)
         if ids:
             hashes = prompt_block_hashes(ids, block_size)
-    return RoutedRequest(http, hashes, capacity_blocks)
+    return RoutedRequest(http, hashes, capacity_blocks, len(ids or ()))
