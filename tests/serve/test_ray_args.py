@@ -5,7 +5,7 @@ import pytest
 
 pytest.importorskip("ray")
 
-from tokenmill.serve.ray_app import autoscaling_config, parse_server_args, split_args  # noqa: E402
+from tokenmill.serve.ray_app import autoscaling_config, build_app, parse_server_args, split_args  # noqa: E402
 
 
 def test_app_arguments_and_server_flags_are_told_apart():
@@ -34,3 +34,15 @@ def test_autoscaling_only_when_asked_for_and_within_its_bounds():
     assert autoscaling_config({"min_replicas": 3}, 2, 64)["initial_replicas"] == 3
     with pytest.raises(ValueError):
         autoscaling_config({"min_replicas": 3, "max_replicas": 2}, 2, 64)
+
+
+def test_max_replicas_per_node_spreads_both_deployments(smollm2_path):
+    def per_node(app):
+        front = app._bound_deployment
+        engine = front.init_args[0]._bound_deployment
+        return front._replica_config.max_replicas_per_node, engine._replica_config.max_replicas_per_node
+
+    assert per_node(build_app({"model": str(smollm2_path), "replicas": "2"})) == (None, None)
+    assert per_node(build_app({"model": str(smollm2_path), "replicas": "2", "max_replicas_per_node": "1"})) == (1, 1)
+    with pytest.raises(ValueError):
+        build_app({"model": str(smollm2_path), "max_replicas_per_node": "0"})

@@ -29,6 +29,10 @@ Arguments (`key=value` after the import path; `build_app` gets them as a dict):
 - `max_imbalance` (4): how many more requests in flight than the least-loaded replica the replica
   holding a prompt's prefix may have and still take it.
 - `front_replicas` (1), `front_max_ongoing_requests` (1000): the front deployment.
+- `max_replicas_per_node`: at most this many engine replicas, and front replicas, on one Ray node
+  (Ray Serve's own option; default: no limit). `replicas=2 max_replicas_per_node=1` puts the two on two
+  machines, so that losing one machine leaves a replica serving; a replacement for a lost one waits
+  for a node with room.
 - any `tokenmill serve` flag, by its name with `_` or `-` (`model=...`, `max_num_seqs=32`,
   `kv_cache_memory_bytes=1G`, `enable_prefix_caching=false`, `api_key=...`): parsed by the same parser.
 """
@@ -61,7 +65,7 @@ ENGINE_SHUTDOWN_TIMEOUT_S = 30.0
 APP_ARGS = {
     "replicas": int, "min_replicas": int, "max_replicas": int, "target_ongoing_requests": float,
     "max_ongoing_requests": int, "replica_cpus": float, "replica_gpus": float, "max_imbalance": int,
-    "front_replicas": int, "front_max_ongoing_requests": int, "log_level": str,
+    "front_replicas": int, "front_max_ongoing_requests": int, "max_replicas_per_node": int, "log_level": str,
 }
 
 
@@ -245,14 +249,16 @@ def build_app(args: dict[str, Any]) -> Any:
     autoscaling = autoscaling_config(app, replicas, max_ongoing)
     scaling = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": replicas}
     log_level = app.get("log_level", "INFO").upper()
+    placement = {"max_replicas_per_node": app["max_replicas_per_node"]} if "max_replicas_per_node" in app else {}
     engine = serve.deployment(EngineReplica).options(
         name=ENGINE_DEPLOYMENT, max_ongoing_requests=max_ongoing,
         ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
         request_router_config=RequestRouterConfig(
             request_router_class=PrefixAwareRequestRouter,
             request_router_kwargs={"max_imbalance": app.get("max_imbalance", 4)}),
-        **scaling)
+        **scaling, **placement)
     front = serve.deployment(OpenAIFront).options(
         name=FRONT_DEPLOYMENT, num_replicas=app.get("front_replicas", 1),
-        max_ongoing_requests=app.get("front_max_ongoing_requests", 1000), ray_actor_options={"num_cpus": 0})
+        max_ongoing_requests=app.get("front_max_ongoing_requests", 1000), ray_actor_options={"num_cpus": 0},
+        **placement)
     return front.bind(engine.bind(argv, log_level), argv)
