@@ -243,6 +243,24 @@ def test_with_resolved_defaults_returns_a_new_config():
     assert EngineConfig().with_resolved_defaults("cuda").preemption_mode == "recompute"  # no swap space
 
 
+def test_each_data_parallel_core_gets_its_share_of_the_cpu_and_its_lanes_step_cap():
+    plain = EngineConfig(data_parallel_size=2)
+    assert [plain.for_data_parallel_core(i, 8).num_threads for i in range(2)] == [4, 4]
+    assert plain.for_data_parallel_core(0, 1).num_threads == 1
+    assert EngineConfig(data_parallel_size=2, num_threads=3).for_data_parallel_core(0, 8).num_threads == 3
+    assert plain.for_data_parallel_core(0, 8).long_prefill_token_threshold is None  # no lanes: no cap
+    # Length-aware lanes: the short lane's cores cap a long prompt's step unless the user did; the long
+    # lane's core (the last) runs whole chunks.
+    lanes = EngineConfig(data_parallel_size=3, data_parallel_long_prompt_threshold=1000)
+    assert [lanes.for_data_parallel_core(i, 6).long_prefill_token_threshold for i in range(3)] == [256, 256, None]
+    low = dataclasses.replace(lanes, data_parallel_long_prompt_threshold=100)
+    assert low.for_data_parallel_core(0, 6).long_prefill_token_threshold == 100
+    given = dataclasses.replace(lanes, long_prefill_token_threshold=900)
+    assert [given.for_data_parallel_core(i, 6).long_prefill_token_threshold for i in range(3)] == [900] * 3
+    unchunked = dataclasses.replace(lanes, enable_chunked_prefill=False)
+    assert unchunked.for_data_parallel_core(0, 6).long_prefill_token_threshold is None
+
+
 def test_without_chunked_prefill_a_defaulted_budget_is_resolved_to_the_model_length_before_anything_is_built():
     # The executor profiles memory with the resolved budget, so it must already be the step the engine runs.
     config = EngineConfig(enable_chunked_prefill=False).with_resolved_defaults("cuda", max_model_len=8192)

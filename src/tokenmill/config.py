@@ -66,6 +66,13 @@ def default_max_num_batched_tokens(device_type: str) -> int:
     return 1024 if device_type == "cpu" else 2048
 
 
+def lane_long_prefill_tokens(long_prompt_threshold: int) -> int:
+    """With length-aware lanes, how many tokens a long prompt advances per step by default: a core that
+    borrows a long prompt then still admits short prompts every step, where a whole chunk of the long
+    one would take the step's budget (measured in docs/benchmarks.md, "A lane for long prompts")."""
+    return min(256, long_prompt_threshold)
+
+
 def default_max_mixed_prefill_tokens(device_type: str, max_num_batched_tokens: int) -> Optional[int]:
     """The prompt tokens a step that also decodes may compute, when none is given: on CPU half the step
     budget, elsewhere no cap beyond the budget (vLLM's behaviour).
@@ -302,8 +309,10 @@ class EngineConfig:
         "is much busier than the least-loaded one) or round_robin", choices=DATA_PARALLEL_ROUTING)
     data_parallel_long_prompt_threshold: Optional[int] = option(
         None, "with --data-parallel-size > 1: prompts of more tokens than this go to a lane of their own (the last "
-        "engine core) and shorter ones to the others, so a long prefill never delays short requests' first tokens",
-        bound="positive")
+        "engine core) and shorter ones to the others, so short requests' first tokens never wait behind a queue of "
+        "long prefills; a long prompt that would queue in its lane borrows a core of the other lane that carries "
+        "none, and there advances at most 256 tokens a step (unless --long-prefill-token-threshold says "
+        "otherwise) so the short prompts keep their place in every step", bound="positive")
     tensor_parallel_size: int = option(
         1, "worker processes that each hold 1/N of the model (its attention heads, KV heads, MLP features and "
         "vocabulary) and of every KV block, joined by all-reduces (gloo on CPU, nccl on CUDA: one GPU per "
@@ -352,6 +361,20 @@ class EngineConfig:
             mixed = default_max_mixed_prefill_tokens(device_type, budget)
         return dataclasses.replace(self, max_num_batched_tokens=budget, max_mixed_prefill_tokens=mixed,
                                    preemption_mode=self.resolved_preemption_mode(device_type))
+
+    def for_data_parallel_core(self, index: int, cpu_count: int) -> "EngineConfig":
+        """Data-parallel core `index`'s config: its share of the machine's CPU cores for its torch threads
+        (the cores share the machine; unless --num-threads says); with length-aware lanes and chunked prefill, the short lane's cores cap a long prompt's step
+        (lane_long_prefill_tokens, unless --long-prefill-token-threshold says) so a borrowed long prompt
+        never takes a whole step from their short ones, while the long lane's core runs its long prompts
+        in whole chunks."""
+        changes: dict[str, Any] = {}
+        if self.num_threads is None:
+            changes["num_threads"] = max(1, cpu_count // self.data_parallel_size)
+        if (self.data_parallel_long_prompt_threshold is not None and self.long_prefill_token_threshold is None
+                and self.enable_chunked_prefill and index < self.data_parallel_size - 1):
+            changes["long_prefill_token_threshold"] = lane_long_prefill_tokens(self.data_parallel_long_prompt_threshold)
+        return dataclasses.replace(self, **changes) if changes else self
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

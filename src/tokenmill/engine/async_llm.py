@@ -17,7 +17,6 @@ cores' summed.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
@@ -401,13 +400,10 @@ def _core_environment(config: EngineConfig, index: int) -> Optional[dict[str, st
 def _start_cores(config: EngineConfig, log_level: str, api_server_count: int = 1) -> list[MPClient]:
     """Start every engine core (they load their models at the same time), then wait for each."""
     size = config.data_parallel_size
-    core_config = config
-    if size > 1 and config.num_threads is None:
-        # On a CPU the cores share the machine: each gets its share of the cores (at least one).
-        core_config = dataclasses.replace(config, num_threads=max(1, (os.cpu_count() or 1) // size))
     clients: list[MPClient] = []
     try:
         for index in range(size):
+            core_config = config.for_data_parallel_core(index, os.cpu_count() or 1) if size > 1 else config
             clients.append(MPClient(core_config, log_level, wait=False, env=_core_environment(config, index),
                                     api_server_count=api_server_count))
         for client in clients:
