@@ -46,3 +46,22 @@ def test_max_replicas_per_node_spreads_both_deployments(smollm2_path):
     assert per_node(build_app({"model": str(smollm2_path), "replicas": "2", "max_replicas_per_node": "1"})) == (1, 1)
     with pytest.raises(ValueError):
         build_app({"model": str(smollm2_path), "max_replicas_per_node": "0"})
+
+
+def test_long_prompt_lanes_reach_the_router_and_cap_the_replicas_steps(smollm2_path):
+    def lanes(app):
+        engine = app._bound_deployment.init_args[0]._bound_deployment
+        argv = app._bound_deployment.init_args[1]  # the flags the front and every engine replica get
+        return engine._deployment_config.request_router_config.request_router_kwargs, parse_server_args(argv)
+
+    kwargs, args = lanes(build_app({"model": str(smollm2_path), "replicas": "3"}))
+    assert kwargs["long_prompt_threshold"] is None and args.long_prefill_token_threshold is None
+    kwargs, args = lanes(build_app({"model": str(smollm2_path), "replicas": "3", "long_prompt_threshold": "1000",
+                                    "long_prompt_replicas": "2"}))
+    assert (kwargs["long_prompt_threshold"], kwargs["long_prompt_replicas"]) == (1000, 2)
+    assert args.long_prefill_token_threshold == 256
+    _, args = lanes(build_app({"model": str(smollm2_path), "long_prompt_threshold": "1000",
+                               "long_prefill_token_threshold": "512"}))
+    assert args.long_prefill_token_threshold == 512  # the user's own cap stays
+    with pytest.raises(ValueError):
+        build_app({"model": str(smollm2_path), "long_prompt_threshold": "0"})

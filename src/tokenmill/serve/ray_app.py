@@ -28,6 +28,12 @@ Arguments (`key=value` after the import path; `build_app` gets them as a dict):
   runs `replica_cpus` torch threads unless `num_threads` says otherwise.
 - `max_imbalance` (4): how many more requests in flight than the least-loaded replica the replica
   holding a prompt's prefix may have and still take it.
+- `long_prompt_threshold`, `long_prompt_replicas` (1): length-aware lanes, as
+  `--data-parallel-long-prompt-threshold` gives engine cores: prompts of more tokens than the threshold
+  go to the last `long_prompt_replicas` replicas (in replica-id order), shorter ones to the others, and a
+  long prompt that would queue in its lane borrows a short-lane replica carrying none. The replicas are
+  one deployment, so each caps a long prompt's step (256 tokens, unless `long_prefill_token_threshold`
+  says otherwise) so that a borrowed one leaves room for short prompts in every step.
 - `front_replicas` (1), `front_max_ongoing_requests` (1000): the front deployment.
 - `max_replicas_per_node`: at most this many engine replicas, and front replicas, on one Ray node
   (Ray Serve's own option; default: no limit). `replicas=2 max_replicas_per_node=1` puts the two on two
@@ -49,6 +55,7 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
+from tokenmill.config import lane_long_prefill_tokens
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.entrypoints.openai.cli_args import add_serve_args, configure_logging, server_config_from_args
 from tokenmill.serve.http_bridge import HttpRequest, ResponseStart, call_app
@@ -65,6 +72,7 @@ ENGINE_SHUTDOWN_TIMEOUT_S = 30.0
 APP_ARGS = {
     "replicas": int, "min_replicas": int, "max_replicas": int, "target_ongoing_requests": float,
     "max_ongoing_requests": int, "replica_cpus": float, "replica_gpus": float, "max_imbalance": int,
+    "long_prompt_threshold": int, "long_prompt_replicas": int,
     "front_replicas": int, "front_max_ongoing_requests": int, "max_replicas_per_node": int, "log_level": str,
 }
 
@@ -245,6 +253,11 @@ def build_app(args: dict[str, Any]) -> Any:
     if config.num_threads is None and not replica_gpus:
         # Replicas on one node share its cores: each uses the CPUs Ray reserved for it.
         argv += ["--num-threads", str(max(1, int(replica_cpus)))]
+    threshold = app.get("long_prompt_threshold")
+    if threshold is not None and threshold <= 0:
+        raise ValueError(f"long_prompt_threshold must be a positive number of tokens, got {threshold}")
+    if threshold is not None and config.long_prefill_token_threshold is None and config.enable_chunked_prefill:
+        argv += ["--long-prefill-token-threshold", str(lane_long_prefill_tokens(threshold))]
     max_ongoing = app.get("max_ongoing_requests", config.max_num_seqs)
     autoscaling = autoscaling_config(app, replicas, max_ongoing)
     scaling = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": replicas}
@@ -255,7 +268,8 @@ def build_app(args: dict[str, Any]) -> Any:
         ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
         request_router_config=RequestRouterConfig(
             request_router_class=PrefixAwareRequestRouter,
-            request_router_kwargs={"max_imbalance": app.get("max_imbalance", 4)}),
+            request_router_kwargs={"max_imbalance": app.get("max_imbalance", 4), "long_prompt_threshold": threshold,
+                                   "long_prompt_replicas": app.get("long_prompt_replicas", 1)}),
         **scaling, **placement)
     front = serve.deployment(OpenAIFront).options(
         name=FRONT_DEPLOYMENT, num_replicas=app.get("front_replicas", 1),
