@@ -210,7 +210,7 @@ MAY_IMPORT: dict[str, set[str]] = {
     "tokenmill.entrypoints": {"tokenmill.beam_search", "tokenmill.bench", "tokenmill.config", "tokenmill.engine",
                               "tokenmill.errors", "tokenmill.metrics", "tokenmill.outputs", "tokenmill.planning",
                               "tokenmill.runner", "tokenmill.sampling_params"},
-    "tokenmill.serve": {"tokenmill.engine", "tokenmill.entrypoints", "tokenmill.model"},
+    "tokenmill.serve": {"tokenmill.engine", "tokenmill.entrypoints", "tokenmill.model", "tokenmill.config"},
 }
 # Edges into a package above the importer, allowed only to these modules: the scheduler's output types (the
 # message the runner receives) and the KV cache group plan; the one message type beam search reads; the
