@@ -82,7 +82,7 @@ def test_no_flags_give_the_defaults():
         "attention_backend": "auto", "packed_linear": True, "quantization": None, "block_matmul": "auto",
         "kv_cache_dtype": "auto", "numerics": "auto",
         "structured_outputs_fast_forward": True, "data_parallel_size": 1, "data_parallel_routing": "prefix",
-        "data_parallel_long_prompt_threshold": None, "tensor_parallel_size": 1, "engine_core_nice": None, "speculative_config": None}
+        "data_parallel_long_prompt_threshold": None, "data_parallel_long_prompt_borrowing": True, "tensor_parallel_size": 1, "engine_core_nice": None, "speculative_config": None}
 
 
 def test_every_old_flag_parses_to_the_same_value():
@@ -205,7 +205,7 @@ def test_validation_keeps_every_value_as_given():
                   preemption_mode=None, seed=3, max_logprobs=0, num_threads=1, attention_backend="cpu",
                   packed_linear=False, quantization="q8_0", block_matmul="int8", kv_cache_dtype="bfloat16",
                   structured_outputs_fast_forward=False, data_parallel_size=2, data_parallel_routing="round_robin",
-                  data_parallel_long_prompt_threshold=512, tensor_parallel_size=2, engine_core_nice=0, speculative_config=None, numerics="auto")
+                  data_parallel_long_prompt_threshold=512, data_parallel_long_prompt_borrowing=False, tensor_parallel_size=2, engine_core_nice=0, speculative_config=None, numerics="auto")
     assert set(values) == {f.name for f in engine_options()}
     config = EngineConfig(**values)
     assert dataclasses.asdict(config) == values  # dtype stays "auto" under q8_0
@@ -257,6 +257,8 @@ def test_each_data_parallel_core_gets_its_share_of_the_cpu_and_its_lanes_step_ca
     assert low.for_data_parallel_core(0, 6).long_prefill_token_threshold == 100
     given = dataclasses.replace(lanes, long_prefill_token_threshold=900)
     assert [given.for_data_parallel_core(i, 6).long_prefill_token_threshold for i in range(3)] == [900] * 3
+    strict = dataclasses.replace(lanes, data_parallel_long_prompt_borrowing=False)  # no borrowed prompt to cap
+    assert strict.for_data_parallel_core(0, 6).long_prefill_token_threshold is None
     unchunked = dataclasses.replace(lanes, enable_chunked_prefill=False)
     assert unchunked.for_data_parallel_core(0, 6).long_prefill_token_threshold is None
 

@@ -313,6 +313,10 @@ class EngineConfig:
         "long prefills; a long prompt that would queue in its lane borrows a core of the other lane that carries "
         "none, and there advances at most 256 tokens a step (unless --long-prefill-token-threshold says "
         "otherwise) so the short prompts keep their place in every step", bound="positive")
+    data_parallel_long_prompt_borrowing: bool = option(
+        True, "with --data-parallel-long-prompt-threshold: a long prompt that would queue in its lane may borrow a "
+        "short-lane core carrying no long prompt (--no-data-parallel-long-prompt-borrowing keeps every long prompt "
+        "on its own lane, at the cost of the short lane's idle time)")
     tensor_parallel_size: int = option(
         1, "worker processes that each hold 1/N of the model (its attention heads, KV heads, MLP features and "
         "vocabulary) and of every KV block, joined by all-reduces (gloo on CPU, nccl on CUDA: one GPU per "
@@ -371,8 +375,9 @@ class EngineConfig:
         changes: dict[str, Any] = {}
         if self.num_threads is None:
             changes["num_threads"] = max(1, cpu_count // self.data_parallel_size)
-        if (self.data_parallel_long_prompt_threshold is not None and self.long_prefill_token_threshold is None
-                and self.enable_chunked_prefill and index < self.data_parallel_size - 1):
+        if (self.data_parallel_long_prompt_threshold is not None and self.data_parallel_long_prompt_borrowing
+                and self.long_prefill_token_threshold is None and self.enable_chunked_prefill
+                and index < self.data_parallel_size - 1):
             changes["long_prefill_token_threshold"] = lane_long_prefill_tokens(self.data_parallel_long_prompt_threshold)
         return dataclasses.replace(self, **changes) if changes else self
 

@@ -54,6 +54,11 @@ def test_long_prompts_have_a_lane_of_their_own(policy):
     assert [e.long_in_flight for e in router.engines] == [1, 1, 3]
     single = DataParallelRouter(1, block_size=4, capacity_blocks=100, long_prompt_threshold=50)
     assert single.choose(long_prompt) == 0 and single.choose([1] * 10) == 0  # one core: no lanes
+    # Without borrowing, every long prompt stays on its lane however busy it is.
+    strict = DataParallelRouter(3, block_size=4, capacity_blocks=100, policy=policy, long_prompt_threshold=50,
+                                long_prompt_borrowing=False)
+    assert [strict.choose(long_prompt, key=f"l{i}") for i in range(4)] == [2, 2, 2, 2]
+    assert {strict.choose(p, key=f"s{i}") for i, p in enumerate(short_prompts)} == {0, 1}
 
 
 def test_round_robin_ignores_prefixes():

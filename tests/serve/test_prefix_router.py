@@ -82,6 +82,9 @@ def test_long_prompts_take_the_last_replicas_and_borrow_a_short_one_when_theirs_
         loop.run_until_complete(asyncio.sleep(0))
         assert router.long_in_flight[ids[2]] == 1
         assert _route(router, replicas, _request(500, b"L5"), loop)[0] == ids[2]
+        # Without borrowing, long prompts stay in their lane.
+        strict = _router(loop, long_prompt_threshold=100, long_prompt_borrowing=False)
+        assert [_route(strict, replicas, _request(500, b"S" + bytes([i])), loop)[0] for i in range(3)] == [ids[2]] * 3
         # Without a threshold there are no lanes: a long prompt goes to the least loaded replica.
         plain = _router(loop)
         assert _route(plain, replicas, _request(500, b"X"), loop)[0] in ids

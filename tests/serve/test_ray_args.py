@@ -63,5 +63,8 @@ def test_long_prompt_lanes_reach_the_router_and_cap_the_replicas_steps(smollm2_p
     _, args = lanes(build_app({"model": str(smollm2_path), "long_prompt_threshold": "1000",
                                "long_prefill_token_threshold": "512"}))
     assert args.long_prefill_token_threshold == 512  # the user's own cap stays
+    kwargs, args = lanes(build_app({"model": str(smollm2_path), "long_prompt_threshold": "1000",
+                                    "long_prompt_borrowing": "false"}))
+    assert kwargs["long_prompt_borrowing"] is False and args.long_prefill_token_threshold is None
     with pytest.raises(ValueError):
         build_app({"model": str(smollm2_path), "long_prompt_threshold": "0"})

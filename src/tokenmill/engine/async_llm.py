@@ -74,7 +74,8 @@ class AsyncLLM:
         self.max_model_len = self.ready.max_model_len
         self.router = DataParallelRouter(len(self.clients), self.ready.block_size, self.ready.num_kv_blocks,
                                          config.data_parallel_routing,
-                                         long_prompt_threshold=config.data_parallel_long_prompt_threshold) \
+                                         long_prompt_threshold=config.data_parallel_long_prompt_threshold,
+                                         long_prompt_borrowing=config.data_parallel_long_prompt_borrowing) \
             if len(self.clients) > 1 else None
         self.frontend = Frontend.build(config, info, self.tokenizer, self.max_model_len)
         self.served_model_name = self.frontend.served_model_name

@@ -16,7 +16,8 @@ Length-aware lanes (`--data-parallel-long-prompt-threshold T`): prompts of more 
 core, shorter ones to the others, and each policy chooses within the lane. A 3,000-token prefill then
 shares steps only with other long prompts, and the short requests' first tokens never wait behind a
 queue of them. The long lane lends nothing, but borrows: a long prompt that would queue behind another
-in its own lane goes to a short-lane core carrying no long prompt, if there is one. A short request
+in its own lane goes to a short-lane core carrying no long prompt, if there is one (unless
+`--no-data-parallel-long-prompt-borrowing`). A short request
 then waits behind at most one long prompt, and the short lane's cores do not idle while long prompts
 queue (with two cores and long prompts holding most of the work, the strict lanes left one core idle
 for most of a run).
@@ -101,18 +102,20 @@ class PrefixAffinity(Generic[Key]):
 
 
 def length_lane(is_long: bool, replicas: Sequence[Key], long_in_flight: Mapping[Key, int],
-                long_lane_size: int = 1) -> list[Key]:
+                long_lane_size: int = 1, borrowing: bool = True) -> list[Key]:
     """The replicas a prompt may go to when the last `long_lane_size` of `replicas` are the long prompts'
     lane (no lanes unless some replica is left for short prompts). A long prompt goes to a long-lane
     replica carrying no long prompt; when each carries one, to a short-lane replica carrying none (it
-    would otherwise queue behind another long prompt); when each of those does too, to its own lane."""
+    would otherwise queue behind another long prompt; unless `borrowing` is off); when each of those does
+    too, to its own lane."""
     if long_lane_size <= 0 or len(replicas) <= long_lane_size:
         return list(replicas)
     short, long = list(replicas[:-long_lane_size]), list(replicas[-long_lane_size:])
     if not is_long:
         return short
     free = [key for key in long if not long_in_flight.get(key, 0)]
-    return free or [key for key in short if not long_in_flight.get(key, 0)] or long
+    borrowed = [key for key in short if not long_in_flight.get(key, 0)] if borrowing else []
+    return free or borrowed or long
 
 
 @dataclass
@@ -125,11 +128,13 @@ class EngineLoad:
 
 class DataParallelRouter:
     def __init__(self, num_engines: int, block_size: int, capacity_blocks: int, policy: str = "prefix",
-                 max_imbalance: int = 4, long_prompt_threshold: Optional[int] = None) -> None:
+                 max_imbalance: int = 4, long_prompt_threshold: Optional[int] = None,
+                 long_prompt_borrowing: bool = True) -> None:
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}")
         # With two or more cores and a threshold: the last core is the long prompts' lane.
         self.long_prompt_threshold = long_prompt_threshold if num_engines > 1 else None
+        self.long_prompt_borrowing = long_prompt_borrowing
         self._next_in_lane: dict[tuple[int, ...], int] = {}  # round robin: each lane's turn
         self._long_requests: set[Hashable] = set()  # the keys of long prompts in flight
         self.engines = [EngineLoad() for _ in range(num_engines)]
@@ -152,7 +157,8 @@ class DataParallelRouter:
         if self.long_prompt_threshold is None:
             return indices
         return length_lane(self.is_long(num_prompt_tokens), indices,
-                           {i: e.long_in_flight for i, e in enumerate(self.engines)})
+                           {i: e.long_in_flight for i, e in enumerate(self.engines)},
+                           borrowing=self.long_prompt_borrowing)
 
     def choose(self, prompt_token_ids: Sequence[int], key: Optional[Hashable] = None) -> int:
         """The engine index for a new request (counted as in flight there until `finished`). key: the

@@ -52,7 +52,7 @@ class PrefixAwareRequestRouter(RequestRouter):
     """Out-of-order routing (each request gets the replica chosen for it, not the oldest waiting one's)."""
 
     def initialize_state(self, max_imbalance: int = 4, long_prompt_threshold: Optional[int] = None,
-                         long_prompt_replicas: int = 1, **_: Any) -> None:
+                         long_prompt_replicas: int = 1, long_prompt_borrowing: bool = True, **_: Any) -> None:
         # Requests arrive with their block hashes computed (by the front, which knows the block size).
         self.affinity: PrefixAffinity[ReplicaID] = PrefixAffinity(1, DEFAULT_CAPACITY_BLOCKS, max_imbalance)
         # Requests this front has sent each replica and not yet seen finish.
@@ -60,6 +60,7 @@ class PrefixAwareRequestRouter(RequestRouter):
         self.long_prompt_threshold = long_prompt_threshold
         self.long_prompt_replicas = long_prompt_replicas if long_prompt_threshold is not None else 0
         self.long_in_flight: dict[ReplicaID, int] = {}  # of those, prompts above the threshold
+        self.long_prompt_borrowing = long_prompt_borrowing
 
     def _is_long(self, routed: Optional[RoutedRequest]) -> bool:
         threshold = self.long_prompt_threshold
@@ -74,7 +75,8 @@ class PrefixAwareRequestRouter(RequestRouter):
             # Ray Serve offers every running replica; ordered by id, a replica keeps its lane from one
             # request to the next.
             ordered = sorted((r.replica_id for r in candidate_replicas), key=_unique_id)
-            lane = set(length_lane(self._is_long(routed), ordered, self.long_in_flight, self.long_prompt_replicas))
+            lane = set(length_lane(self._is_long(routed), ordered, self.long_in_flight, self.long_prompt_replicas,
+                                   self.long_prompt_borrowing))
             candidate_replicas = [r for r in candidate_replicas if r.replica_id in lane]
         loads = {r.replica_id: self.in_flight.get(r.replica_id, 0) for r in candidate_replicas}
         by_load = sorted(candidate_replicas, key=lambda r: (loads[r.replica_id], r.replica_id.unique_id))

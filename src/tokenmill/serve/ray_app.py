@@ -31,9 +31,10 @@ Arguments (`key=value` after the import path; `build_app` gets them as a dict):
 - `long_prompt_threshold`, `long_prompt_replicas` (1): length-aware lanes, as
   `--data-parallel-long-prompt-threshold` gives engine cores: prompts of more tokens than the threshold
   go to the last `long_prompt_replicas` replicas (in replica-id order), shorter ones to the others, and a
-  long prompt that would queue in its lane borrows a short-lane replica carrying none. The replicas are
-  one deployment, so each caps a long prompt's step (256 tokens, unless `long_prefill_token_threshold`
-  says otherwise) so that a borrowed one leaves room for short prompts in every step.
+  long prompt that would queue in its lane borrows a short-lane replica carrying none
+  (`long_prompt_borrowing=false` keeps them in their lane). The replicas are one deployment, so with
+  borrowing each caps a long prompt's step (256 tokens, unless `long_prefill_token_threshold` says
+  otherwise) so that a borrowed one leaves room for short prompts in every step.
 - `front_replicas` (1), `front_max_ongoing_requests` (1000): the front deployment.
 - `max_replicas_per_node`: at most this many engine replicas, and front replicas, on one Ray node
   (Ray Serve's own option; default: no limit). `replicas=2 max_replicas_per_node=1` puts the two on two
@@ -68,11 +69,24 @@ REPLICA_HEADER = b"x-tokenmill-replica"
 ENGINE_DEPLOYMENT = "TokenmillEngine"
 FRONT_DEPLOYMENT = "OpenAIFront"
 ENGINE_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def boolean(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"expected true or false, got {value!r}")
+
+
 # The application's own arguments (the rest are tokenmill serve flags) and their readers.
 APP_ARGS = {
     "replicas": int, "min_replicas": int, "max_replicas": int, "target_ongoing_requests": float,
     "max_ongoing_requests": int, "replica_cpus": float, "replica_gpus": float, "max_imbalance": int,
-    "long_prompt_threshold": int, "long_prompt_replicas": int,
+    "long_prompt_threshold": int, "long_prompt_replicas": int, "long_prompt_borrowing": boolean,
     "front_replicas": int, "front_max_ongoing_requests": int, "max_replicas_per_node": int, "log_level": str,
 }
 
@@ -90,17 +104,6 @@ def server_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _truthy(value: Any) -> bool:
-    if isinstance(value, bool):
-        return value
-    text = str(value).strip().lower()
-    if text in ("1", "true", "yes", "on"):
-        return True
-    if text in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"expected true or false, got {value!r}")
-
-
 def server_argv(options: dict[str, Any]) -> list[str]:
     """tokenmill serve flags from `key=value` arguments: `max_num_seqs=8` -> `--max-num-seqs 8`, a
     boolean flag `name=true|false` -> `--name` / `--no-name` (or nothing), a list -> the flag repeated."""
@@ -112,7 +115,7 @@ def server_argv(options: dict[str, Any]) -> list[str]:
         if action is None:
             raise ValueError(f"unknown argument {key!r}: not a tokenmill serve flag nor one of {', '.join(APP_ARGS)}")
         if action.nargs == 0:  # store_true, or --flag/--no-flag
-            if _truthy(value):
+            if boolean(value):
                 argv.append(flag)
             elif isinstance(action, argparse.BooleanOptionalAction):
                 argv.append("--no-" + key.replace("_", "-"))
@@ -256,7 +259,9 @@ def build_app(args: dict[str, Any]) -> Any:
     threshold = app.get("long_prompt_threshold")
     if threshold is not None and threshold <= 0:
         raise ValueError(f"long_prompt_threshold must be a positive number of tokens, got {threshold}")
-    if threshold is not None and config.long_prefill_token_threshold is None and config.enable_chunked_prefill:
+    borrowing = app.get("long_prompt_borrowing", True)
+    if (threshold is not None and borrowing and config.long_prefill_token_threshold is None
+            and config.enable_chunked_prefill):
         argv += ["--long-prefill-token-threshold", str(lane_long_prefill_tokens(threshold))]
     max_ongoing = app.get("max_ongoing_requests", config.max_num_seqs)
     autoscaling = autoscaling_config(app, replicas, max_ongoing)
@@ -269,7 +274,8 @@ def build_app(args: dict[str, Any]) -> Any:
         request_router_config=RequestRouterConfig(
             request_router_class=PrefixAwareRequestRouter,
             request_router_kwargs={"max_imbalance": app.get("max_imbalance", 4), "long_prompt_threshold": threshold,
-                                   "long_prompt_replicas": app.get("long_prompt_replicas", 1)}),
+                                   "long_prompt_replicas": app.get("long_prompt_replicas", 1),
+                                   "long_prompt_borrowing": borrowing}),
         **scaling, **placement)
     front = serve.deployment(OpenAIFront).options(
         name=FRONT_DEPLOYMENT, num_replicas=app.get("front_replicas", 1),
