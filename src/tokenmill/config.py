@@ -330,7 +330,8 @@ class EngineConfig:
         "the cores first", bound="niceness")
     speculative_config: Optional[Any] = option(
         None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": '
-        '4}\' (greedy requests; drafts from n-grams already in the sequence)',
+        '4}\' (drafts from n-grams already in the sequence; greedy requests keep their exact output, sampled ones their '
+        'distribution, through speculative sampling)',
         convert=_speculative_config, parse=_json_object, metavar="JSON")
 
     def __post_init__(self) -> None:

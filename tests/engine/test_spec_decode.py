@@ -1,5 +1,6 @@
-"""Speculative decoding with n-gram drafts: greedy outputs are exactly those of plain decoding,
-while drafts are really verified and kept."""
+"""Speculative decoding with n-gram drafts: greedy outputs are exactly those of plain decoding, sampled
+requests speculate too (their distribution is tested in tests/sample/test_spec_sampling.py), and drafts
+are really verified and kept."""
 from __future__ import annotations
 
 import pytest
@@ -56,24 +57,31 @@ def test_greedy_outputs_equal_plain_decoding_and_drafts_are_kept(tiny_llama_dir,
 
 
 def test_speculation_under_preemption_and_beside_sampled_requests(tiny_llama_dir, smollm2_tokenizer):
-    """A small cache forces preemption mid-speculation; seeded random and logprobs requests (which never
-    speculate) share the steps; every output equals the one without speculation."""
+    """A small cache forces preemption mid-speculation; a seeded random request speculates too (speculative
+    sampling), a logprobs request (which never speculates) shares the steps, and a greedy request with a
+    repetition penalty verifies through the sampler's path: every greedy output equals the one without
+    speculation, and the seeded one is reproducible."""
     prompts = [{"prompt_token_ids": p} for p in _prompts(smollm2_tokenizer)]
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)]
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3)]
     kwargs = dict(num_kv_blocks=9, max_model_len=128, max_num_batched_tokens=32, enable_prefix_caching=True,
                   numerics="exact")
     plain = LLM(str(tiny_llama_dir), **kwargs)
     reference = plain.generate(prompts, params, use_tqdm=False)
     spec = LLM(str(tiny_llama_dir), speculative_config=NGRAM, **kwargs)
     outputs = spec.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in reference]
+    tokens = [o.outputs[0].token_ids for o in outputs]
+    assert [tokens[i] for i in (0, 2, 3)] == [reference[i].outputs[0].token_ids for i in (0, 2, 3)]
+    assert len(tokens[1]) == 30
     assert outputs[2].outputs[0].logprobs is not None and len(outputs[2].outputs[0].logprobs) == 30
     core = spec.llm_engine.core.core
     assert core.scheduler.num_preemptions > 0 and core.get_stats().spec_num_accepted_tokens > 0
     assert core.kv_cache.usage == 0.0
+    again = LLM(str(tiny_llama_dir), speculative_config=NGRAM, **kwargs).generate(prompts[1:2], params[1:2],
+                                                                                   use_tqdm=False)
+    assert again[0].outputs[0].token_ids == tokens[1]
 
 
 @pytest.mark.slow
@@ -87,6 +95,11 @@ def test_smollm2_copying_prompt_keeps_drafts_and_matches_plain_decoding():
     assert spec.chat(messages, params, use_tqdm=False)[0].outputs[0].token_ids == reference
     stats = spec.llm_engine.core.core.get_stats()
     assert stats.spec_num_accepted_tokens >= 10  # copied code is mostly guessed right
+    # A sampled request speculates too: at a low temperature the copy is still mostly what the drafts say.
+    before = stats.spec_num_accepted_tokens
+    sampled = SamplingParams(temperature=0.5, top_p=0.95, seed=1, max_tokens=48, ignore_eos=True)
+    assert len(spec.chat(messages, sampled, use_tqdm=False)[0].outputs[0].token_ids) == 48
+    assert spec.llm_engine.core.core.get_stats().spec_num_accepted_tokens - before >= 10
 
 
 def test_q8_0_verify_steps_run_the_fused_decode_stack(request, tiny_llama_dir, smollm2_tokenizer):

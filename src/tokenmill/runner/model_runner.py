@@ -21,6 +21,7 @@ from tokenmill.model.layers.parallel import fused_qkv_rows, shard_int8_blocks, s
 from tokenmill.model.registry import get_model_class
 from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, release_freed_memory
 from tokenmill.runner.backend_check import attention_mismatch
+from tokenmill.runner.draft_verify import verify_drafts
 from tokenmill.runner.input_batch import InputBatch
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_caches
 from tokenmill.runner.model_memory import model_tensor_bytes
@@ -241,7 +242,7 @@ class ModelRunner:
             if params.prompt_logprobs is not None:
                 self._prompt_logprobs(item, state, hidden, last, result)
             if item.samples and item.spec_token_ids:
-                verifying.append((item, last))
+                verifying.append((item, state, last))
             elif item.samples:
                 sampling_rows.append(last)
                 sampled_items.append(item)
@@ -279,24 +280,15 @@ class ModelRunner:
         return torch.frombuffer(bytearray(output.grammar_bitmask), dtype=torch.int32).view(-1, words)
 
     def _verify_drafts(self, verifying: list, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
-        """Speculative decoding, greedy: position i's argmax checks draft i; drafts are kept up to the
-        first mismatch, and the argmax there (or after the last draft) is the step's sampled token.
-        Only greedy requests with unmodified logits speculate (spec_decode.can_speculate), so this is
-        exactly the token the sampler would pick, one position at a time."""
+        """Speculative decoding: the target's logits at every draft position (and the one after the
+        last) decide which drafts are kept and the step's token (draft_verify.verify_drafts)."""
         rows: list[int] = []
-        for item, last in verifying:
+        for item, _, last in verifying:
             rows.extend(range(last - len(item.spec_token_ids), last + 1))
-        targets = self.model.compute_logits(hidden[rows]).float().argmax(dim=1).tolist()
-        offset = 0
-        for item, _ in verifying:
-            drafts = item.spec_token_ids
-            chosen = targets[offset:offset + len(drafts) + 1]
-            offset += len(drafts) + 1
-            kept = 0
-            while kept < len(drafts) and drafts[kept] == chosen[kept]:
-                kept += 1
-            result.accepted[item.request_id] = drafts[:kept]
-            result.sampled[item.request_id] = chosen[kept]
+        logits = self.model.compute_logits(hidden[rows])
+        if self.tp is not None and not self.tp.is_driver:
+            return  # the driver's tokens reach the core (as for sampled rows)
+        verify_drafts(self.sampler, self.input_batch, logits, [(item, state) for item, state, _ in verifying], result)
 
     def initialize_host_cache(self, num_blocks: int) -> None:
         """Swap space in host memory (pinned on CUDA, so copies can run at full bandwidth)."""

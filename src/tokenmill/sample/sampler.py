@@ -28,6 +28,8 @@ from tokenmill.structured.backend import apply_token_bitmask
 
 _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
+# Keeps a seeded row's draft-acceptance draws apart from the stream its tokens are drawn with.
+_ACCEPT_SALT = 0x5EC0_D1A7
 # Rows of prompt logprobs handled at once: a [chunk, vocab] float32 buffer instead of [T, vocab].
 _PROMPT_LOGPROBS_CHUNK = 256
 
@@ -261,6 +263,17 @@ class Sampler:
                 arrays: SamplingArrays) -> torch.Tensor:
         """Temperature, truncation masks, then one exponential-race draw per row (overwrites logits)."""
         device, vocab = logits.device, logits.shape[1]
+        self._truncate(logits, arrays)
+        # Unnormalized probabilities are enough: the argmax below ignores a per-row scale.
+        probs = logits.sub_(logits.max(dim=1, keepdim=True).values).exp_()
+        # argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i, and lets each row use
+        # its own noise stream without a per-row multinomial call.
+        return probs.div_(self._exponential_noise(states, vocab, device)).argmax(dim=1)
+
+    @staticmethod
+    def _truncate(logits: torch.Tensor, arrays: SamplingArrays) -> None:
+        """Temperature, then the top-k, top-p and min-p masks (in place)."""
+        device, vocab = logits.device, logits.shape[1]
         logits.div_(torch.from_numpy(arrays.temperature).to(device).unsqueeze(1))
         k_rows = np.flatnonzero((arrays.top_k > 0) & (arrays.top_k < vocab)).tolist()
         _apply_to_rows(logits, k_rows, lp.apply_top_k, torch.from_numpy(arrays.top_k[k_rows]).to(device))
@@ -268,11 +281,6 @@ class Sampler:
         _apply_to_rows(logits, p_rows, lp.apply_top_p, torch.from_numpy(arrays.top_p[p_rows]).to(device))
         m_rows = np.flatnonzero(arrays.min_p > 0.0).tolist()
         _apply_to_rows(logits, m_rows, lp.apply_min_p, torch.from_numpy(arrays.min_p[m_rows]).to(device))
-        # Unnormalized probabilities are enough: the argmax below ignores a per-row scale.
-        probs = logits.sub_(logits.max(dim=1, keepdim=True).values).exp_()
-        # argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i, and lets each row use
-        # its own noise stream without a per-row multinomial call.
-        return probs.div_(self._exponential_noise(states, vocab, device)).argmax(dim=1)
 
     def _exponential_noise(
         self, states: list[SamplingRequestState], vocab: int, device: torch.device
@@ -294,6 +302,86 @@ class Sampler:
         # U = 0 gives +inf (that token just loses); a zero draw would turn 0/0 into NaN for masked
         # tokens, so the smallest normal float stands in for it.
         return noise.log_().neg_().clamp_min_(torch.finfo(torch.float32).tiny)
+
+    # -- speculative decoding ---------------------------------------------------------------
+
+    def verify_drafts(self, logits: torch.Tensor, states: list[SamplingRequestState],
+                      drafts: Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
+        """Speculative sampling for drafts proposed deterministically (n-grams: the draft distribution is
+        a point mass), which keeps the target's distribution exactly: draft i is kept with probability
+        p_i(draft i), where p_i is the distribution the sampler would draw position i from (processors,
+        temperature, top-k, top-p, min-p); at the first draft refused, the token is drawn from p_i without
+        that draft (renormalized); when every draft is kept, from the position after the last.
+
+        logits and states: one row per position, each request's k + 1 positions in a run (the state of
+        position i counts drafts[:i] among its output tokens, so penalties and min_tokens see them, and
+        a seeded request's draws depend on its position). Returns per request (kept drafts, next token).
+        Greedy rows take the argmax of their processed logits, so they keep exactly the drafts the
+        non-speculative sampler would have produced."""
+        expected = sum(len(d) + 1 for d in drafts)
+        if logits.dim() != 2 or logits.shape[0] != len(states) or len(states) != expected:
+            raise ValueError(f"expected [{expected}, vocab] logits and states, got {tuple(logits.shape)}, {len(states)}")
+        probs = self._probabilities(logits, states)
+        device = probs.device
+        # The target's probability of each draft at its position, and one uniform draw per draft.
+        draft_rows, draft_ids, start = [], [], 0
+        for request_drafts in drafts:
+            draft_rows.extend(range(start, start + len(request_drafts)))
+            draft_ids.extend(request_drafts)
+            start += len(request_drafts) + 1
+        accept: list[bool] = []
+        if draft_rows:
+            p_draft = probs[torch.tensor(draft_rows, device=device), torch.tensor(draft_ids, device=device)]
+            uniforms = self._uniforms([states[row] for row in draft_rows], device)
+            accept = (uniforms < p_draft).tolist()
+        # Per request: how many drafts are kept, the row the next token is drawn from, and the draft it
+        # may not be (the one refused there).
+        kept_counts, final_rows, refused = [], [], []
+        start = at = 0
+        for request_drafts in drafts:
+            kept = 0
+            while kept < len(request_drafts) and accept[at + kept]:
+                kept += 1
+            kept_counts.append(kept)
+            final_rows.append(start + kept)
+            refused.append(request_drafts[kept] if kept < len(request_drafts) else None)
+            at += len(request_drafts)
+            start += len(request_drafts) + 1
+        final = probs.index_select(0, torch.tensor(final_rows, device=device))
+        for row, token in enumerate(refused):
+            if token is not None:
+                final[row, token] = 0.0
+        final_states = [states[row] for row in final_rows]
+        tokens = final.div_(self._exponential_noise(final_states, final.shape[1], device)).argmax(dim=1).tolist()
+        return [(list(d[:kept]), token) for d, kept, token in zip(drafts, kept_counts, tokens)]
+
+    def _probabilities(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> torch.Tensor:
+        """Each row's distribution as __call__ would draw it: a point mass at the argmax for greedy rows."""
+        work = logits.to(torch.float32, copy=True)
+        self._apply_processors(work, states)
+        arrays = SamplingArrays.from_params([s.params for s in states])
+        greedy = torch.tensor([s.params.greedy for s in states], device=work.device)
+        argmax = work.argmax(dim=1)
+        arrays.temperature[greedy.cpu().numpy()] = 1.0  # their scaled values are not used
+        self._truncate(work, arrays)
+        probs = torch.softmax(work, dim=1)
+        if bool(greedy.any()):
+            rows = greedy.nonzero().flatten()
+            probs[rows] = 0.0
+            probs[rows, argmax[rows]] = 1.0
+        return probs
+
+    def _uniforms(self, states: list[SamplingRequestState], device: torch.device) -> torch.Tensor:
+        """One U(0, 1) draw per row for a draft's acceptance: the shared stream for unseeded rows; for a
+        seeded row, a stream of its seed and position apart from the one its token is drawn with."""
+        draws = torch.empty(len(states), dtype=torch.float32, device=device)
+        draws.uniform_(generator=self._generator(device))
+        for i, state in enumerate(states):
+            if state.params.seed is not None:
+                gen = self._seeded_generator(device)
+                gen.manual_seed(mix_seed(state.params.seed ^ _ACCEPT_SALT, len(state.output_token_ids)))
+                draws[i] = torch.rand((), generator=gen, device=device)
+        return draws
 
     def _to_host(self, raw_logits: torch.Tensor, sampled: torch.Tensor,
                  states: list[SamplingRequestState]) -> SamplerOutput:
@@ -327,6 +415,13 @@ class Sampler:
         if gen is None:
             gen = self._seeded_generators[device] = torch.Generator(device=device)
         return gen
+
+
+def has_logit_processors(params: SamplingParams) -> bool:
+    """Whether any logit processor may change a row of these parameters (min_tokens counted while it
+    could still block a token): when none does, a greedy row's token is the plain argmax of its logits."""
+    return bool(params.logit_bias) or params.min_tokens > 0 or params.repetition_penalty != 1.0 \
+        or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
 
 
 def _has_processors(state: SamplingRequestState) -> bool:

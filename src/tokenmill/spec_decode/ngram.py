@@ -38,11 +38,10 @@ class NgramProposer:
 
 
 def can_speculate(request: Any) -> bool:
-    """Drafts are verified greedily (a draft is kept when it is the model's argmax), so only requests
-    whose next token is the plain argmax of the logits take part: greedy, one sequence, and nothing
-    that reshapes the distribution or needs per-token scores."""
+    """Drafts are verified by the target's own distribution (greedy: its argmax; sampling: speculative
+    sampling, which keeps the distribution exactly), so any single-sequence request may take part, except
+    where a verify cannot yet give what the request asks for: per-token logprobs, a grammar's mask, or
+    forks (n > 1, beam search)."""
     params = request.sampling_params
-    return (params.greedy and params.n == 1 and request.fork_children is None
-            and request.structured_output is None and params.logprobs is None and params.prompt_logprobs is None
-            and not params.logit_bias and params.min_tokens == 0 and params.repetition_penalty == 1.0
-            and params.presence_penalty == 0.0 and params.frequency_penalty == 0.0)
+    return (params.n == 1 and request.fork_children is None and request.structured_output is None
+            and params.logprobs is None and params.prompt_logprobs is None)

@@ -1,0 +1,58 @@
+"""Speculative decoding's verify: which drafts a step keeps, and the token it adds after them.
+
+The step computed the target's logits at every draft position and at the one after the last. A plain
+greedy request (no logit processors) keeps its drafts up to the first that is not the argmax, and the
+argmax there (or after the last draft) is its token: exactly the tokens the sampler would have picked one
+step at a time. Every other request goes through the sampler's speculative sampling
+(`Sampler.verify_drafts`), which keeps the target's distribution: temperature, top-k, top-p, min-p,
+penalties, logit bias, min_tokens and seeds all apply at each position as they would without drafts.
+"""
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from tokenmill.core.sched_output import ModelRunnerOutput
+from tokenmill.runner.input_batch import InputBatch
+from tokenmill.sample.sampler import Sampler, SamplingRequestState, has_logit_processors
+
+
+def verify_drafts(sampler: Sampler, batch: InputBatch, logits: torch.Tensor, verifying: Sequence[tuple[Any, Any]],
+                  result: ModelRunnerOutput) -> None:
+    """logits: each verifying (item, state)'s len(drafts) + 1 positions in a run, in `verifying`'s order.
+    Writes each request's kept drafts and its token into `result`."""
+    plain = [state.sampling_params.greedy and not has_logit_processors(state.sampling_params)
+             for _, state in verifying]
+    targets = logits.float().argmax(dim=1).tolist() if any(plain) else []
+    offset = 0
+    rows: list[int] = []
+    states: list[SamplingRequestState] = []
+    sampled_items = []
+    for (item, state), is_plain in zip(verifying, plain):
+        drafts = item.spec_token_ids
+        positions = range(offset, offset + len(drafts) + 1)
+        offset += len(drafts) + 1
+        if is_plain:
+            chosen = [targets[row] for row in positions]
+            kept = 0
+            while kept < len(drafts) and drafts[kept] == chosen[kept]:
+                kept += 1
+            result.accepted[item.request_id] = drafts[:kept]
+            result.sampled[item.request_id] = chosen[kept]
+            continue
+        # Position i's state counts drafts[:i] among the output: penalties and min_tokens see them.
+        first_end = item.start_position + item.num_new_tokens - len(drafts)
+        for i, row in enumerate(positions):
+            rows.append(row)
+            states.append(SamplingRequestState(
+                params=state.sampling_params, prompt_token_ids=state.prompt_token_ids,
+                output_token_ids=batch.output_tokens(state, first_end + i), eos_token_id=state.eos_token_id,
+                known_token_ids=batch.known_tokens(state, first_end + i)))
+        sampled_items.append(item)
+    if not sampled_items:
+        return
+    outcomes = sampler.verify_drafts(logits[rows], states, [item.spec_token_ids for item in sampled_items])
+    for item, (kept_drafts, token) in zip(sampled_items, outcomes):
+        result.accepted[item.request_id] = kept_drafts
+        result.sampled[item.request_id] = token

@@ -1,0 +1,82 @@
+"""Speculative sampling (Sampler.verify_drafts) keeps the target's distribution: the tokens a request gets
+with n-gram drafts are distributed exactly as without them, greedy rows keep exactly the argmax's drafts,
+and seeded rows are reproducible."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tokenmill.sample.sampler import Sampler, SamplingRequestState
+from tokenmill.sampling_params import SamplingParams
+
+# Two positions' logits over a 6-token vocabulary: draft 2 at position 0, then draft 0 at position 1.
+POSITION_LOGITS = [[1.0, 0.2, 0.8, -0.5, 1.5, -3.0], [0.3, 1.2, -0.7, 0.9, 0.0, 2.0], [0.0, 0.5, 1.0, 1.5, 2.0, 2.5]]
+DRAFTS = [2, 0]
+
+
+def _target(position: int, params: SamplingParams, output=()) -> torch.Tensor:
+    """The distribution the sampler draws position `position` from, one step at a time (empirically,
+    through Sampler.__call__, so the test does not restate the sampler's masks)."""
+    sampler = Sampler(seed=7)
+    rows = 40_000
+    logits = torch.tensor([POSITION_LOGITS[position]] * rows)
+    states = [SamplingRequestState(params, [0], list(output), None) for _ in range(rows)]
+    tokens = torch.tensor(sampler(logits, states).sampled_token_ids)
+    return torch.bincount(tokens, minlength=6).double() / rows
+
+
+def _verify(params: SamplingParams, requests: int, seed: int = 1):
+    sampler = Sampler(seed=seed)
+    logits = torch.tensor(POSITION_LOGITS * requests)
+    states = []
+    for _ in range(requests):
+        for i in range(3):
+            states.append(SamplingRequestState(params, [0], list(DRAFTS[:i]), None))
+    return sampler.verify_drafts(logits, states, [DRAFTS] * requests)
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=0.8), SamplingParams(temperature=1.3, top_k=4),
+                                    SamplingParams(temperature=1.0, top_p=0.8, presence_penalty=0.7)],
+                         ids=["temperature", "top_k", "top_p_and_penalty"])
+def test_tokens_follow_the_target_distribution_position_by_position(params):
+    requests = 40_000
+    outcomes = _verify(params, requests)
+    first = torch.tensor([(kept + [token])[0] for kept, token in outcomes])
+    first_freq = torch.bincount(first, minlength=6).double() / requests
+    target0 = _target(0, params)
+    # Two estimates of the same distribution, 40,000 draws each: within 5 standard deviations.
+    assert (first_freq - target0).abs().max() < 5 * (2 * 0.25 / requests) ** 0.5, (first_freq, target0)
+    # The draft is kept as often as the target draws it.
+    kept_first = sum(1 for kept, _ in outcomes if kept) / requests
+    assert abs(kept_first - float(target0[DRAFTS[0]])) < 0.02
+    # Given the first draft, the second token follows position 1's distribution (whose state counts the
+    # draft among the output: the presence penalty sees it).
+    second = torch.tensor([(kept + [token])[1] for kept, token in outcomes if kept])
+    second_freq = torch.bincount(second, minlength=6).double() / len(second)
+    target1 = _target(1, params, output=DRAFTS[:1])
+    assert (second_freq - target1).abs().max() < 5 * (2 * 0.25 / len(second)) ** 0.5, (second_freq, target1)
+
+
+def test_greedy_rows_keep_exactly_the_argmax_drafts_under_penalties():
+    params = SamplingParams(temperature=0, repetition_penalty=1.5)
+    # Position 0's argmax is 4, not the draft 2: nothing kept, the token is the argmax.
+    assert _verify(params, 3) == [([], 4)] * 3
+    logits = torch.tensor(POSITION_LOGITS)
+    states = [SamplingRequestState(params, [0], [4][:i], None) for i in range(3)]
+    kept, token = Sampler().verify_drafts(logits, states, [[4, 5]])[0]
+    # One step at a time: argmax 4, then (with 4 in the output and penalized) 5, then 5 penalized.
+    one_by_one = [Sampler()(logits[i:i + 1], [states[i]]).sampled_token_ids[0] for i in range(3)]
+    assert one_by_one[:2] == [4, 5] and (kept, token) == ([4, 5], one_by_one[2])
+
+
+def test_seeded_requests_are_reproducible():
+    params = SamplingParams(temperature=1.0, seed=42)
+    assert _verify(params, 50, seed=1) == _verify(params, 50, seed=2)  # the engine's seed does not matter
+    other = SamplingParams(temperature=1.0, seed=43)
+    assert _verify(params, 1) != _verify(other, 1) or _verify(params, 1) != _verify(SamplingParams(temperature=1.0,
+                                                                                                   seed=44), 1)
+
+
+def test_a_refused_draft_is_never_the_token_drawn_in_its_place():
+    outcomes = _verify(SamplingParams(temperature=0.8), 5_000)
+    assert all(token != DRAFTS[len(kept)] for kept, token in outcomes if len(kept) < len(DRAFTS))
