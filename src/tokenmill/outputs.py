@@ -39,6 +39,7 @@ class RequestMetrics:
     finished_time: Optional[float] = None
     num_preemptions: int = 0
     num_cached_tokens: int = 0
+    num_spec_accepted_tokens: int = 0  # speculative decoding: drafts kept (summed over the samples)
 
 
 @dataclass

@@ -54,6 +54,12 @@ def test_greedy_outputs_equal_plain_decoding_and_drafts_are_kept(tiny_llama_dir,
     stats = spec.llm_engine.core.core.get_stats()
     assert stats.spec_num_draft_tokens > 0 and stats.spec_num_accepted_tokens > 0
     assert spec.llm_engine.core.core.kv_cache.usage == 0.0
+    # Every kept draft is counted once: per position (a draft at position i is kept only after those
+    # before it), per verify, and per request.
+    per_position = stats.spec_accepted_per_position
+    assert sum(per_position) == stats.spec_num_accepted_tokens and 0 < stats.spec_num_drafts
+    assert all(a >= b for a, b in zip(per_position, per_position[1:])) and per_position[0] <= stats.spec_num_drafts
+    assert sum(o.metrics.num_spec_accepted_tokens for o in outputs) == stats.spec_num_accepted_tokens
 
 
 def test_speculation_under_preemption_and_beside_sampled_requests(tiny_llama_dir, smollm2_tokenizer):

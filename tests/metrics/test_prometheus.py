@@ -47,11 +47,11 @@ def test_steps_move_counters_gauges_and_histograms_exactly():
     exporter = PrometheusStatLogger("m")
     exporter.record(SchedulerSnapshot(num_running=2, num_waiting=1, kv_cache_usage=0.5, num_preemptions=1,
                                       prefix_cache_queries=64, prefix_cache_hits=16, spec_num_draft_tokens=6,
-                                      spec_num_accepted_tokens=2),
+                                      spec_num_accepted_tokens=2, spec_num_drafts=2, spec_accepted_per_position=[2]),
                     IterationStats(num_prompt_tokens=30, num_generation_tokens=2, ttfts=[0.2, 0.4]))
     exporter.record(SchedulerSnapshot(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_preemptions=3,
                                       prefix_cache_queries=64, prefix_cache_hits=16, spec_num_draft_tokens=9,
-                                      spec_num_accepted_tokens=5),
+                                      spec_num_accepted_tokens=5, spec_num_drafts=3, spec_accepted_per_position=[3, 1, 1]),
                     IterationStats(num_generation_tokens=2, inter_token_latencies=[0.05, 0.07],
                                    finished=[finished("length", 10, 3), finished("stop", 20, 1)]))
     assert value(exporter, "tokenmill:num_requests_running") == 0
@@ -64,6 +64,9 @@ def test_steps_move_counters_gauges_and_histograms_exactly():
     assert value(exporter, "tokenmill:prefix_cache_hits_total") == 16
     assert value(exporter, "tokenmill:spec_decode_num_draft_tokens_total") == 9
     assert value(exporter, "tokenmill:spec_decode_num_accepted_tokens_total") == 5
+    assert value(exporter, "tokenmill:spec_decode_num_drafts_total") == 3
+    assert [value(exporter, "tokenmill:spec_decode_num_accepted_tokens_per_pos_total", position=str(i))
+            for i in range(3)] == [3, 1, 1]
     assert value(exporter, "tokenmill:request_success_total", finished_reason="length") == 1
     assert value(exporter, "tokenmill:request_success_total", finished_reason="stop") == 1
     assert value(exporter, "tokenmill:request_success_total", finished_reason="abort") == 0

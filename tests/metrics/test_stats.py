@@ -83,7 +83,8 @@ def test_window_logger_snapshot_counts_and_percentiles():
     logger = WindowStatLogger(window_s=60.0)
     t0 = logger.started
     sched = SchedulerSnapshot(num_running=2, num_waiting=1, kv_cache_usage=0.25, num_preemptions=3,
-                              prefix_cache_queries=200, prefix_cache_hits=50)
+                              prefix_cache_queries=200, prefix_cache_hits=50, spec_num_drafts=4,
+                              spec_num_draft_tokens=8, spec_num_accepted_tokens=6, spec_accepted_per_position=[4, 2])
     logger.record(sched, IterationStats(timestamp=t0 + 1, num_prompt_tokens=100, num_generation_tokens=2,
                                         ttfts=[0.1, 0.3]))
     logger.record(sched, IterationStats(timestamp=t0 + 2, num_generation_tokens=2,
@@ -93,6 +94,8 @@ def test_window_logger_snapshot_counts_and_percentiles():
     assert snap["num_requests_running"] == 2 and snap["num_requests_waiting"] == 1
     assert snap["kv_cache_usage"] == 0.25 and snap["num_preemptions"] == 3
     assert snap["prefix_cache_hit_rate"] == 0.25
+    assert snap["spec_decode"] == {"num_drafts": 4, "num_draft_tokens": 8, "num_accepted_tokens": 6,
+                                   "acceptance_rate": 0.75, "accepted_per_position": [4, 2]}
     assert snap["num_finished_requests"] == 2
     assert snap["finish_reasons"] == {"length": 1, "stop": 1}
     assert snap["ttft_s"]["count"] == 2 and snap["ttft_s"]["p50"] == pytest.approx(0.2)

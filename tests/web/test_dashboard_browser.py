@@ -160,7 +160,8 @@ def live_server(tiny_llama_dir, tmp_path):
     helpers = _server_helpers()
     server = helpers.ServerProcess(
         ["--model", str(tiny_llama_dir), "--served-model-name", "tiny-web", "--max-model-len", "512",
-         "--num-kv-blocks", "64", "--api-key", API_KEY, "--disable-access-log", "--disable-log-stats"],
+         "--num-kv-blocks", "64", "--api-key", API_KEY, "--disable-access-log", "--disable-log-stats",
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}'],
         tmp_path, api_key=API_KEY)
     try:
         yield server.wait_ready()
@@ -215,6 +216,13 @@ def test_playground_chat_and_live_dashboard(live_server, browser):
     assert browser.text("#stat-ttft-count") == "1"
     assert "length 1" in browser.text("#stat-reasons")
     assert browser.text("#stat-kv") == "0.0%"
+    # The speculative card says what /stats says (n-gram drafts are on; the tiny model may repeat itself).
+    spec = httpx.get(live_server.url + "/stats", timeout=10).json()["spec_decode"]
+    detail = browser.text("#stat-spec-detail")
+    if spec["num_drafts"]:
+        assert detail.startswith(f"{spec['num_accepted_tokens']} of {spec['num_draft_tokens']} · by position"), detail
+    else:
+        assert detail == "no drafts verified" and browser.text("#stat-spec-rate") == "–"
     # Let a few chart points accumulate, then keep the picture.
     time.sleep(2.5)
     browser.screenshot(ARTIFACTS / "02-after-chat.png")

@@ -55,6 +55,9 @@ class SchedulerStats:
     num_queue_timeouts: int = 0
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
+    spec_num_drafts: int = 0  # verifies that carried at least one draft
+    # Index i: how many times a verify kept its draft at position i (vLLM's accepted tokens per position).
+    spec_accepted_per_position: list[int] = field(default_factory=list)
     # Filled by the engine core on accelerators: device memory its process holds (bytes).
     device_memory_bytes: int = 0
 
@@ -82,6 +85,8 @@ class Scheduler:
         self.num_queue_timeouts = 0
         self.num_draft_tokens = 0  # speculative decoding: drafts verified, and how many were kept
         self.num_accepted_tokens = 0
+        self.num_drafts = 0
+        self.accepted_per_position: list[int] = []
         self._finished_ids: list[str] = []
         # Requests finished inside schedule() (queue timeouts), reported by the next update.
         self._timed_out: list[Request] = []
@@ -435,6 +440,12 @@ class Scheduler:
                 request.num_computed_tokens -= len(item.spec_token_ids) - len(kept)
                 self.num_draft_tokens += len(item.spec_token_ids)
                 self.num_accepted_tokens += len(kept)
+                self.num_drafts += 1
+                request.num_spec_accepted_tokens += len(kept)
+                if len(self.accepted_per_position) < len(item.spec_token_ids):
+                    self.accepted_per_position.extend([0] * (len(item.spec_token_ids) - len(self.accepted_per_position)))
+                for position in range(len(kept)):
+                    self.accepted_per_position[position] += 1
             new_tokens = (*kept, token, *((forced or {}).get(request.request_id) or ()))
             for i, new_token in enumerate(new_tokens):
                 request.append_output_token(new_token)
@@ -483,4 +494,6 @@ class Scheduler:
             num_queue_timeouts=self.num_queue_timeouts,
             spec_num_draft_tokens=self.num_draft_tokens,
             spec_num_accepted_tokens=self.num_accepted_tokens,
+            spec_num_drafts=self.num_drafts,
+            spec_accepted_per_position=list(self.accepted_per_position),
         )

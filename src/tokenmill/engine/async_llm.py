@@ -17,6 +17,7 @@ cores' summed.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -313,7 +314,11 @@ class AsyncLLM:
             return known[0] if known else SchedulerSnapshot()
         total = SchedulerSnapshot()
         for name in SchedulerSnapshot.__dataclass_fields__:
-            setattr(total, name, sum(getattr(s, name) for s in known))
+            values = [getattr(s, name) for s in known]
+            if isinstance(values[0], list):  # per-position counts: summed position by position
+                setattr(total, name, [sum(column) for column in itertools.zip_longest(*values, fillvalue=0)])
+            else:
+                setattr(total, name, sum(values))
         total.kv_cache_usage = sum(s.kv_cache_usage for s in self._snapshots if s is not None) / len(self.clients)
         return total
 

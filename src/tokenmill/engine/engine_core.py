@@ -358,6 +358,7 @@ class EngineCore:
                 prompt_logprobs=prompt_lps,
                 num_cached_tokens=request.num_cached_tokens or 0,
                 num_preemptions=request.num_preemptions,
+                num_spec_accepted_tokens=request.num_spec_accepted_tokens,
                 first_scheduled_time=request.first_scheduled_time,
             )
             if rid in finished:

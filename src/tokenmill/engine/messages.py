@@ -75,6 +75,7 @@ class EngineCoreOutput(msgspec.Struct, omit_defaults=True):
     prompt_logprobs: Optional[tuple[int, list[dict[int, Logprob]]]] = None
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_spec_accepted_tokens: int = 0  # drafts of this request kept so far
     first_scheduled_time: Optional[float] = None
     # The core refused or could not serve this request (the message says why); it has ended.
     error: Optional[str] = None

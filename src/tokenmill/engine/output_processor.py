@@ -34,6 +34,7 @@ class SequenceState:
     # Where the last DELTA output ended (token_ids / logprobs indices); -1: nothing new to report.
     num_reported: int = 0
     reported_finish: bool = False
+    num_spec_accepted_tokens: int = 0  # the core's running count for this sequence
 
 
 @dataclass
@@ -144,6 +145,9 @@ class OutputProcessor:
             metrics.first_scheduled_time = out.first_scheduled_time
         metrics.num_cached_tokens = max(metrics.num_cached_tokens, out.num_cached_tokens)
         metrics.num_preemptions = max(metrics.num_preemptions, out.num_preemptions)
+        if seq is not None and out.num_spec_accepted_tokens > seq.num_spec_accepted_tokens:
+            metrics.num_spec_accepted_tokens += out.num_spec_accepted_tokens - seq.num_spec_accepted_tokens
+            seq.num_spec_accepted_tokens = out.num_spec_accepted_tokens
         if out.prompt_logprobs is not None and state.prompt_logprobs is not None:
             start, entries = out.prompt_logprobs
             state.prompt_logprobs[start:start + len(entries)] = entries

@@ -72,6 +72,13 @@ class PrometheusStatLogger:
         self.evictions = Counter(p + "prefix_cache_evictions", "Cached blocks evicted", labels, registry=r)
         self.spec_drafts = Counter(p + "spec_decode_num_draft_tokens", "Speculative draft tokens verified", labels,
                                    registry=r)
+        self.spec_verifies = Counter(p + "spec_decode_num_drafts", "Speculative verifies (decodes that carried drafts)",
+                                     labels, registry=r)
+        # vLLM's name and label: how often the draft at each position was kept (acceptance per position is
+        # this over spec_decode_num_drafts).
+        self.spec_accepted_per_pos = Counter(p + "spec_decode_num_accepted_tokens_per_pos",
+                                             "Speculative drafts kept, per draft position", labels + ["position"],
+                                             registry=r)
         self.spec_accepted = Counter(p + "spec_decode_num_accepted_tokens", "Speculative draft tokens kept", labels,
                                      registry=r)
         self.rejected = Counter(p + "request_rejected", "Requests refused by admission control",
@@ -119,7 +126,7 @@ class PrometheusStatLogger:
         m = self.model_name
         for metric in (self.running, self.waiting, self.swapped, self.kv_usage, self.cached_blocks,
                        self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries,
-                       self.prefix_hits, self.evictions, self.spec_drafts, self.spec_accepted, self.ttft, self.itl,
+                       self.prefix_hits, self.evictions, self.spec_drafts, self.spec_accepted, self.spec_verifies, self.ttft, self.itl,
                        self.tpot, self.e2e, self.queue,
                        self.prefill, self.decode, self.req_prompt, self.req_generation, self.iteration_tokens):
             metric.labels(m)
@@ -147,6 +154,12 @@ class PrometheusStatLogger:
         self.evictions.labels(m).inc(max(0, scheduler.num_evictions - last.num_evictions))
         self.spec_drafts.labels(m).inc(max(0, scheduler.spec_num_draft_tokens - last.spec_num_draft_tokens))
         self.spec_accepted.labels(m).inc(max(0, scheduler.spec_num_accepted_tokens - last.spec_num_accepted_tokens))
+        self.spec_verifies.labels(m).inc(max(0, scheduler.spec_num_drafts - last.spec_num_drafts))
+        before = last.spec_accepted_per_position
+        for position, total in enumerate(scheduler.spec_accepted_per_position):
+            added = total - (before[position] if position < len(before) else 0)
+            if added > 0 or position >= len(before):
+                self.spec_accepted_per_pos.labels(m, str(position)).inc(max(0, added))
         self._last = scheduler
         if iteration.num_tokens:
             self.prompt_tokens.labels(m).inc(iteration.num_prompt_tokens)

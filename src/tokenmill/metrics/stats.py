@@ -24,6 +24,8 @@ class SchedulerSnapshot:
     num_evictions: int = 0  # cumulative
     spec_num_draft_tokens: int = 0  # cumulative: speculative drafts verified
     spec_num_accepted_tokens: int = 0  # cumulative: drafts kept
+    spec_num_drafts: int = 0  # cumulative: verifies that carried drafts
+    spec_accepted_per_position: list[int] = field(default_factory=list)  # cumulative, per draft position
     device_memory_bytes: int = 0  # CUDA memory the engine core holds (0 on CPU)
 
 
@@ -227,6 +229,14 @@ class WindowStatLogger:
                 "prefix_cache_queries": sched.prefix_cache_queries,
                 "prefix_cache_hits": sched.prefix_cache_hits,
                 "prefix_cache_hit_rate": hit_rate,
+                "spec_decode": {  # cumulative; acceptance per position = accepted there / verifies
+                    "num_drafts": sched.spec_num_drafts,
+                    "num_draft_tokens": sched.spec_num_draft_tokens,
+                    "num_accepted_tokens": sched.spec_num_accepted_tokens,
+                    "acceptance_rate": (sched.spec_num_accepted_tokens / sched.spec_num_draft_tokens
+                                        if sched.spec_num_draft_tokens else None),
+                    "accepted_per_position": list(sched.spec_accepted_per_position),
+                },
                 "num_finished_requests": self.num_finished,
                 "finish_reasons": dict(self.finish_reasons),
                 "output_tokens_per_s": self.generation_tokens.total(now) / span,

@@ -72,6 +72,7 @@ def test_per_key_rate_limits(start_server, tiny_llama_dir, tmp_path):
     # The key's tenant is the request's tenant (the fair policy's `user`); without one, the body's user.
     records = server.request_log()
     assert {r["tenant"] for r in records if r["status"] == "finished"} >= {"alice", "bob"}
+    assert all(r["spec_accepted_tokens"] == 0 for r in records)  # no speculative decoding on this server
     with httpx.Client(timeout=60) as client:
         client.post(url, json={**ok_body, "user": "carol"}, headers=auth("sk-free"))
         response = client.post(url, json={**ok_body, "user": "mallory"}, headers=auth("sk-alice"))

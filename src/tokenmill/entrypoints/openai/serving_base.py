@@ -125,6 +125,8 @@ class RequestLog:
             "ttft_s": None if self.first_token is None else round(self.first_token - self.arrival, 4),
             "total_s": round(time.monotonic() - self.arrival, 4),
             "finish_reason": reasons[0] if len(set(reasons)) == 1 else reasons,
+            "spec_accepted_tokens": sum(out.metrics.num_spec_accepted_tokens for out in outputs
+                                        if out.metrics is not None),
         }
         request_logger.info(json.dumps(record))
 

@@ -56,6 +56,12 @@
     $("stat-kv-bar").style.width = Math.min(100, 100 * (stats.kv_cache_usage || 0)) + "%";
     $("stat-hit-rate").textContent = fmtPercent(stats.prefix_cache_hit_rate);
     $("stat-preemptions").textContent = stats.num_preemptions;
+    const spec = stats.spec_decode || {};
+    $("stat-spec-rate").textContent = fmtPercent(spec.acceptance_rate);
+    $("stat-spec-detail").textContent = spec.num_drafts
+      ? spec.num_accepted_tokens + " of " + spec.num_draft_tokens + " · by position " +
+        (spec.accepted_per_position || []).map((n) => fmtPercent(n / spec.num_drafts)).join(" ")
+      : "no drafts verified";
     $("updated").textContent = "updated " + new Date(stats.time * 1000).toLocaleTimeString();
     drawCharts(stats);
   }
