@@ -109,12 +109,15 @@ SPECULATIVE_METHODS = ("ngram",)
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """--speculative-config, in vLLM's spelling: {"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_max": n_max, "prompt_lookup_min": n_min}."""
+    "prompt_lookup_max": n_max, "prompt_lookup_min": n_min}, plus tokenmill's "adaptive" (default true:
+    each request proposes fewer drafts while its recent ones are refused, spec_decode/adaptive.py; false:
+    always up to k)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         param = "speculative_config"
@@ -127,6 +130,8 @@ class SpeculativeConfig:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise InvalidRequestError("prompt_lookup_min must not exceed prompt_lookup_max", param)
+        if not isinstance(self.adaptive, bool):
+            raise InvalidRequestError(f"adaptive must be true or false, got {self.adaptive!r}", param)
 
     @classmethod
     def from_dict(cls, value: Any) -> Optional["SpeculativeConfig"]:
@@ -135,7 +140,7 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, dict):
             raise InvalidRequestError("speculative_config must be a JSON object", "speculative_config")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise InvalidRequestError(f"unsupported speculative_config keys: {', '.join(unknown)} "
@@ -143,7 +148,7 @@ class SpeculativeConfig:
         lookup_min = value.get("prompt_lookup_min", 1)
         lookup_max = value.get("prompt_lookup_max", max(4, lookup_min) if isinstance(lookup_min, int) else 4)
         return cls(method=value.get("method", "ngram"), num_speculative_tokens=value.get("num_speculative_tokens", 4),
-                   prompt_lookup_max=lookup_max, prompt_lookup_min=lookup_min)
+                   prompt_lookup_max=lookup_max, prompt_lookup_min=lookup_min, adaptive=value.get("adaptive", True))
 
 
 def _speculative_config(value: Any) -> Optional[SpeculativeConfig]:

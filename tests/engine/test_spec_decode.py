@@ -131,3 +131,43 @@ def test_q8_0_verify_steps_run_the_fused_decode_stack(request, tiny_llama_dir, s
     assert [o.outputs[0].token_ids for o in outputs] == reference
     assert spec.llm_engine.core.core.get_stats().spec_num_accepted_tokens > 0
     assert max(fused_rows) > len(prompts)  # some fused steps carried draft rows
+
+
+def test_adaptive_draft_length_follows_acceptance():
+    from tokenmill.spec_decode import adaptive
+
+    # A draft is proposed while its chance of being kept (acceptance ** position) stays high enough.
+    assert adaptive.draft_length(4, 1.0) == 4 and adaptive.draft_length(4, 0.8) == 4
+    assert adaptive.draft_length(4, adaptive.PRIOR) == 2 and adaptive.draft_length(4, 0.2) == 0
+    assert adaptive.draft_length(1, 0.9) == 1
+    # Refused drafts pull the acceptance down until the request stops proposing; idle steps bring it back.
+    acceptance = adaptive.PRIOR
+    verifies = 0
+    while adaptive.draft_length(4, acceptance):
+        acceptance = adaptive.after_verify(acceptance, adaptive.draft_length(4, acceptance), 0)
+        verifies += 1
+    assert 1 <= verifies <= 4
+    idle = 0
+    while not adaptive.draft_length(4, acceptance):
+        acceptance = adaptive.after_idle_step(acceptance)
+        idle += 1
+    assert 3 <= idle <= 20  # it tries again, but not at once
+    assert adaptive.after_verify(0.5, 2, 2) > 0.5 and adaptive.after_verify(0.5, 0, 0) == 0.5
+
+
+def test_refused_drafts_shrink_a_requests_drafts_and_fixed_length_keeps_them(tiny_llama_dir, smollm2_tokenizer):
+    """The tiny random model rarely follows an n-gram: with the adaptive length its requests verify fewer
+    drafts than with a fixed one, for the same (greedy, exact) output."""
+    prompts = [{"prompt_token_ids": p} for p in _prompts(smollm2_tokenizer)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    drafted = {}
+    outputs = {}
+    for adaptive_length in (True, False):
+        llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=512, numerics="exact",
+                  speculative_config={**NGRAM, "prompt_lookup_min": 1, "adaptive": adaptive_length})
+        outputs[adaptive_length] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats = llm.llm_engine.core.core.get_stats()
+        drafted[adaptive_length] = (stats.spec_num_draft_tokens, stats.spec_num_accepted_tokens)
+    assert outputs[True] == outputs[False]
+    assert drafted[True][0] < drafted[False][0], drafted
+    assert drafted[True][1] / drafted[True][0] >= drafted[False][1] / drafted[False][0], drafted

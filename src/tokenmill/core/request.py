@@ -64,6 +64,7 @@ class Request:
     # decode step as a catch-up of 1 + len(spec_token_ids); never part of all_token_ids.
     spec_token_ids: list[int] = field(default_factory=list)
     num_spec_accepted_tokens: int = 0  # of this request's verified drafts, how many were kept
+    spec_acceptance: Optional[float] = None  # adaptive draft length: recent share of drafts kept (None: none yet)
     # Beam search: park after every sampled token (fork_children = []) until the search forks the
     # beams that continue from this one.
     park_after_sample: bool = False

@@ -28,6 +28,7 @@ from tokenmill.model.registry import SLIDING_WINDOW_ARCHITECTURES
 from tokenmill.engine.executor import make_executor
 from tokenmill.runner.model_runner import resolve_device
 from tokenmill.runner.numerics import detect_hardware, resolve_numerics
+from tokenmill.spec_decode import adaptive
 from tokenmill.spec_decode.ngram import NgramProposer, can_speculate
 from tokenmill.structured.backend import allocate_token_bitmask
 from tokenmill.structured.llguidance_backend import LLGuidanceBackend
@@ -262,13 +263,26 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
 
-    def _propose_drafts(self, sched: SchedulerOutput) -> None:
-        """Drafts for every request this step brought up to date, verified by its next decode."""
+    def _propose_drafts(self, sched: SchedulerOutput, accepted: dict[str, list[int]]) -> None:
+        """Drafts for every request this step brought up to date, verified by its next decode; with the
+        adaptive length, as many as the request's recent acceptance makes worth a verify row each."""
+        spec = self.config.speculative_config
         for item in sched.scheduled:
             request = self.scheduler.step_request(item.request_id)
-            if (request is not None and not request.is_finished
-                    and request.num_computed_tokens == request.num_tokens - 1 and can_speculate(request)):
-                request.spec_token_ids = self.proposer.propose(request.all_token_ids)
+            if (request is None or request.is_finished or request.num_computed_tokens != request.num_tokens - 1
+                    or not can_speculate(request)):
+                continue
+            max_drafts = spec.num_speculative_tokens
+            if spec.adaptive:
+                acceptance = adaptive.PRIOR if request.spec_acceptance is None else request.spec_acceptance
+                if item.spec_token_ids:
+                    acceptance = adaptive.after_verify(acceptance, len(item.spec_token_ids),
+                                                       len(accepted.get(item.request_id) or ()))
+                else:
+                    acceptance = adaptive.after_idle_step(acceptance)
+                request.spec_acceptance = acceptance
+                max_drafts = adaptive.draft_length(max_drafts, acceptance)
+            request.spec_token_ids = self.proposer.propose(request.all_token_ids)[:max_drafts] if max_drafts else []
 
     def _fill_grammar_bitmask(self, sched: SchedulerOutput) -> None:
         """Structured outputs: the tokens each constrained row may sample, computed here (the grammar
@@ -334,7 +348,7 @@ class EngineCore:
                 outputs_before[item.request_id] = self.scheduler.step_request(item.request_id).num_output_tokens
         finished_requests = self.scheduler.update_from_output(sched, result.sampled, forced, result.accepted)
         if self.proposer is not None:
-            self._propose_drafts(sched)
+            self._propose_drafts(sched, result.accepted)
         finished = {r.request_id for r in finished_requests}
         scheduled_ids = {item.request_id for item in sched.scheduled}
         # Requests that ended without running this step (queue timeouts) still report their end.
