@@ -185,3 +185,58 @@ def test_requests_with_logprobs_are_not_fast_forwarded(llm):
                structured_outputs=StructuredOutputsParams(json=SCHEMA, disable_any_whitespace=True)).outputs[0]
     json.loads(out.text)
     assert len(out.logprobs) == len(out.token_ids) and all(t in lp for t, lp in zip(out.token_ids, out.logprobs))
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+def test_drafts_are_checked_against_the_grammar_and_verified_under_its_masks(tiny_llama_dir, temperature):
+    """n-gram drafts with a grammar: only drafts the grammar allows are proposed, each position is verified
+    under the mask after the drafts before it, and fast-forward combines with them. Greedy output equals
+    the one without drafts; sampled output always matches the grammar."""
+    # Repetitive by construction: every word after the first repeats earlier text, so n-grams propose.
+    regex = "(cat|dog|bird)( (cat|dog|bird)){30}"
+    params = SamplingParams(temperature=temperature, seed=5, max_tokens=120,
+                            structured_outputs=StructuredOutputsParams(regex=regex, param="guided_regex"))
+    prompts = ["Animals: cat dog bird cat dog bird", "List: dog dog dog dog"]
+    outputs, stats = {}, {}
+    for spec in (None, {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                        "adaptive": False}):
+        llm = LLM(str(tiny_llama_dir), num_kv_blocks=256, numerics="exact", speculative_config=spec)
+        outputs[spec is not None] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
+        stats[spec is not None] = llm.llm_engine.core.core.get_stats()
+    for out in outputs[True]:
+        assert re.fullmatch(regex, out.text), out.text
+        assert out.finish_reason == "stop"
+    assert stats[True].spec_num_draft_tokens > 0, stats[True]
+    if temperature == 0:
+        assert [o.token_ids for o in outputs[True]] == [o.token_ids for o in outputs[False]]
+        assert stats[True].spec_num_accepted_tokens > 0, stats[True]
+    # Sampled, the random tiny model spreads each word over many spellings the grammar allows (" bi" + "rd",
+    # " bird", ...), so a draft is kept about one time in ten: the distribution itself is tested in
+    # tests/sample/test_spec_sampling.py.
+
+
+def test_grammar_checks_drafts_and_masks_each_position_without_moving(llm, smollm2_tokenizer):
+    from tokenmill.structured.backend import allocate_token_bitmask
+
+    backend = llm.llm_engine.core.core.structured_backend
+    vocab = llm.llm_engine.core.core.vocab_size
+    grammar = backend.compile(StructuredOutputsParams(regex="ab(c|d)e", param="guided_regex"))
+    ids = [smollm2_tokenizer.convert_tokens_to_ids(t) for t in ("a", "b", "c", "e", "x")]
+    a, b, c, e, x = ids
+    assert grammar.valid_prefix([a, b, c, e]) == 4 and grammar.valid_prefix([a, x, c]) == 1
+    assert grammar.valid_prefix([x]) == 0 and grammar.valid_prefix([]) == 0
+    before = allocate_token_bitmask(1, vocab)
+    grammar.fill_bitmask(before, 0)
+    rows = allocate_token_bitmask(3, vocab)
+    grammar.fill_bitmasks_along(rows, 0, [a, b])
+
+    def allowed(bitmask, row, token):
+        return bool((int(bitmask[row, token // 32]) >> (token % 32)) & 1)
+
+    # Row 0: before any draft; row 1: after "a"; row 2: after "ab" (c or d next, not e).
+    assert allowed(rows, 0, a) and not allowed(rows, 0, b)
+    assert allowed(rows, 1, b) and not allowed(rows, 1, a)
+    assert allowed(rows, 2, c) and not allowed(rows, 2, e)
+    after = allocate_token_bitmask(1, vocab)
+    grammar.fill_bitmask(after, 0)
+    assert torch.equal(before, after) and grammar.accept_token(a)  # the state did not move

@@ -282,23 +282,32 @@ class EngineCore:
                     acceptance = adaptive.after_idle_step(acceptance)
                 request.spec_acceptance = acceptance
                 max_drafts = adaptive.draft_length(max_drafts, acceptance)
-            request.spec_token_ids = self.proposer.propose(request.all_token_ids)[:max_drafts] if max_drafts else []
+            drafts = self.proposer.propose(request.all_token_ids)[:max_drafts] if max_drafts else []
+            if drafts and request.structured_output is not None:  # only drafts the grammar allows
+                drafts = drafts[:request.structured_output.valid_prefix(drafts)]
+            request.spec_token_ids = drafts
 
     def _fill_grammar_bitmask(self, sched: SchedulerOutput) -> None:
         """Structured outputs: the tokens each constrained row may sample, computed here (the grammar
         state lives with the request) and sent to the runner as bytes."""
         constrained = []
         for item in sched.scheduled:
-            if item.samples and not item.spec_token_ids:
+            if item.samples:
                 request = self.scheduler.step_request(item.request_id)
                 if request is not None and request.structured_output is not None:
-                    constrained.append((item.request_id, request.structured_output))
+                    constrained.append((item, request.structured_output))
         if not constrained:
             return
-        bitmask = allocate_token_bitmask(len(constrained), self.vocab_size)
-        for row, (request_id, grammar) in enumerate(constrained):
-            grammar.fill_bitmask(bitmask, row)
-            sched.grammar_rows[request_id] = row
+        # A speculative verify gets a row per position: the mask after each of its drafts in turn.
+        bitmask = allocate_token_bitmask(sum(len(item.spec_token_ids) + 1 for item, _ in constrained), self.vocab_size)
+        row = 0
+        for item, grammar in constrained:
+            if item.spec_token_ids:
+                grammar.fill_bitmasks_along(bitmask, row, item.spec_token_ids)
+            else:
+                grammar.fill_bitmask(bitmask, row)
+            sched.grammar_rows[item.request_id] = row
+            row += len(item.spec_token_ids) + 1
         sched.grammar_bitmask = bitmask.numpy().tobytes()
 
     def _advance_grammars(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> dict[str, list[int]]:
@@ -310,6 +319,8 @@ class EngineCore:
             if token is None or request is None:
                 continue
             grammar = request.structured_output
+            for kept in result.accepted.get(request_id) or ():  # a verify's kept drafts come first
+                grammar.accept_token(kept)
             grammar.accept_token(token)
             # Fast-forward: text the grammar now forces is appended without a model step per token.
             # Not for requests that want logprobs, which need a distribution for every token.

@@ -1,15 +1,17 @@
 """Speculative decoding's verify: which drafts a step keeps, and the token it adds after them.
 
 The step computed the target's logits at every draft position and at the one after the last. A plain
-greedy request (no logit processors) keeps its drafts up to the first that is not the argmax, and the
+greedy request (no logit processors, no grammar) keeps its drafts up to the first that is not the argmax, and the
 argmax there (or after the last draft) is its token: exactly the tokens the sampler would have picked one
 step at a time. Every other request goes through the sampler's speculative sampling
 (`Sampler.verify_drafts`), which keeps the target's distribution: temperature, top-k, top-p, min-p,
-penalties, logit bias, min_tokens and seeds all apply at each position as they would without drafts.
+penalties, logit bias, min_tokens and seeds all apply at each position as they would without drafts, and
+a structured output's grammar masks each position with the mask after the drafts before it (the engine
+core computes those rows; drafts are proposed only as far as the grammar allows them).
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -19,11 +21,14 @@ from tokenmill.sample.sampler import Sampler, SamplingRequestState, has_logit_pr
 
 
 def verify_drafts(sampler: Sampler, batch: InputBatch, logits: torch.Tensor, verifying: Sequence[tuple[Any, Any]],
-                  result: ModelRunnerOutput) -> None:
+                  result: ModelRunnerOutput, grammar_rows: Optional[Mapping[str, int]] = None,
+                  grammar_bitmask: Optional[torch.Tensor] = None) -> None:
     """logits: each verifying (item, state)'s len(drafts) + 1 positions in a run, in `verifying`'s order.
+    grammar_rows: a constrained request's first row in grammar_bitmask (one row per position follows).
     Writes each request's kept drafts and its token into `result`."""
+    grammar_rows = grammar_rows or {}
     plain = [state.sampling_params.greedy and not has_logit_processors(state.sampling_params)
-             for _, state in verifying]
+             and item.request_id not in grammar_rows for item, state in verifying]
     targets = logits.float().argmax(dim=1).tolist() if any(plain) else []
     offset = 0
     rows: list[int] = []
@@ -43,16 +48,19 @@ def verify_drafts(sampler: Sampler, batch: InputBatch, logits: torch.Tensor, ver
             continue
         # Position i's state counts drafts[:i] among the output: penalties and min_tokens see them.
         first_end = item.start_position + item.num_new_tokens - len(drafts)
+        first_grammar_row = grammar_rows.get(item.request_id)
         for i, row in enumerate(positions):
             rows.append(row)
             states.append(SamplingRequestState(
                 params=state.sampling_params, prompt_token_ids=state.prompt_token_ids,
                 output_token_ids=batch.output_tokens(state, first_end + i), eos_token_id=state.eos_token_id,
+                grammar_row=None if first_grammar_row is None else first_grammar_row + i,
                 known_token_ids=batch.known_tokens(state, first_end + i)))
         sampled_items.append(item)
     if not sampled_items:
         return
-    outcomes = sampler.verify_drafts(logits[rows], states, [item.spec_token_ids for item in sampled_items])
+    outcomes = sampler.verify_drafts(logits[rows], states, [item.spec_token_ids for item in sampled_items],
+                                     grammar_bitmask)
     for item, (kept_drafts, token) in zip(sampled_items, outcomes):
         result.accepted[item.request_id] = kept_drafts
         result.sampled[item.request_id] = token

@@ -257,7 +257,7 @@ class ModelRunner:
                     known_token_ids=batch.known_tokens(state, known_end),
                 ))
         if verifying:
-            self._verify_drafts(verifying, hidden, result)
+            self._verify_drafts(verifying, hidden, result, output)
         if not sampler_states:
             return result
         logits = self.model.compute_logits(hidden[sampling_rows])
@@ -279,7 +279,8 @@ class ModelRunner:
         words = (self.hf_config.vocab_size + 31) // 32
         return torch.frombuffer(bytearray(output.grammar_bitmask), dtype=torch.int32).view(-1, words)
 
-    def _verify_drafts(self, verifying: list, hidden: torch.Tensor, result: ModelRunnerOutput) -> None:
+    def _verify_drafts(self, verifying: list, hidden: torch.Tensor, result: ModelRunnerOutput,
+                       output: SchedulerOutput) -> None:
         """Speculative decoding: the target's logits at every draft position (and the one after the
         last) decide which drafts are kept and the step's token (draft_verify.verify_drafts)."""
         rows: list[int] = []
@@ -288,7 +289,8 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[rows])
         if self.tp is not None and not self.tp.is_driver:
             return  # the driver's tokens reach the core (as for sampled rows)
-        verify_drafts(self.sampler, self.input_batch, logits, [(item, state) for item, state, _ in verifying], result)
+        verify_drafts(self.sampler, self.input_batch, logits, [(item, state) for item, state, _ in verifying], result,
+                      output.grammar_rows, self._grammar_bitmask(output))
 
     def initialize_host_cache(self, num_blocks: int) -> None:
         """Swap space in host memory (pinned on CUDA, so copies can run at full bandwidth)."""

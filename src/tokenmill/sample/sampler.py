@@ -306,7 +306,8 @@ class Sampler:
     # -- speculative decoding ---------------------------------------------------------------
 
     def verify_drafts(self, logits: torch.Tensor, states: list[SamplingRequestState],
-                      drafts: Sequence[Sequence[int]]) -> list[tuple[list[int], int]]:
+                      drafts: Sequence[Sequence[int]],
+                      grammar_bitmask: Optional[torch.Tensor] = None) -> list[tuple[list[int], int]]:
         """Speculative sampling for drafts proposed deterministically (n-grams: the draft distribution is
         a point mass), which keeps the target's distribution exactly: draft i is kept with probability
         p_i(draft i), where p_i is the distribution the sampler would draw position i from (processors,
@@ -315,13 +316,14 @@ class Sampler:
 
         logits and states: one row per position, each request's k + 1 positions in a run (the state of
         position i counts drafts[:i] among its output tokens, so penalties and min_tokens see them, and
-        a seeded request's draws depend on its position). Returns per request (kept drafts, next token).
+        a seeded request's draws depend on its position; a grammar_row, the row of grammar_bitmask masking
+        that position). Returns per request (kept drafts, next token).
         Greedy rows take the argmax of their processed logits, so they keep exactly the drafts the
         non-speculative sampler would have produced."""
         expected = sum(len(d) + 1 for d in drafts)
         if logits.dim() != 2 or logits.shape[0] != len(states) or len(states) != expected:
             raise ValueError(f"expected [{expected}, vocab] logits and states, got {tuple(logits.shape)}, {len(states)}")
-        probs = self._probabilities(logits, states)
+        probs = self._probabilities(logits, states, grammar_bitmask)
         device = probs.device
         # The target's probability of each draft at its position, and one uniform draw per draft.
         draft_rows, draft_ids, start = [], [], 0
@@ -355,10 +357,13 @@ class Sampler:
         tokens = final.div_(self._exponential_noise(final_states, final.shape[1], device)).argmax(dim=1).tolist()
         return [(list(d[:kept]), token) for d, kept, token in zip(drafts, kept_counts, tokens)]
 
-    def _probabilities(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> torch.Tensor:
+    def _probabilities(self, logits: torch.Tensor, states: list[SamplingRequestState],
+                       grammar_bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Each row's distribution as __call__ would draw it: a point mass at the argmax for greedy rows."""
         work = logits.to(torch.float32, copy=True)
         self._apply_processors(work, states)
+        if grammar_bitmask is not None:
+            self._apply_grammars(work, logits, states, grammar_bitmask)
         arrays = SamplingArrays.from_params([s.params for s in states])
         greedy = torch.tensor([s.params.greedy for s in states], device=work.device)
         argmax = work.argmax(dim=1)

@@ -7,7 +7,7 @@ sequence whose grammar has terminated. llguidance is the default backend (llguid
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, Sequence
 
 import torch
 
@@ -20,6 +20,14 @@ class StructuredOutputGrammar(Protocol):
 
     def accept_token(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar did not allow it."""
+
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        """How many of these tokens (speculative drafts) the grammar allows in a row from here, without
+        advancing."""
+
+    def fill_bitmasks_along(self, bitmask: torch.Tensor, first_row: int, token_ids: Sequence[int]) -> None:
+        """Rows first_row .. first_row + len(token_ids): the tokens allowed next here, then after each of
+        `token_ids` in turn (a speculative verify's positions); the grammar's state is left as it was."""
 
     def forced_tokens(self) -> list[int]:
         """Tokens the grammar allows no alternative to from here (consumed as if sampled); may be empty."""

@@ -71,6 +71,30 @@ class LLGuidanceGrammar:
         logger.warning("structured output: token %d was not allowed (%s)", token_id, self.matcher.get_error())
         return False
 
+    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+        if not token_ids or self.matcher.is_stopped() or self.matcher.is_error():
+            return 0
+        return int(self.matcher.validate_tokens(list(token_ids)))
+
+    def fill_bitmasks_along(self, bitmask: torch.Tensor, first_row: int, token_ids: Sequence[int]) -> None:
+        from llguidance.torch import fill_next_token_bitmask
+
+        consumed = 0
+        for i, token in enumerate([*token_ids, None]):
+            fill_next_token_bitmask(self.matcher, bitmask, first_row + i)
+            if token is None:
+                break
+            if self.matcher.is_stopped() or not self.matcher.consume_token(token):
+                # Drafts are cut to the valid prefix before they are proposed; should one still be refused
+                # here, its own row gives it probability 0, so the verify stops at it and the later rows
+                # (copies of this one) are never drawn from.
+                for row in range(first_row + i + 1, first_row + len(token_ids) + 1):
+                    bitmask[row] = bitmask[first_row + i]
+                break
+            consumed += 1
+        if consumed:
+            self.matcher.rollback(consumed)
+
     def forced_tokens(self) -> list[int]:
         if self.matcher.is_stopped() or self.matcher.is_error():
             return []
