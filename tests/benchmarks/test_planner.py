@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from tokenmill.planning.gpus import KNOWN_GPUS, custom_device, find_gpu
+from tokenmill.planning.gpus import KNOWN_GPUS, custom_device, find_gpu, load_price_table
 from tokenmill.planning.planner import (
     PRESETS,
     PlanInputs,
@@ -174,3 +174,25 @@ def test_printed_serve_flags_are_flags_the_server_accepts():
     with pytest.raises(InvalidRequestError, match="does not divide smollm2-135m's 9 attention and 3 KV heads"):
         make_plan(PlanInputs(PRESETS["smollm2-135m"], find_gpu("A100-80GB"), max_model_len=1024,
                              tensor_parallel_size=2))
+
+
+def test_an_operators_price_table_prices_the_plan(tmp_path, capsys):
+    table = tmp_path / "prices.json"
+    table.write_text(json.dumps({"h100": 3.0, "L4": 0.8, "cpu": 0.4}))
+    assert cli.main(["plan", "--model", "llama-3-8b", "--gpu", "H100-80GB", "--concurrency", "8",
+                     "--price-table", str(table), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cost"]["per_hour"] == 3.0  # "h100" is an alias of H100-80GB
+    assert cli.main(["plan", "--model", "smollm2-135m", "--memory-gib", "16", "--price-table", str(table),
+                     "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cost"]["price_per_device_hour"] == 0.4  # a CPU host
+    # --price-per-hour wins; a device the table lacks gets no cost and a note.
+    assert cli.main(["plan", "--model", "llama-3-8b", "--gpu", "H100", "--price-table", str(table),
+                     "--price-per-hour", "2.0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["cost"]["per_hour"] == 2.0
+    assert cli.main(["plan", "--model", "llama-3-8b", "--gpu", "A100-80GB", "--price-table", str(table),
+                     "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "cost" not in json.loads(captured.out) and "no price for A100-80GB" in captured.err
+    table.write_text(json.dumps({"TPU-v9": 1.0}))
+    with pytest.raises(InvalidRequestError, match="unknown device"):
+        load_price_table(str(table))

@@ -330,12 +330,15 @@ def _add_plan(subparsers: Any) -> None:
     parser.add_argument("--price-per-hour", type=float, default=None,
                         help="what one device costs an hour: the plan adds its hourly cost and, with --profile, the "
                         "cost of a million output tokens at the operating concurrency")
+    parser.add_argument("--price-table", default=None, metavar="FILE",
+                        help='JSON of your prices per device hour, e.g. {"H100-80GB": 3.0, "L4": 0.8, "cpu": 0.4} '
+                        "(\"cpu\": a --memory-gib host); used when --price-per-hour is not given")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.set_defaults(handler=run_plan)
 
 
 def run_plan(args: argparse.Namespace) -> int:
-    from tokenmill.planning.gpus import custom_device, find_gpu
+    from tokenmill.planning.gpus import custom_device, device_price, find_gpu, load_price_table
     from tokenmill.planning.planner import PlanInputs, format_plan, make_plan, resolve_model
     from tokenmill.bench.report import load_result
 
@@ -351,6 +354,11 @@ def run_plan(args: argparse.Namespace) -> int:
                         tensor_parallel_size=args.tensor_parallel_size, target_ttft_ms=args.target_ttft_ms,
                         profile=load_result(args.profile) if args.profile else None, profile_path=args.profile,
                         price_per_device_hour=args.price_per_hour)
+    if args.price_per_hour is None and args.price_table is not None:
+        price = device_price(load_price_table(args.price_table), device)
+        if price is None:
+            print(f"note: {args.price_table} has no price for {device.name}", file=sys.stderr)
+        inputs = replace(inputs, price_per_device_hour=price)
     plan = make_plan(inputs)
     print(json.dumps(plan, indent=2) if args.json else format_plan(plan))
     return 0
