@@ -109,15 +109,18 @@ SPECULATIVE_METHODS = ("ngram",)
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """--speculative-config, in vLLM's spelling: {"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_max": n_max, "prompt_lookup_min": n_min}, plus tokenmill's "adaptive" (default true:
-    each request proposes fewer drafts while its recent ones are refused, spec_decode/adaptive.py; false:
-    always up to k)."""
+    "prompt_lookup_max": n_max, "prompt_lookup_min": n_min, "disable_by_batch_size": b}, plus tokenmill's
+    "adaptive" (default true: each request proposes fewer drafts while its recent ones are refused,
+    spec_decode/adaptive.py; false: always up to k). disable_by_batch_size: no drafts in a step while more
+    requests than this are running (default with the adaptive length: spec_decode.adaptive.MAX_BATCH,
+    where a verify row stopped paying on CPU; without it: never)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1
     adaptive: bool = True
+    disable_by_batch_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         param = "speculative_config"
@@ -130,6 +133,9 @@ class SpeculativeConfig:
                 raise InvalidRequestError(f"{name} must be a positive integer, got {value!r}", param)
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise InvalidRequestError("prompt_lookup_min must not exceed prompt_lookup_max", param)
+        limit = self.disable_by_batch_size
+        if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
+            raise InvalidRequestError(f"disable_by_batch_size must be a positive integer, got {limit!r}", param)
         if not isinstance(self.adaptive, bool):
             raise InvalidRequestError(f"adaptive must be true or false, got {self.adaptive!r}", param)
 
@@ -140,7 +146,8 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, dict):
             raise InvalidRequestError("speculative_config must be a JSON object", "speculative_config")
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive"}
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive",
+                 "disable_by_batch_size"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise InvalidRequestError(f"unsupported speculative_config keys: {', '.join(unknown)} "
@@ -148,7 +155,8 @@ class SpeculativeConfig:
         lookup_min = value.get("prompt_lookup_min", 1)
         lookup_max = value.get("prompt_lookup_max", max(4, lookup_min) if isinstance(lookup_min, int) else 4)
         return cls(method=value.get("method", "ngram"), num_speculative_tokens=value.get("num_speculative_tokens", 4),
-                   prompt_lookup_max=lookup_max, prompt_lookup_min=lookup_min, adaptive=value.get("adaptive", True))
+                   prompt_lookup_max=lookup_max, prompt_lookup_min=lookup_min, adaptive=value.get("adaptive", True),
+                   disable_by_batch_size=value.get("disable_by_batch_size"))
 
 
 def _speculative_config(value: Any) -> Optional[SpeculativeConfig]:

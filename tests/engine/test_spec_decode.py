@@ -171,3 +171,20 @@ def test_refused_drafts_shrink_a_requests_drafts_and_fixed_length_keeps_them(tin
     assert outputs[True] == outputs[False]
     assert drafted[True][0] < drafted[False][0], drafted
     assert drafted[True][1] / drafted[True][0] >= drafted[False][1] / drafted[False][0], drafted
+
+
+def test_one_decision_per_step_pauses_drafts_for_large_batches(tiny_llama_dir, smollm2_tokenizer):
+    from tokenmill.spec_decode import adaptive
+
+    assert adaptive.step_draft_limit(4, 8, 8) == 4 and adaptive.step_draft_limit(4, 9, 8) == 0
+    assert adaptive.step_draft_limit(4, 100, None) == 4
+    prompts = [{"prompt_token_ids": p} for p in _prompts(smollm2_tokenizer)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    drafted = []
+    for batch in (prompts, prompts[:1]):
+        llm = LLM(str(tiny_llama_dir), num_kv_blocks=128, max_model_len=512, numerics="exact",
+                  speculative_config={**NGRAM, "disable_by_batch_size": 1})
+        llm.generate(batch, params, use_tqdm=False)
+        drafted.append(llm.llm_engine.core.core.get_stats().spec_num_draft_tokens)
+    # Four requests running together never draft; the first of them alone does.
+    assert drafted[0] == 0 and drafted[1] > 0

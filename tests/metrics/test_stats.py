@@ -95,7 +95,8 @@ def test_window_logger_snapshot_counts_and_percentiles():
     assert snap["kv_cache_usage"] == 0.25 and snap["num_preemptions"] == 3
     assert snap["prefix_cache_hit_rate"] == 0.25
     assert snap["spec_decode"] == {"num_drafts": 4, "num_draft_tokens": 8, "num_accepted_tokens": 6,
-                                   "acceptance_rate": 0.75, "accepted_per_position": [4, 2]}
+                                   "acceptance_rate": 0.75, "accepted_per_position": [4, 2],
+                                   "step_draft_limit": 0}
     assert snap["num_finished_requests"] == 2
     assert snap["finish_reasons"] == {"length": 1, "stop": 1}
     assert snap["ttft_s"]["count"] == 2 and snap["ttft_s"]["p50"] == pytest.approx(0.2)

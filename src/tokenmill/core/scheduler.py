@@ -58,6 +58,7 @@ class SchedulerStats:
     spec_num_drafts: int = 0  # verifies that carried at least one draft
     # Index i: how many times a verify kept its draft at position i (vLLM's accepted tokens per position).
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    spec_step_draft_limit: int = 0  # set by the engine core: the last step's drafts per request (0: none)
     # Filled by the engine core on accelerators: device memory its process holds (bytes).
     device_memory_bytes: int = 0
 

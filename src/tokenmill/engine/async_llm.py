@@ -320,6 +320,7 @@ class AsyncLLM:
             else:
                 setattr(total, name, sum(values))
         total.kv_cache_usage = sum(s.kv_cache_usage for s in self._snapshots if s is not None) / len(self.clients)
+        total.spec_step_draft_limit = max(s.spec_step_draft_limit for s in known)  # a decision, not a count
         return total
 
     def _on_dead(self, reason: str) -> None:

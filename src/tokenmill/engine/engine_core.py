@@ -153,6 +153,7 @@ class EngineCore:
         self.structured_backend = LLGuidanceBackend(source.tokenizer, self.vocab_size, self.model_info.eos_token_ids)
         spec = config.speculative_config
         self.proposer = NgramProposer(spec) if spec is not None else None
+        self.spec_step_draft_limit = 0  # the last step's decision: drafts a request may propose
         if spec is not None:
             logger.info("speculative decoding: %s, %d tokens per step (n-grams of %d..%d)", spec.method,
                         spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
@@ -267,12 +268,20 @@ class EngineCore:
         """Drafts for every request this step brought up to date, verified by its next decode; with the
         adaptive length, as many as the request's recent acceptance makes worth a verify row each."""
         spec = self.config.speculative_config
+        batch_limit = spec.disable_by_batch_size
+        if batch_limit is None and spec.adaptive:
+            batch_limit = adaptive.MAX_BATCH
+        step_limit = self.spec_step_draft_limit = adaptive.step_draft_limit(
+            spec.num_speculative_tokens, len(self.scheduler.running), batch_limit)
         for item in sched.scheduled:
             request = self.scheduler.step_request(item.request_id)
             if (request is None or request.is_finished or request.num_computed_tokens != request.num_tokens - 1
                     or not can_speculate(request)):
                 continue
-            max_drafts = spec.num_speculative_tokens
+            if not step_limit:
+                request.spec_token_ids = []
+                continue
+            max_drafts = step_limit
             if spec.adaptive:
                 acceptance = adaptive.PRIOR if request.spec_acceptance is None else request.spec_acceptance
                 if item.spec_token_ids:
@@ -336,6 +345,7 @@ class EngineCore:
         if self.scheduler.has_unfinished_requests():
             outputs.extend(self._step())
         stats = self.scheduler.get_stats()
+        stats.spec_step_draft_limit = self.spec_step_draft_limit
         if self.device.type == "cuda" and self.runner is not None:
             # The API process holds no CUDA context: device memory is reported from here (tensor-parallel
             # workers hold theirs in their own processes; the core then reports none).

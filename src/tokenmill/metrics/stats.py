@@ -26,6 +26,7 @@ class SchedulerSnapshot:
     spec_num_accepted_tokens: int = 0  # cumulative: drafts kept
     spec_num_drafts: int = 0  # cumulative: verifies that carried drafts
     spec_accepted_per_position: list[int] = field(default_factory=list)  # cumulative, per draft position
+    spec_step_draft_limit: int = 0  # gauge: the last step's drafts per request (0: speculation paused or off)
     device_memory_bytes: int = 0  # CUDA memory the engine core holds (0 on CPU)
 
 
@@ -236,6 +237,7 @@ class WindowStatLogger:
                     "acceptance_rate": (sched.spec_num_accepted_tokens / sched.spec_num_draft_tokens
                                         if sched.spec_num_draft_tokens else None),
                     "accepted_per_position": list(sched.spec_accepted_per_position),
+                    "step_draft_limit": sched.spec_step_draft_limit,
                 },
                 "num_finished_requests": self.num_finished,
                 "finish_reasons": dict(self.finish_reasons),

@@ -9,10 +9,20 @@ copies may start after a stretch of new text).
 """
 from __future__ import annotations
 
+# Running requests above which a step proposes no drafts (unless disable_by_batch_size says): on a 2-core
+# AVX-512 CPU at the default int8 numerics, drafts broke even at 8 streams and cost 10-16% at 16 and 35-40%
+# at 64 (docs/benchmarks.md, "Adaptive draft length"), as the step turns from reading weights to computing.
+MAX_BATCH = 8
 PRIOR = 0.6
 MIN_KEEP_CHANCE = 0.3
 SMOOTHING = 0.5  # weight of the latest verify in the moving average
 RECOVERY = 0.05  # per step without drafts, the share of the way back to PRIOR (a refused request retries about every 10 steps)
+
+
+def step_draft_limit(max_drafts: int, num_running: int, batch_limit: int | None) -> int:
+    """The step's one decision: how many drafts a request may propose (0 while the batch is too large for
+    a verify row to pay)."""
+    return 0 if batch_limit is not None and num_running > batch_limit else max_drafts
 
 
 def draft_length(max_drafts: int, acceptance: float) -> int:
