@@ -64,14 +64,16 @@ def test_greedy_outputs_equal_plain_decoding_and_drafts_are_kept(tiny_llama_dir,
 
 def test_speculation_under_preemption_and_beside_sampled_requests(tiny_llama_dir, smollm2_tokenizer):
     """A small cache forces preemption mid-speculation; a seeded random request speculates too (speculative
-    sampling), a logprobs request (which never speculates) shares the steps, and a greedy request with a
-    repetition penalty verifies through the sampler's path: every greedy output equals the one without
-    speculation, and the seeded one is reproducible."""
+    sampling), so does a logprobs request, and a greedy request with a repetition penalty verifies through
+    the sampler's path: every greedy output (and logprob) equals the one without speculation, and the seeded
+    one is reproducible."""
     prompts = [{"prompt_token_ids": p} for p in _prompts(smollm2_tokenizer)]
+    prompts.append(prompts[0])  # a repetitive prompt, asking for logprobs
     params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
               SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True),
               SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, logprobs=2),
-              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3)]
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, logprobs=2)]
     kwargs = dict(num_kv_blocks=9, max_model_len=128, max_num_batched_tokens=32, enable_prefix_caching=True,
                   numerics="exact")
     plain = LLM(str(tiny_llama_dir), **kwargs)
@@ -79,9 +81,17 @@ def test_speculation_under_preemption_and_beside_sampled_requests(tiny_llama_dir
     spec = LLM(str(tiny_llama_dir), speculative_config=NGRAM, **kwargs)
     outputs = spec.generate(prompts, params, use_tqdm=False)
     tokens = [o.outputs[0].token_ids for o in outputs]
-    assert [tokens[i] for i in (0, 2, 3)] == [reference[i].outputs[0].token_ids for i in (0, 2, 3)]
+    assert [tokens[i] for i in (0, 2, 3, 4)] == [reference[i].outputs[0].token_ids for i in (0, 2, 3, 4)]
     assert len(tokens[1]) == 30
-    assert outputs[2].outputs[0].logprobs is not None and len(outputs[2].outputs[0].logprobs) == 30
+    # The logprobs request speculates too: every token's entry (kept drafts' included) is the one plain
+    # decoding gives, from the logits at its own position.
+    spec_logprobs, plain_logprobs = outputs[4].outputs[0].logprobs, reference[4].outputs[0].logprobs
+    assert len(spec_logprobs) == len(plain_logprobs) == 40 and outputs[4].metrics.num_spec_accepted_tokens > 0
+    for token, got, want in zip(tokens[4], spec_logprobs, plain_logprobs):
+        assert token in got and got.keys() == want.keys()
+        assert all(abs(got[t].logprob - want[t].logprob) < 1e-3 and got[t].rank == want[t].rank for t in got)
+    assert outputs[4].outputs[0].cumulative_logprob == pytest.approx(reference[4].outputs[0].cumulative_logprob,
+                                                                      abs=1e-2)
     core = spec.llm_engine.core.core
     assert core.scheduler.num_preemptions > 0 and core.get_stats().spec_num_accepted_tokens > 0
     assert core.kv_cache.usage == 0.0

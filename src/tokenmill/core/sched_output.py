@@ -79,8 +79,10 @@ class ModelRunnerOutput(msgspec.Struct, omit_defaults=True):
     logprobs: dict[str, dict[int, Logprob]] = {}
     # request id -> (position of the first scored prompt token, one entry per scored token)
     prompt_logprobs: dict[str, tuple[int, list[dict[int, Logprob]]]] = {}
-    # Speculative decoding: the drafts each verifying request keeps (they precede its sampled token).
+    # Speculative decoding: the drafts each verifying request keeps (they precede its sampled token), and
+    # for a request asking for logprobs, their entries (the sampled token's stay in `logprobs`).
     accepted: dict[str, list[int]] = {}
+    accepted_logprobs: dict[str, list[dict[int, Logprob]]] = {}
 
 
 # ---- engine core <-> tensor-parallel workers (engine/executor.py, runner/worker.py) ----------------

@@ -389,7 +389,8 @@ class EngineCore:
             out = EngineCoreOutput(
                 request_id=rid,
                 new_token_ids=new_token_ids,
-                new_logprobs=[result.logprobs[rid]] if rid in result.logprobs else None,
+                new_logprobs=([*result.accepted_logprobs.get(rid, ()), result.logprobs[rid]]
+                              if rid in result.logprobs else None),
                 prompt_logprobs=prompt_lps,
                 num_cached_tokens=request.num_cached_tokens or 0,
                 num_preemptions=request.num_preemptions,

@@ -28,7 +28,8 @@ def verify_drafts(sampler: Sampler, batch: InputBatch, logits: torch.Tensor, ver
     Writes each request's kept drafts and its token into `result`."""
     grammar_rows = grammar_rows or {}
     plain = [state.sampling_params.greedy and not has_logit_processors(state.sampling_params)
-             and item.request_id not in grammar_rows for item, state in verifying]
+             and state.sampling_params.logprobs is None and item.request_id not in grammar_rows
+             for item, state in verifying]
     targets = logits.float().argmax(dim=1).tolist() if any(plain) else []
     offset = 0
     rows: list[int] = []
@@ -59,8 +60,25 @@ def verify_drafts(sampler: Sampler, batch: InputBatch, logits: torch.Tensor, ver
         sampled_items.append(item)
     if not sampled_items:
         return
-    outcomes = sampler.verify_drafts(logits[rows], states, [item.spec_token_ids for item in sampled_items],
+    step_logits = logits[rows]
+    outcomes = sampler.verify_drafts(step_logits, states, [item.spec_token_ids for item in sampled_items],
                                      grammar_bitmask)
+    # Logprobs, where asked for, of each kept draft and of the token, from the raw logits at their positions.
+    logprob_rows, logprob_tokens, logprob_owner = [], [], []
+    start = 0
     for item, (kept_drafts, token) in zip(sampled_items, outcomes):
         result.accepted[item.request_id] = kept_drafts
         result.sampled[item.request_id] = token
+        if states[start].params.logprobs is not None:
+            chosen = [*kept_drafts, token]
+            logprob_rows.extend(range(start, start + len(chosen)))
+            logprob_tokens.extend(chosen)
+            logprob_owner.extend([item.request_id] * len(chosen))
+        start += len(item.spec_token_ids) + 1
+    if logprob_rows:
+        entries = sampler.token_logprobs(step_logits[logprob_rows], logprob_tokens,
+                                         [states[row] for row in logprob_rows])
+        for request_id, entry in zip(logprob_owner, entries):
+            result.accepted_logprobs.setdefault(request_id, []).append(entry)
+        for request_id in set(logprob_owner):  # the last entry is the sampled token's
+            result.logprobs[request_id] = result.accepted_logprobs[request_id].pop()

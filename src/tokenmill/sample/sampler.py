@@ -357,6 +357,13 @@ class Sampler:
         tokens = final.div_(self._exponential_noise(final_states, final.shape[1], device)).argmax(dim=1).tolist()
         return [(list(d[:kept]), token) for d, kept, token in zip(drafts, kept_counts, tokens)]
 
+    def token_logprobs(self, raw_logits: torch.Tensor, token_ids: Sequence[int],
+                       states: list[SamplingRequestState]) -> list[dict[int, Logprob] | None]:
+        """Per row, the logprobs entry __call__ gives a sampled token (its logprob and rank, and the top
+        params.logprobs), for tokens already chosen: a verify's kept drafts and its token."""
+        tokens = torch.tensor(list(token_ids), device=raw_logits.device)
+        return self._to_host(raw_logits, tokens, states).logprobs
+
     def _probabilities(self, logits: torch.Tensor, states: list[SamplingRequestState],
                        grammar_bitmask: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Each row's distribution as __call__ would draw it: a point mass at the argmax for greedy rows."""

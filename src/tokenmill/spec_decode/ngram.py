@@ -39,9 +39,8 @@ class NgramProposer:
 
 def can_speculate(request: Any) -> bool:
     """Drafts are verified by the target's own distribution (greedy: its argmax; sampling: speculative
-    sampling, which keeps the distribution exactly; with a grammar, under its mask at every position), so
-    any single-sequence request may take part, except where a verify cannot yet give what the request asks
-    for: per-token logprobs, or forks (n > 1, beam search)."""
+    sampling, which keeps the distribution exactly; with a grammar, under its mask at every position; with
+    logprobs, each kept draft's from its own position), so any single-sequence request may take part, except
+    forks (n > 1, beam search) and requests scoring their prompt."""
     params = request.sampling_params
-    return (params.n == 1 and request.fork_children is None and params.logprobs is None
-            and params.prompt_logprobs is None)
+    return params.n == 1 and request.fork_children is None and params.prompt_logprobs is None
