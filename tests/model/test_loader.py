@@ -234,3 +234,20 @@ def test_unsupported_gguf_architecture_and_tensor_type(tmp_path: Path, smollm2_t
     assert source.hf_config.num_key_value_heads == 4 and not math.isnan(source.hf_config.rms_norm_eps)
     with pytest.raises(ModelLoadError, match="IQ4_NL"):
         list(source.iter_weights(torch.float32))
+
+
+@pytest.mark.parametrize("kind", ["safetensors", "gguf"])
+def test_the_weights_source_a_worker_gets_is_plain_data_and_rebuilds_the_config(kind, tiny_llama_dir, smollm2_path):
+    import dataclasses
+
+    import msgspec
+
+    source = load_model_source(str(tiny_llama_dir if kind == "safetensors" else smollm2_path))
+    weights = source.for_weights()
+    plain = dataclasses.asdict(weights)
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(plain)) == plain  # builtin types only
+    rebuilt = weights.model_source()
+    assert type(rebuilt.hf_config) is type(source.hf_config)
+    assert rebuilt.hf_config.to_dict() == source.hf_config.to_dict()
+    assert (rebuilt.architecture, rebuilt.path, rebuilt.is_gguf, rebuilt.tokenizer) == (
+        source.architecture, source.path, source.is_gguf, None)

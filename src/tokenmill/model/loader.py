@@ -9,7 +9,6 @@ model builder can copy each into place without two copies of the model in memory
 from __future__ import annotations
 
 import json
-import dataclasses
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -38,11 +37,30 @@ _SAFETENSORS_INDEX = "model.safetensors.index.json"
 _SKIPPED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+@dataclass(frozen=True, slots=True)
+class WeightsSource:
+    """A ModelSource for the weights only, as plain data (the HF config as its dict) for another process."""
+
+    hf_config: dict[str, Any]
+    architecture: str
+    served_model_name: str
+    path: str
+    is_gguf: bool
+
+    def model_source(self) -> "ModelSource":
+        """The ModelSource it stands for, without a tokenizer (the config rebuilt from its dict)."""
+        from transformers import CONFIG_MAPPING
+
+        values = dict(self.hf_config)
+        hf_config = CONFIG_MAPPING[values["model_type"]].from_dict(values)
+        return ModelSource(hf_config, self.architecture, None, self.served_model_name, Path(self.path), self.is_gguf)
+
+
 @dataclass(slots=True)
 class ModelSource:
     hf_config: PretrainedConfig
     architecture: str
-    tokenizer: PreTrainedTokenizerBase | None  # None in a copy for the weights only (for_weights)
+    tokenizer: PreTrainedTokenizerBase | None  # None where only the weights are loaded (WeightsSource)
     served_model_name: str
     path: Path
     is_gguf: bool
@@ -50,10 +68,11 @@ class ModelSource:
     # long-lived ModelSource does not pin its per-field numpy views.
     _gguf_reader: Any = field(default=None, repr=False, compare=False)
 
-    def for_weights(self) -> "ModelSource":
-        """This source without its tokenizer and open reader: what a process that only loads the weights
-        needs (a tensor-parallel worker, sent it pickled), so it never reads the config or tokenizer again."""
-        return dataclasses.replace(self, tokenizer=None, _gguf_reader=None)
+    def for_weights(self) -> "WeightsSource":
+        """What a process that only loads the weights needs (a tensor-parallel worker), as plain data: it
+        never reads the config or tokenizer again."""
+        return WeightsSource(self.hf_config.to_dict(), self.architecture, self.served_model_name, str(self.path),
+                             self.is_gguf)
 
     def has_int8_block_matrices(self) -> bool:
         """Whether the file holds matrices in a type the block kernels run as stored (a GGUF's Q8_0, Q4_0/1,

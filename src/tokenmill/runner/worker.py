@@ -47,7 +47,7 @@ def _exit_with_parent(lifeline) -> None:
 
 def run_worker(config, rank: int, size: int, store_port: int, input_address: str, output_address: str,
                parent: int, max_model_len: int, log_level: str, source) -> None:
-    """source: the core's ModelSource for the weights only (loader.ModelSource.for_weights)."""
+    """source: the core's model, for the weights only, as plain data (loader.ModelSource.for_weights)."""
     channels = start_child_process(f"tp{rank}", log_level, input_address, output_address)
     inputs, outputs = channels.inputs, channels.outputs
     code = 0
@@ -83,6 +83,7 @@ def _load(config, source, rank: int, size: int, store_port: int, max_model_len: 
         device = torch.device("cuda", rank)
         torch.cuda.set_device(device)
     tp = init_tensor_parallel(rank, size, store_port, device)
+    source = source.model_source()
     runner = ModelRunner(config, source.hf_config, source.architecture, device, max_model_len, tp)
     runner.load_checkpoint(source)
     return runner
