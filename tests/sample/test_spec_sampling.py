@@ -80,3 +80,34 @@ def test_seeded_requests_are_reproducible():
 def test_a_refused_draft_is_never_the_token_drawn_in_its_place():
     outcomes = _verify(SamplingParams(temperature=0.8), 5_000)
     assert all(token != DRAFTS[len(kept)] for kept, token in outcomes if len(kept) < len(DRAFTS))
+
+
+def test_drafts_from_a_wrong_distribution_still_give_the_targets():
+    """A draft model's drafts (here deliberately drawn from a distribution far from the target's) are kept
+    with min(1, p/q) and replaced from max(0, p - q): the tokens follow the target, by a chi-square test at
+    the 0.1% level, position by position."""
+    requests, temperature = 30_000, 0.8
+    q = torch.tensor([[0.05, 0.05, 0.6, 0.1, 0.1, 0.1], [0.5, 0.02, 0.02, 0.02, 0.02, 0.42]], dtype=torch.float64)
+    generator = torch.Generator().manual_seed(11)
+    drafts = torch.stack([torch.multinomial(q[i].float(), requests, replacement=True, generator=generator)
+                          for i in range(2)], dim=1).tolist()
+    params = SamplingParams(temperature=temperature)
+    logits = torch.tensor(POSITION_LOGITS * requests)
+    states = [SamplingRequestState(params, [0], list(d[:i]), None) for d in drafts for i in range(3)]
+    draft_probs = q.float().repeat(requests, 1)  # rows in the drafts' order: request by request, position by position
+    outcomes = Sampler(seed=3).verify_drafts(logits, states, drafts, draft_probs=draft_probs)
+    chi2_critical = 20.52  # 5 degrees of freedom, 0.1%
+    for position in (0, 1):
+        target = torch.softmax(torch.tensor(POSITION_LOGITS[position], dtype=torch.float64) / temperature, dim=0)
+        # Position 1's token exists when position 0's draft was kept.
+        tokens = [(kept + [token])[position] for kept, token in outcomes if len(kept) >= position]
+        counts = torch.bincount(torch.tensor(tokens), minlength=6).double()
+        expected = target * len(tokens)
+        chi2 = float(((counts - expected) ** 2 / expected).sum())
+        assert chi2 < chi2_critical, (position, chi2, counts / len(tokens), target)
+    # q is really used: a draft is kept with probability sum_x min(p(x), q(x)), not the point-mass rule's
+    # sum_x q(x) p(x) (which also keeps the target's distribution, with fewer drafts kept).
+    target = torch.softmax(torch.tensor(POSITION_LOGITS[0], dtype=torch.float64) / temperature, dim=0)
+    kept_share = sum(1 for kept, _ in outcomes if kept) / requests
+    assert abs(kept_share - float(torch.minimum(target, q[0]).sum())) < 0.015
+    assert abs(kept_share - float((target * q[0]).sum())) > 0.1

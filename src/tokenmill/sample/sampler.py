@@ -306,13 +306,16 @@ class Sampler:
     # -- speculative decoding ---------------------------------------------------------------
 
     def verify_drafts(self, logits: torch.Tensor, states: list[SamplingRequestState],
-                      drafts: Sequence[Sequence[int]],
-                      grammar_bitmask: Optional[torch.Tensor] = None) -> list[tuple[list[int], int]]:
-        """Speculative sampling for drafts proposed deterministically (n-grams: the draft distribution is
-        a point mass), which keeps the target's distribution exactly: draft i is kept with probability
-        p_i(draft i), where p_i is the distribution the sampler would draw position i from (processors,
-        temperature, top-k, top-p, min-p); at the first draft refused, the token is drawn from p_i without
-        that draft (renormalized); when every draft is kept, from the position after the last.
+                      drafts: Sequence[Sequence[int]], grammar_bitmask: Optional[torch.Tensor] = None,
+                      draft_probs: Optional[torch.Tensor] = None) -> list[tuple[list[int], int]]:
+        """Speculative sampling, which keeps the target's distribution exactly. p_i is the distribution the
+        sampler would draw position i from (processors, temperature, top-k, top-p, min-p) and q_i the one
+        draft i was drawn from: draft i is kept with probability min(1, p_i(d) / q_i(d)); at the first draft
+        refused, the token is drawn from max(0, p_i - q_i), renormalized; when every draft is kept, from the
+        position after the last. Without draft_probs the drafts were proposed deterministically (n-grams):
+        q_i is a point mass, so a draft is kept with probability p_i(d) and the token at a refusal is drawn
+        from p_i without it.
+        draft_probs: [number of drafts, vocab], the rows of q in the drafts' order (a draft model's).
 
         logits and states: one row per position, each request's k + 1 positions in a run (the state of
         position i counts drafts[:i] among its output tokens, so penalties and min_tokens see them, and
@@ -333,12 +336,19 @@ class Sampler:
             start += len(request_drafts) + 1
         accept: list[bool] = []
         if draft_rows:
-            p_draft = probs[torch.tensor(draft_rows, device=device), torch.tensor(draft_ids, device=device)]
+            ids = torch.tensor(draft_ids, device=device)
+            p_draft = probs[torch.tensor(draft_rows, device=device), ids]
+            if draft_probs is not None:
+                if draft_probs.shape != (len(draft_rows), probs.shape[1]):
+                    raise ValueError(f"expected [{len(draft_rows)}, {probs.shape[1]}] draft probabilities, "
+                                     f"got {tuple(draft_probs.shape)}")
+                q_draft = draft_probs.to(probs.dtype)[torch.arange(len(draft_ids), device=device), ids]
+                p_draft = torch.clamp(p_draft / q_draft.clamp_min(torch.finfo(probs.dtype).tiny), max=1.0)
             uniforms = self._uniforms([states[row] for row in draft_rows], device)
             accept = (uniforms < p_draft).tolist()
         # Per request: how many drafts are kept, the row the next token is drawn from, and the draft it
         # may not be (the one refused there).
-        kept_counts, final_rows, refused = [], [], []
+        kept_counts, final_rows, refused = [], [], []  # refused: (the draft's index among all, its token)
         start = at = 0
         for request_drafts in drafts:
             kept = 0
@@ -346,13 +356,21 @@ class Sampler:
                 kept += 1
             kept_counts.append(kept)
             final_rows.append(start + kept)
-            refused.append(request_drafts[kept] if kept < len(request_drafts) else None)
+            refused.append((at + kept, request_drafts[kept]) if kept < len(request_drafts) else None)
             at += len(request_drafts)
             start += len(request_drafts) + 1
         final = probs.index_select(0, torch.tensor(final_rows, device=device))
-        for row, token in enumerate(refused):
-            if token is not None:
+        for row, refusal in enumerate(refused):
+            if refusal is None:
+                continue
+            index, token = refusal
+            if draft_probs is None:
                 final[row, token] = 0.0
+            else:
+                residual = (final[row] - draft_probs[index].to(final.dtype)).clamp_min_(0.0)
+                # p == q leaves nothing (a refusal then has probability 0): keep p itself for safety.
+                if float(residual.sum()) > 0.0:
+                    final[row] = residual
         final_states = [states[row] for row in final_rows]
         tokens = final.div_(self._exponential_noise(final_states, final.shape[1], device)).argmax(dim=1).tolist()
         return [(list(d[:kept]), token) for d, kept, token in zip(drafts, kept_counts, tokens)]
