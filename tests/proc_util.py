@@ -1,7 +1,16 @@
 """Process helpers for tests that check which processes a server leaves behind (Linux /proc)."""
 from __future__ import annotations
 
+import socket
+import subprocess
 from pathlib import Path
+
+
+def free_port() -> int:
+    """A TCP port on the loopback that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def child_pids(pid: int) -> list[int]:
@@ -16,6 +25,30 @@ def child_pids(pid: int) -> list[int]:
             if int(fields[1]) == pid:
                 children.append(int(entry.name))
     return children
+
+
+def descendants(pid: int) -> set[int]:
+    """Every process below `pid`: its children, theirs, and so on."""
+    found, stack = set(), [pid]
+    while stack:
+        for child in child_pids(stack.pop()):
+            if child not in found:
+                found.add(child)
+                stack.append(child)
+    return found
+
+
+def stop_process(proc: subprocess.Popen, timeout_s: float, sig: int | None = None) -> None:
+    """Signals `proc` (SIGTERM unless `sig` says) and waits for it to exit; kills it after timeout_s."""
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM if sig is None else sig)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def thread_niceness(pid: int) -> set[int]:

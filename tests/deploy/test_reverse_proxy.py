@@ -17,7 +17,6 @@ import signal
 import socket
 import ssl
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,12 +24,13 @@ from typing import Iterator
 
 import httpx
 import pytest
+from proc_util import free_port, stop_process
+from server_process import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "nginx-tokenmill.conf"
 KEY = "sk-behind-the-proxy"
-STARTUP_TIMEOUT_S = 240.0
 
 
 def nginx_binary() -> str:
@@ -39,12 +39,6 @@ def nginx_binary() -> str:
     if path is None:
         pytest.skip("nginx is not installed (Debian's nginx-light package; `make test` installs it)")
     return path
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def render(example: str, upstream_port: int, tls_port: int, cert: Path, key: Path) -> str:
@@ -81,45 +75,6 @@ def nginx_conf(directory: Path, site: Path) -> str:
             f"    access_log {directory / 'access.log'};\n    include {site};\n}}\n")
 
 
-class Tokenmill:
-    """`tokenmill serve` on the loopback, as the example expects it."""
-
-    def __init__(self, model: Path, log_path: Path) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._log = open(log_path, "wb")
-        self.log_path = log_path
-        env = {k: v for k, v in os.environ.items() if k != "TOKENMILL_API_KEY"}
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tokenmill.entrypoints.cli", "serve", "--model", str(model), "--host", "127.0.0.1",
-             "--port", str(self.port), "--api-key", KEY, "--max-model-len", "1024", "--num-kv-blocks", "128",
-             "--shutdown-timeout", "5", "--disable-log-stats"],
-            stdout=self._log, stderr=subprocess.STDOUT, env=env)
-
-    def wait_ready(self) -> None:
-        deadline = time.monotonic() + STARTUP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"tokenmill exited with {self.proc.returncode}:\n{self.log_path.read_text()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError(f"tokenmill not ready after {STARTUP_TIMEOUT_S:.0f} s:\n{self.log_path.read_text()}")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
-
-
 class Nginx:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -153,17 +108,11 @@ class Nginx:
         return self.error_log.read_text(errors="replace") if self.error_log.exists() else ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGQUIT)  # graceful: workers finish, then the master exits
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 15, signal.SIGQUIT)  # graceful: workers finish, then the master exits
 
 
 class Proxy:
-    def __init__(self, url: str, tls_port: int, context: ssl.SSLContext, server: Tokenmill, nginx: Nginx) -> None:
+    def __init__(self, url: str, tls_port: int, context: ssl.SSLContext, server: ServerProcess, nginx: Nginx) -> None:
         self.url, self.tls_port, self.context, self.server, self.nginx = url, tls_port, context, server, nginx
 
     def client(self, key: str | None = KEY) -> httpx.Client:
@@ -175,7 +124,10 @@ class Proxy:
 def proxy(tiny_llama_dir) -> Iterator[Proxy]:
     nginx_binary()  # skip before starting anything
     directory = Path(tempfile.mkdtemp(prefix="tokenmill-nginx-"))
-    server = Tokenmill(tiny_llama_dir, directory / "tokenmill.log")
+    # `tokenmill serve` on the loopback, as the example expects it.
+    server = ServerProcess(["--model", str(tiny_llama_dir), "--api-key", KEY, "--max-model-len", "1024",
+                            "--num-kv-blocks", "128", "--shutdown-timeout", "5", "--disable-log-stats"],
+                           directory, entry=("-m", "tokenmill.entrypoints.cli", "serve"))
     nginx = None
     try:
         cert, key = self_signed_certificate(directory)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-from proc_util import child_pids, still_alive  # noqa: E402
+from proc_util import descendants, free_port, still_alive  # noqa: E402
 
 import tokenmill  # noqa: E402
 from tokenmill.serve.ray_app import REPLICA_HEADER, build_app  # noqa: E402
@@ -32,25 +31,9 @@ SYSTEM_B = ("You are a ship's navigator on a cargo vessel crossing the northern 
             "about tides, star sightings, the cargo manifest and the weather reports from the coast. ") * 4
 
 
-def _descendants(pid: int) -> set[int]:
-    found, stack = set(), [pid]
-    while stack:
-        for child in child_pids(stack.pop()):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url(smollm2_path):
-    before = _descendants(os.getpid())
+    before = descendants(os.getpid())
     # Ray's workers import tokenmill from wherever this process did (a checkout or the installed package).
     src = str(Path(tokenmill.__file__).resolve().parents[1])
     pythonpath = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
@@ -58,16 +41,16 @@ def base_url(smollm2_path):
              runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
     started = set()
     try:
-        port = _free_port()
+        port = free_port()
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         app = build_app({"model": str(smollm2_path), "replicas": "2", "kv_cache_memory_bytes": "48M",
                          "max_model_len": "1024", "max_num_seqs": "8", "disable_log_stats": "true",
                          "disable_log_requests": "true", "log_level": "WARNING"})
         serve.run(app, name="tokenmill", route_prefix="/", blocking=False)
-        started = _descendants(os.getpid()) - before
+        started = descendants(os.getpid()) - before
         yield f"http://127.0.0.1:{port}/v1"
     finally:
-        started |= _descendants(os.getpid()) - before
+        started |= descendants(os.getpid()) - before
         serve.shutdown()
         ray.shutdown()
         leaked = still_alive(started, 30)

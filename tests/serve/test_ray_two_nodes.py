@@ -15,7 +15,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,7 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from proc_util import child_pids, still_alive  # noqa: E402
+from proc_util import descendants, free_port, still_alive, stop_process  # noqa: E402
 
 import tokenmill  # noqa: E402
 from tokenmill.serve.ray_app import ENGINE_DEPLOYMENT, FRONT_DEPLOYMENT, REPLICA_HEADER, build_app  # noqa: E402
@@ -41,22 +40,6 @@ APP = "tokenmill"
 FAILOVER_S = 120.0  # how long requests may fail after a node is lost, before the test gives up
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _descendants(pid: int) -> set[int]:
-    found, stack = set(), [pid]
-    while stack:
-        for child in child_pids(stack.pop()):
-            if child not in found:
-                found.add(child)
-                stack.append(child)
-    return found
-
-
 class RayNode:
     """`ray start ... --block` in its own session: one Ray node, stopped alone by SIGTERM."""
 
@@ -64,7 +47,7 @@ class RayNode:
         self.name = name
         ray_cli = Path(sys.executable).with_name("ray")
         # Two nodes on one host: every port a node opens is its own (workers take random ports).
-        ports = {flag: str(_free_port()) for flag in (
+        ports = {flag: str(free_port()) for flag in (
             "--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
             "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")}
         cmd = [str(ray_cli), "start", *role, "--num-cpus", "2", "--resources", json.dumps({name: 1}),
@@ -77,18 +60,12 @@ class RayNode:
         self.pids: set[int] = set()
 
     def note_processes(self) -> None:
-        self.pids |= _descendants(self.proc.pid)
+        self.pids |= descendants(self.proc.pid)
 
     def stop(self, timeout_s: float = 60.0) -> list[int]:
         """Stops the node; the pids of its processes still running 30 s later (killed then)."""
         self.note_processes()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, timeout_s)
         self._log.close()
         leaked = still_alive(self.pids, 30)
         for pid in leaked:
@@ -136,10 +113,10 @@ class Cluster:
 @pytest.fixture(scope="module")
 def cluster(smollm2_path) -> Iterator[Cluster]:
     log_dir = Path(tempfile.mkdtemp(prefix="tm-ray-"))  # short: Ray's socket paths live under it
-    before = _descendants(os.getpid())
-    gcs = f"127.0.0.1:{_free_port()}"
+    before = descendants(os.getpid())
+    gcs = f"127.0.0.1:{free_port()}"
     head = RayNode("node_a", log_dir, ["--head", "--port", gcs.rsplit(":", 1)[1], "--temp-dir", str(log_dir),
-                                       "--include-dashboard=false", "--ray-client-server-port", str(_free_port())])
+                                       "--include-dashboard=false", "--ray-client-server-port", str(free_port())])
     second: Optional[RayNode] = None
     driver_pids: set[int] = set()
     try:
@@ -153,7 +130,7 @@ def cluster(smollm2_path) -> Iterator[Cluster]:
         pythonpath = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
         ray.init(address=gcs, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
         _wait_for(lambda: len(_alive_nodes()) == 2, 120, "two Ray nodes")
-        port = _free_port()
+        port = free_port()
         # One HTTP proxy, on the head (every node's proxy would take the same port on this one host).
         serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
         app = build_app({"model": str(smollm2_path), "replicas": "2", "front_replicas": "2",
@@ -165,7 +142,7 @@ def cluster(smollm2_path) -> Iterator[Cluster]:
         second.note_processes()
         yield Cluster(f"http://127.0.0.1:{port}", head, second)
     finally:
-        driver_pids |= _descendants(os.getpid()) - before
+        driver_pids |= descendants(os.getpid()) - before
         try:
             serve.shutdown()
         except Exception:

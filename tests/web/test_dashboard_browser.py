@@ -8,7 +8,6 @@ The WebDriver client is the few HTTP calls below (httpx), so no Python browser p
 """
 from __future__ import annotations
 
-import importlib.util
 import shutil
 import subprocess
 import tempfile
@@ -18,6 +17,8 @@ from typing import Any, Callable, Optional
 
 import httpx
 import pytest
+from proc_util import free_port, stop_process
+from server_process import ServerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "test-artifacts" / "web"
@@ -27,15 +28,6 @@ ENTER = "\ue007"
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync",
                   "--disable-dev-shm-usage", "--window-size=1440,1000"]
-
-
-def _server_helpers():
-    """The server fixtures' ServerProcess, loaded by path (conftest modules are not importable by name)."""
-    path = REPO / "tests" / "entrypoints" / "openai" / "conftest.py"
-    spec = importlib.util.spec_from_file_location("tokenmill_openai_server_helpers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _find_browser() -> tuple[str, str]:
@@ -53,8 +45,7 @@ class WebDriver:
     """Just enough of the W3C WebDriver protocol: navigate, find, type, click, run a script, screenshot."""
 
     def __init__(self, driver_path: str, chromium_path: str, log_dir: Path) -> None:
-        helpers = _server_helpers()
-        self.port = helpers.free_port()
+        self.port = free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self._log = open(log_dir / f"chromedriver-{self.port}.log", "wb")
         self.proc = subprocess.Popen([driver_path, f"--port={self.port}"], stdout=self._log,
@@ -135,12 +126,7 @@ class WebDriver:
         except httpx.HTTPError:
             pass
         self.http.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc, 10)
         self._log.close()
         shutil.rmtree(self.profile, ignore_errors=True)
 
@@ -157,8 +143,7 @@ def browser(tmp_path):
 
 @pytest.fixture
 def live_server(tiny_llama_dir, tmp_path):
-    helpers = _server_helpers()
-    server = helpers.ServerProcess(
+    server = ServerProcess(
         ["--model", str(tiny_llama_dir), "--served-model-name", "tiny-web", "--max-model-len", "512",
          "--num-kv-blocks", "64", "--api-key", API_KEY, "--disable-access-log", "--disable-log-stats",
          "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 1}'],
