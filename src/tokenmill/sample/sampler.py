@@ -390,15 +390,16 @@ class Sampler:
         if grammar_bitmask is not None:
             self._apply_grammars(work, logits, states, grammar_bitmask)
         arrays = SamplingArrays.from_params([s.params for s in states])
-        greedy = torch.tensor([s.params.greedy for s in states], device=work.device)
-        argmax = work.argmax(dim=1)
-        arrays.temperature[greedy.cpu().numpy()] = 1.0  # their scaled values are not used
+        greedy = [i for i, s in enumerate(states) if s.params.greedy]
+        if greedy:
+            rows = torch.tensor(greedy, device=work.device)
+            argmax = work.index_select(0, rows).argmax(dim=1)
+            arrays.temperature[greedy] = 1.0  # their scaled values are not used
         self._truncate(work, arrays)
         probs = torch.softmax(work, dim=1)
-        if bool(greedy.any()):
-            rows = greedy.nonzero().flatten()
+        if greedy:
             probs[rows] = 0.0
-            probs[rows, argmax[rows]] = 1.0
+            probs[rows, argmax] = 1.0
         return probs
 
     def _uniforms(self, states: list[SamplingRequestState], device: torch.device) -> torch.Tensor:
@@ -450,15 +451,17 @@ class Sampler:
 def has_logit_processors(params: SamplingParams) -> bool:
     """Whether any logit processor may change a row of these parameters (min_tokens counted while it
     could still block a token): when none does, a greedy row's token is the plain argmax of its logits."""
-    return bool(params.logit_bias) or params.min_tokens > 0 or params.repetition_penalty != 1.0 \
-        or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    return params.min_tokens > 0 or _biases_or_penalizes(params)
 
 
 def _has_processors(state: SamplingRequestState) -> bool:
     """Whether any of _apply_processors' stages changes this row's logits."""
-    params = state.params
-    return bool(params.logit_bias) or bool(_min_tokens_blocked(state)) or params.repetition_penalty != 1.0 \
-        or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+    return bool(_min_tokens_blocked(state)) or _biases_or_penalizes(state.params)
+
+
+def _biases_or_penalizes(params: SamplingParams) -> bool:
+    return bool(params.logit_bias) or params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 \
+        or params.frequency_penalty != 0.0
 
 
 def _min_tokens_blocked(state: SamplingRequestState) -> list[int] | None:
