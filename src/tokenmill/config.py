@@ -66,11 +66,7 @@ def default_max_num_batched_tokens(device_type: str) -> int:
     return 1024 if device_type == "cpu" else 2048
 
 
-def lane_long_prefill_tokens(long_prompt_threshold: int) -> int:
-    """With length-aware lanes, how many tokens a long prompt advances per step by default: a core that
-    borrows a long prompt then still admits short prompts every step, where a whole chunk of the long
-    one would take the step's budget (measured in docs/benchmarks.md, "A lane for long prompts")."""
-    return min(256, long_prompt_threshold)
+LANE_LONG_PREFILL_TOKENS = 256
 
 
 def default_max_mixed_prefill_tokens(device_type: str, max_num_batched_tokens: int) -> Optional[int]:
@@ -382,18 +378,28 @@ class EngineConfig:
 
     def for_data_parallel_core(self, index: int, cpu_count: int) -> "EngineConfig":
         """Data-parallel core `index`'s config: its share of the machine's CPU cores for its torch threads
-        (the cores share the machine; unless --num-threads says); with length-aware lanes and chunked prefill, the short lane's cores cap a long prompt's step
-        (lane_long_prefill_tokens, unless --long-prefill-token-threshold says) so a borrowed long prompt
-        never takes a whole step from their short ones, while the long lane's core runs its long prompts
-        in whole chunks."""
+        (the cores share the machine; unless --num-threads says), and on the short lane's cores the step cap
+        of a borrowed long prompt (borrowed_prompt_step_cap), while the long lane's core (the last) runs its
+        long prompts in whole chunks."""
         changes: dict[str, Any] = {}
         if self.num_threads is None:
             changes["num_threads"] = max(1, cpu_count // self.data_parallel_size)
-        if (self.data_parallel_long_prompt_threshold is not None and self.data_parallel_long_prompt_borrowing
-                and self.long_prefill_token_threshold is None and self.enable_chunked_prefill
-                and index < self.data_parallel_size - 1):
-            changes["long_prefill_token_threshold"] = lane_long_prefill_tokens(self.data_parallel_long_prompt_threshold)
+        cap = self.borrowed_prompt_step_cap(self.data_parallel_long_prompt_threshold,
+                                            self.data_parallel_long_prompt_borrowing)
+        if cap is not None and index < self.data_parallel_size - 1:
+            changes["long_prefill_token_threshold"] = cap
         return dataclasses.replace(self, **changes) if changes else self
+
+    def borrowed_prompt_step_cap(self, lane_threshold: Optional[int], borrowing: bool) -> Optional[int]:
+        """With length-aware lanes (prompts above lane_threshold) that may lend a short-lane core to a long
+        prompt: how many tokens a long prompt advances per step on such a core, so the core still admits
+        short prompts every step where a whole chunk of the long one would take the step's budget (measured
+        in docs/benchmarks.md, "A lane for long prompts"). None where there is nothing to cap: no lanes, no
+        borrowing, no chunked prefill, or --long-prefill-token-threshold already set."""
+        if (lane_threshold is None or not borrowing or self.long_prefill_token_threshold is not None
+                or not self.enable_chunked_prefill):
+            return None
+        return min(LANE_LONG_PREFILL_TOKENS, lane_threshold)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> "EngineConfig":

@@ -56,7 +56,6 @@ from ray.serve.handle import DeploymentHandle
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from tokenmill.config import lane_long_prefill_tokens
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.entrypoints.openai.cli_args import add_serve_args, configure_logging, server_config_from_args
 from tokenmill.serve.http_bridge import HttpRequest, ResponseStart, call_app
@@ -260,9 +259,9 @@ def build_app(args: dict[str, Any]) -> Any:
     if threshold is not None and threshold <= 0:
         raise ValueError(f"long_prompt_threshold must be a positive number of tokens, got {threshold}")
     borrowing = app.get("long_prompt_borrowing", True)
-    if (threshold is not None and borrowing and config.long_prefill_token_threshold is None
-            and config.enable_chunked_prefill):
-        argv += ["--long-prefill-token-threshold", str(lane_long_prefill_tokens(threshold))]
+    cap = config.borrowed_prompt_step_cap(threshold, borrowing)  # one deployment: every replica may lend
+    if cap is not None:
+        argv += ["--long-prefill-token-threshold", str(cap)]
     max_ongoing = app.get("max_ongoing_requests", config.max_num_seqs)
     autoscaling = autoscaling_config(app, replicas, max_ongoing)
     scaling = {"autoscaling_config": autoscaling} if autoscaling else {"num_replicas": replicas}
