@@ -269,6 +269,15 @@ class EngineConfig:
     swap_space: float = option(
         0.0, "GiB of host memory for preempted requests' KV blocks; preemption swaps to it on accelerators (on "
         "CPU it recomputes unless --preemption-mode swap)", bound="non_negative")
+    kv_offload_dir: Optional[str] = option(
+        None, "a directory for the prefix cache's second tier: every full KV block is also written there (in the "
+        "background), and a prompt prefix the memory cache has lost (evicted, or before a restart) is read back "
+        "instead of computed when reading is estimated faster. Blocks are keyed by their tokens and a fingerprint "
+        "of the model file, dtypes, numerics and block size, so a changed setup never reads them; several engine "
+        "cores may share one directory", metavar="DIR")
+    kv_offload_size: int = option(
+        8 * 1024**3, "with --kv-offload-dir: the most the tier keeps there, e.g. 20GiB (least recently used blocks "
+        "are removed first)", convert=parse_memory_size)
     preemption_mode: Optional[str] = option(
         None, "default: swap when --swap-space > 0 on an accelerator, else recompute", choices=PREEMPTION_MODES)
     seed: int = option(0, "random seed of the engine's sampler")

@@ -129,13 +129,15 @@ class BlockPool:
                 self.free_queue.remove(block)
             block.ref_cnt += 1
 
-    def cache_full_block(self, block: KVBlock, block_hash: bytes) -> None:
+    def cache_full_block(self, block: KVBlock, block_hash: bytes) -> bool:
+        """Registers a full block under its hash; False when it was cached already, or an identical block is."""
         if not self.enable_caching or block.block_hash is not None:
-            return
+            return False
         if block_hash in self.cached:
-            return  # an identical block is already cached; this copy stays private
+            return False  # an identical block is already cached; this copy stays private
         block.block_hash = block_hash
         self.cached[block_hash] = block
+        return True
 
     def free_blocks(self, blocks: Iterable[KVBlock]) -> None:
         """Drop one reference from each block. Pass blocks in eviction order (first = evicted first)."""

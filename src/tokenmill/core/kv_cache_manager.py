@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from tokenmill.core.block_pool import BlockPool, KVBlock
+from tokenmill.core.kv_tier import KVTier
 from tokenmill.core.request import Request
 
 _ROOT_HASH = b"tokenmill-root"
@@ -28,6 +29,19 @@ def hash_block_tokens(parent_hash: Optional[bytes], token_ids: Sequence[int], ex
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of those, tokens found cached
+
+
+@dataclass(slots=True)
+class TierHit:
+    """A block of a request's prefix found in the second tier (core.kv_tier) and read back: it takes a
+    fresh block at allocation, and the runner copies the payload into it before the step's forward pass."""
+
+    key: bytes
+    payload: bytearray
+
+
+# Payloads read for a request that then did not fit are kept for its next try, up to this many bytes.
+MAX_HELD_TIER_BYTES = 512 * 2**20
 
 
 def first_needed_block(position: int, window: Optional[int], block_size: int) -> int:
@@ -51,7 +65,10 @@ class KVCacheManager:
     """
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 num_host_blocks: int = 0, group_windows: Sequence[Optional[int]] = (None,)) -> None:
+                 num_host_blocks: int = 0, group_windows: Sequence[Optional[int]] = (None,),
+                 tier: Optional[KVTier] = None) -> None:
+        """tier: the prefix cache's second tier (one KV cache group only): full blocks are stored there once
+        computed, and a prefix the memory cache lacks is read back from it instead of computed."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.group_windows = tuple(group_windows)
@@ -75,6 +92,15 @@ class KVCacheManager:
         self.pending_swap_in: list[tuple[int, int]] = []  # (host block, device block)
         # Host blocks released by a swap-in are reused only after the copy back has run.
         self._host_blocks_to_free: list[KVBlock] = []
+        if tier is not None and (len(self.group_windows) > 1 or not enable_caching):
+            raise ValueError("the KV offload tier needs prefix caching and a single KV cache group")
+        self.tier = tier
+        self.tier_stats = PrefixCacheStats()  # tokens the memory cache lacked, and those the tier restored
+        # Runner work of the step being scheduled: (block id, payload) to copy in before the forward pass,
+        # (block id, key) to copy out after it (blocks this step fills, for the tier).
+        self.pending_loads: list[tuple[int, bytearray]] = []
+        self.pending_stores: list[tuple[int, bytes]] = []
+        self._held_tier_payloads: dict[bytes, bytearray] = {}
 
     @property
     def num_groups(self) -> int:
@@ -172,20 +198,71 @@ class KVCacheManager:
 
     def get_computed_blocks(self, request: Request) -> tuple[list, int]:
         """Longest cached prefix of the request, leaving at least its last token to compute: the hit
-        blocks (for several groups, a tuple per block of tokens) and the tokens they hold."""
+        blocks (for several groups, a tuple per block of tokens; read back from the tier: TierHit) and
+        the tokens they hold."""
         if not self.enable_caching:
             return [], 0
         hits = self._cached_prefix(request)
         num_hits = len(hits[0])
         self.prefix_stats.queries += request.num_tokens
         self.prefix_stats.hits += num_hits * self.block_size
-        return self._pack(hits), num_hits * self.block_size
+        if self.tier is not None:
+            restored = self._read_from_tier(request, num_hits)
+            self.tier_stats.queries += request.num_tokens - num_hits * self.block_size
+            self.tier_stats.hits += len(restored) * self.block_size
+            hits[0] += restored
+        return self._pack(hits), len(hits[0]) * self.block_size
 
     def peek_cached_tokens(self, request: Request) -> int:
-        """Cached prefix length in tokens, without taking the blocks or counting a query."""
+        """Cached prefix length in tokens (the tier's blocks this process knows of included), without
+        taking the blocks or counting a query."""
         if not self.enable_caching:
             return 0
-        return len(self._cached_prefix(request)[0]) * self.block_size
+        num_hits = len(self._cached_prefix(request)[0])
+        if self.tier is not None:
+            num_hits += len(self._tier_run(request, num_hits, look=False))
+        return num_hits * self.block_size
+
+    # ---- the second tier -----------------------------------------------------------------
+    def _tier_run(self, request: Request, start: int, look: bool) -> list[bytes]:
+        """Keys of the blocks from index `start` on that the tier holds, up to the first it lacks."""
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        keys = []
+        for block_hash in request.block_hashes[start:max_blocks]:
+            if not self.tier.contains(block_hash, look=look):
+                break
+            keys.append(block_hash)
+        return keys
+
+    def _read_from_tier(self, request: Request, start: int) -> list[TierHit]:
+        """The tier's blocks that continue the memory hit (ending at block `start`), read and verified,
+        when reading them is estimated cheaper than computing them; a block that fails its checks ends
+        the run (the rest is computed)."""
+        keys = self._tier_run(request, start, look=True)
+        if not keys or not self.tier.restore_pays(len(keys), len(keys) * self.block_size):
+            return []
+        restored = []
+        for key in keys:
+            payload = self._held_tier_payloads.get(key)
+            if payload is None:
+                payload = self.tier.read(key)
+                if payload is None:
+                    break
+            restored.append(TierHit(key, payload))
+        # Kept until allocated (a request that does not fit now tries again next step), within a bound.
+        held = self._held_tier_payloads
+        for hit in restored:
+            held[hit.key] = hit.payload
+        while held and len(held) * self.tier.payload_bytes > MAX_HELD_TIER_BYTES:
+            del held[next(iter(held))]
+        return restored
+
+    def take_pending_tier_io(self) -> tuple[list[tuple[int, bytearray]], list[tuple[int, bytes]]]:
+        """The step's tier copies for the runner: payloads into blocks before the forward pass, blocks
+        out (for the tier) after it."""
+        io = (self.pending_loads, self.pending_stores)
+        self.pending_loads, self.pending_stores = [], []
+        return io
 
     # ---- allocation ----------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
@@ -198,6 +275,10 @@ class KVCacheManager:
         bs = self.block_size
         hits = self._unpack(new_computed_blocks)
         num_hits = len(new_computed_blocks)
+        # Blocks read back from the tier take fresh blocks (one group only: see __init__).
+        tier_hits = [hit for hit in hits[0] if isinstance(hit, TierHit)]
+        if tier_hits:
+            hits[0] = hits[0][:len(hits[0]) - len(tier_hits)]
         tables = [blocks.setdefault(rid, []) for blocks in self.group_blocks]
         num_computed = request.num_computed_tokens + num_hits * bs
         total_tokens = num_computed + num_new_tokens
@@ -207,7 +288,8 @@ class KVCacheManager:
         num_revived = sum(1 for column in hits for b in column if b is not self.null_block and b.ref_cnt == 0)
         shared = [self._shared_partial_block(request, table) if num_new_tokens > 0 else None for table in tables]
         num_copies = sum(index is not None for index in shared)
-        if sum(max(n, 0) for n in num_needed) + num_revived + num_copies > self.pool.num_free_blocks:
+        if (sum(max(n, 0) for n in num_needed) + num_revived + num_copies + len(tier_hits)
+                > self.pool.num_free_blocks):
             if not tables[0]:
                 for blocks in self.group_blocks:
                     blocks.pop(rid, None)
@@ -217,6 +299,12 @@ class KVCacheManager:
         for table, column in zip(tables, hits):
             self.pool.touch(self._real(column))
             table.extend(column)
+        if tier_hits:
+            restored = self.pool.get_new_blocks(len(tier_hits))
+            for block, hit in zip(restored, tier_hits):
+                self.pending_loads.append((block.block_id, hit.payload))
+                self._held_tier_payloads.pop(hit.key, None)
+            tables[0].extend(restored)
         new_blocks: list[KVBlock] = []
         for table, count, index in zip(tables, num_needed, shared):
             if index is not None:
@@ -281,11 +369,14 @@ class KVCacheManager:
         self._update_block_hashes(request, num_tokens)
         start = self.num_cached_blocks.get(request.request_id, 0)
         end = num_tokens // self.block_size
+        tier = self.tier
         for group, blocks in enumerate(self.group_blocks):
             table = blocks[request.request_id]
             for i in range(start, end):
                 if table[i] is not self.null_block:
-                    self.pool.cache_full_block(table[i], self._cache_key(request.block_hashes[i], group))
+                    key = self._cache_key(request.block_hashes[i], group)
+                    if self.pool.cache_full_block(table[i], key) and tier is not None and tier.wants(key):
+                        self.pending_stores.append((table[i].block_id, key))
         self.num_cached_blocks[request.request_id] = max(start, end)
 
     # ---- swapping ------------------------------------------------------------------------

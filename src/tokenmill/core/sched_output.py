@@ -68,6 +68,10 @@ class SchedulerOutput(msgspec.Struct, omit_defaults=True):
     # array as raw bytes (bit j of word w allows token 32 w + j), filled by the engine core.
     grammar_rows: dict[str, int] = {}
     grammar_bitmask: Optional[bytes] = None
+    # The prefix cache's second tier (core.kv_tier): (block id, payload) to copy into blocks before the
+    # forward pass; (block id, key) of blocks this step fills, to copy out after it for the tier.
+    kv_loads: list[tuple[int, bytes]] = []
+    kv_stores: list[tuple[int, bytes]] = []
 
     @property
     def num_scheduled_tokens(self) -> int:
@@ -83,6 +87,8 @@ class ModelRunnerOutput(msgspec.Struct, omit_defaults=True):
     # for a request asking for logprobs, their entries (the sampled token's stay in `logprobs`).
     accepted: dict[str, list[int]] = {}
     accepted_logprobs: dict[str, list[dict[int, Logprob]]] = {}
+    # (key, payload) of each block in SchedulerOutput.kv_stores, for the tier's writer.
+    kv_stored: list[tuple[bytes, bytes]] = []
 
 
 # ---- engine core <-> tensor-parallel workers (engine/executor.py, runner/worker.py) ----------------

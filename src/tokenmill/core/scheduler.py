@@ -61,6 +61,23 @@ class SchedulerStats:
     spec_step_draft_limit: int = 0  # set by the engine core: the last step's drafts per request (0: none)
     # Filled by the engine core on accelerators: device memory its process holds (bytes).
     device_memory_bytes: int = 0
+    # The prefix cache's second tier (core.kv_tier), cumulative but for the last two (gauges).
+    kv_offload_enabled: bool = False
+    kv_offload_queries: int = 0  # prompt tokens the memory cache lacked (vLLM's external prefix cache queries)
+    kv_offload_hits: int = 0  # of those, tokens read back from the tier
+    kv_offload_blocks_written: int = 0
+    kv_offload_bytes_written: int = 0
+    kv_offload_blocks_read: int = 0
+    kv_offload_bytes_read: int = 0
+    kv_offload_restore_seconds: float = 0.0
+    kv_offload_evictions: int = 0
+    kv_offload_corrupt: int = 0
+    kv_offload_write_errors: int = 0
+    kv_offload_read_errors: int = 0
+    kv_offload_dropped_writes: int = 0
+    kv_offload_skipped_restores: int = 0
+    kv_offload_stored_blocks: int = 0
+    kv_offload_stored_bytes: int = 0
 
 
 class Scheduler:
@@ -164,6 +181,7 @@ class Scheduler:
 
         output.block_copies = self.kv_cache.take_pending_copies()
         output.swap_out, output.swap_in = self.kv_cache.take_pending_swaps()
+        output.kv_loads, output.kv_stores = self.kv_cache.take_pending_tier_io()
         rewritten = self.kv_cache.take_rewritten_tables()
         now = time.monotonic()
         self._step_requests = {}
@@ -497,4 +515,17 @@ class Scheduler:
             spec_num_accepted_tokens=self.num_accepted_tokens,
             spec_num_drafts=self.num_drafts,
             spec_accepted_per_position=list(self.accepted_per_position),
+            **self._tier_stats(),
         )
+
+    def _tier_stats(self) -> dict:
+        tier = self.kv_cache.tier
+        if tier is None:
+            return {}
+        counts = tier.stats
+        return {"kv_offload_enabled": True, "kv_offload_queries": self.kv_cache.tier_stats.queries,
+                "kv_offload_hits": self.kv_cache.tier_stats.hits,
+                **{"kv_offload_" + name: getattr(counts, name) for name in (
+                    "blocks_written", "bytes_written", "blocks_read", "bytes_read", "restore_seconds", "evictions",
+                    "corrupt", "write_errors", "read_errors", "dropped_writes", "skipped_restores", "stored_blocks",
+                    "stored_bytes")}}

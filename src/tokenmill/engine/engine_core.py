@@ -26,6 +26,7 @@ from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.model.loader import load_model_source
 from tokenmill.model.registry import SLIDING_WINDOW_ARCHITECTURES
 from tokenmill.engine.executor import make_executor
+from tokenmill.engine.kv_offload import open_kv_tier
 from tokenmill.runner.model_runner import resolve_device
 from tokenmill.runner.numerics import detect_hardware, resolve_numerics
 from tokenmill.spec_decode import adaptive
@@ -34,6 +35,11 @@ from tokenmill.structured.backend import allocate_token_bitmask
 from tokenmill.structured.llguidance_backend import LLGuidanceBackend
 
 logger = logging.getLogger("tokenmill")
+
+# A step computing at least this many prompt tokens times the prefill rate the KV offload tier compares
+# its reads against (decode-only steps would understate it).
+MIN_PROMPT_TOKENS_TO_TIME = 64
+SHUTDOWN_FLUSH_S = 10.0
 
 
 def derive_max_model_len(config: EngineConfig, hf_config) -> int:
@@ -146,8 +152,13 @@ class EngineCore:
         if num_host_blocks and (len(windows) > 1 or windows[0] is not None):
             logger.info("sliding-window KV cache groups: preempted requests are recomputed, not swapped")
         self.executor.initialize_cache(num_blocks, num_host_blocks, self.max_model_len)
+        try:
+            self.kv_tier = open_kv_tier(config, source.path, self.runner, windows, device.type)
+        except ModelLoadError:
+            self.executor.shutdown()
+            raise
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks,
-                                       group_windows=windows)
+                                       group_windows=windows, tier=self.kv_tier)
         self.scheduler = Scheduler(config, self.max_model_len, self.kv_cache)
         # Structured outputs: grammars compiled against the tokenizer, masks sized to the model's logits.
         self.structured_backend = LLGuidanceBackend(source.tokenizer, self.vocab_size, self.model_info.eos_token_ids)
@@ -168,7 +179,10 @@ class EngineCore:
         logger.info("memory: %s", self.memory.describe())
 
     def shutdown(self) -> None:
-        """Stops the model's worker processes (tensor parallelism); nothing to do for an in-process runner."""
+        """Stops the model's worker processes (tensor parallelism), after the KV offload tier has written what
+        it was handed (so a restart finds every block)."""
+        if self.kv_tier is not None and not self.kv_tier.flush(timeout=SHUTDOWN_FLUSH_S):
+            logger.warning("KV offload: blocks still unwritten after %.0f s at shutdown were dropped", SHUTDOWN_FLUSH_S)
         self.executor.shutdown()
 
     def ready_message(self, with_tokenizer: bool = False) -> EngineCoreReady:
@@ -352,14 +366,26 @@ class EngineCore:
             stats.device_memory_bytes = torch.cuda.memory_allocated(self.device)
         return EngineCoreOutputs(outputs=outputs, stats=stats, timestamp=time.time())
 
+    def _feed_tier(self, sched: SchedulerOutput, result: ModelRunnerOutput, seconds: float) -> None:
+        """Hands the blocks this step filled to the tier's writer, and lets it measure what computing
+        prompt tokens costs (its restore-or-recompute estimate): steps with prompt work only."""
+        for key, payload in result.kv_stored:
+            self.kv_tier.put(key, payload)
+        num_prompt_tokens = sched.num_scheduled_tokens - len(sched.scheduled)
+        if num_prompt_tokens >= MIN_PROMPT_TOKENS_TO_TIME:
+            self.kv_tier.costs.observe_compute(sched.num_scheduled_tokens, seconds)
+
     def _step(self) -> list[EngineCoreOutput]:
         sched = self.scheduler.schedule()
         self._fill_grammar_bitmask(sched)
         if self.message_roundtrip:
             sched = roundtrip(sched, SchedulerOutput)
+        started = time.perf_counter()
         result = self.executor.execute(sched)  # an empty schedule costs nothing in the runner
         if self.message_roundtrip:
             result = roundtrip(result, ModelRunnerOutput)
+        if self.kv_tier is not None:
+            self._feed_tier(sched, result, time.perf_counter() - started)
         forced = self._advance_grammars(sched, result)
         # Fast-forwarded and speculating requests get several tokens this step: remember where their
         # new ones start.

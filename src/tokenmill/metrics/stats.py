@@ -2,6 +2,7 @@
 the Prometheus exporter, the periodic log line and the dashboard's sliding window."""
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -28,6 +29,23 @@ class SchedulerSnapshot:
     spec_accepted_per_position: list[int] = field(default_factory=list)  # cumulative, per draft position
     spec_step_draft_limit: int = 0  # gauge: the last step's drafts per request (0: speculation paused or off)
     device_memory_bytes: int = 0  # CUDA memory the engine core holds (0 on CPU)
+    # The prefix cache's second tier (--kv-offload-dir): cumulative, but stored blocks and bytes (gauges).
+    kv_offload_enabled: bool = False
+    kv_offload_queries: int = 0  # tokens the memory cache lacked
+    kv_offload_hits: int = 0  # of those, tokens read back from the tier
+    kv_offload_blocks_written: int = 0
+    kv_offload_bytes_written: int = 0
+    kv_offload_blocks_read: int = 0
+    kv_offload_bytes_read: int = 0
+    kv_offload_restore_seconds: float = 0.0
+    kv_offload_evictions: int = 0
+    kv_offload_corrupt: int = 0
+    kv_offload_write_errors: int = 0
+    kv_offload_read_errors: int = 0
+    kv_offload_dropped_writes: int = 0
+    kv_offload_skipped_restores: int = 0
+    kv_offload_stored_blocks: int = 0
+    kv_offload_stored_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -239,6 +257,7 @@ class WindowStatLogger:
                     "accepted_per_position": list(sched.spec_accepted_per_position),
                     "step_draft_limit": sched.spec_step_draft_limit,
                 },
+                "kv_offload": _kv_offload_summary(sched),
                 "num_finished_requests": self.num_finished,
                 "finish_reasons": dict(self.finish_reasons),
                 "output_tokens_per_s": self.generation_tokens.total(now) / span,
@@ -249,3 +268,14 @@ class WindowStatLogger:
                 "queue_time_s": self.queue_time.summary(now),
                 "history": list(self.history),
             }
+
+
+def _kv_offload_summary(sched: SchedulerSnapshot) -> Optional[dict]:
+    """The second tier's counters for /stats (None without --kv-offload-dir)."""
+    if not sched.kv_offload_enabled:
+        return None
+    prefix = "kv_offload_"
+    body = {f.name[len(prefix):]: getattr(sched, f.name) for f in dataclasses.fields(sched)
+            if f.name.startswith(prefix) and f.name != "kv_offload_enabled"}
+    body["hit_rate"] = sched.kv_offload_hits / sched.kv_offload_queries if sched.kv_offload_queries else None
+    return body

@@ -23,7 +23,7 @@ from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, releas
 from tokenmill.runner.backend_check import attention_mismatch
 from tokenmill.runner.draft_verify import verify_drafts
 from tokenmill.runner.input_batch import InputBatch
-from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_caches
+from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_caches, kv_blocks_in, kv_blocks_out
 from tokenmill.runner.model_memory import model_tensor_bytes
 from tokenmill.sample.sampler import Sampler, SamplingRequestState, compute_prompt_logprobs
 
@@ -219,10 +219,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        result = self._execute(output)
+        if output.kv_stores:  # the blocks this forward pass filled, for the prefix cache's second tier
+            result.kv_stored = kv_blocks_out(self.kv_caches, output.kv_stores)
+        return result
+
+    def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         result = ModelRunnerOutput(sampled={}, logprobs={}, prompt_logprobs={}, accepted={})
         states = self.input_batch.update(output)
         self._swap(output.swap_out, output.swap_in)
         self._copy_blocks(output.block_copies)
+        if output.kv_loads:
+            kv_blocks_in(self.kv_caches, output.kv_loads, self.kv_spec)
         if not output.scheduled:
             return result
         batch = self.input_batch

@@ -1,0 +1,54 @@
+"""Opening the prefix cache's second tier (core.kv_tier) for an engine core: its fingerprint, named from
+everything that changes a KV block's bytes, and the checks that it can serve this engine."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Optional
+
+from tokenmill.config import EngineConfig
+from tokenmill.core.kv_tier import KVTier, fingerprint_of, files_digest
+from tokenmill.errors import ModelLoadError
+
+logger = logging.getLogger("tokenmill")
+
+
+def _model_files(path: Path) -> list[Path]:
+    """The files that make a model: a GGUF, or a directory's top-level files (weights, config, tokenizer)."""
+    if path.is_file():
+        return [path]
+    return [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
+
+
+def tier_fingerprint(config: EngineConfig, model_path: Path, kv_spec, device_type: str) -> dict:
+    """What a block's bytes depend on, as plain data (the tier hashes it; fingerprint.json shows it)."""
+    tokenizer = config.tokenizer
+    return {
+        "model": files_digest(_model_files(model_path)),
+        "tokenizer": files_digest(_model_files(Path(tokenizer))) if tokenizer else "the model's",
+        "device": device_type,
+        "dtype": config.dtype,
+        "kv_cache_dtype": config.kv_cache_dtype,
+        "block_matmul": config.block_matmul,
+        "quantization": config.quantization,
+        "block_size": config.block_size,
+        "tensor_parallel": [0, config.tensor_parallel_size],
+        "kv_layout": [kv_spec.num_layers, kv_spec.num_kv_heads, kv_spec.head_dim],
+    }
+
+
+def open_kv_tier(config: EngineConfig, model_path: Path, runner, kv_windows, device_type: str) -> Optional[KVTier]:
+    """The tier under --kv-offload-dir, or None without one. config: the resolved one (numerics applied)."""
+    if config.kv_offload_dir is None:
+        return None
+    if runner is None:
+        raise ModelLoadError("--kv-offload-dir is not available with --tensor-parallel-size > 1 yet")
+    if not config.enable_prefix_caching:
+        raise ModelLoadError("--kv-offload-dir extends the prefix cache: it cannot be used with "
+                             "--no-enable-prefix-caching")
+    if len(kv_windows) > 1 or kv_windows[0] is not None:
+        raise ModelLoadError("--kv-offload-dir is not available for models with sliding-window layers yet")
+    spec = runner.kv_spec
+    components = tier_fingerprint(config, model_path, spec, device_type)
+    return KVTier(Path(config.kv_offload_dir).expanduser(), config.kv_offload_size, fingerprint_of(components),
+                  spec.bytes_per_block, components)

@@ -1,0 +1,150 @@
+"""The KV offload tier as a store: what it writes is what it reads, across instances (a restart); files it
+did not write whole, or under another fingerprint, are never returned; errors never raise."""
+from __future__ import annotations
+
+import errno
+import hashlib
+import logging
+import multiprocessing
+import os
+
+import pytest
+
+from tokenmill.core.kv_tier import HEADER, KVTier, fingerprint_of
+
+PAYLOAD = 4096
+COMPONENTS = {"model": "m1", "kv_cache_dtype": "bfloat16", "block_size": 16}
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(f"block {i}".encode()).digest()
+
+
+def payload(i: int) -> bytes:
+    return bytes((i * 7 + j) % 251 for j in range(PAYLOAD))
+
+
+def open_tier(directory, components=COMPONENTS, budget=1 << 30) -> KVTier:
+    return KVTier(directory, budget, fingerprint_of(components), PAYLOAD, dict(components))
+
+
+def test_written_blocks_read_back_and_survive_a_restart(tmp_path):
+    tier = open_tier(tmp_path)
+    for i in range(5):
+        assert tier.wants(key(i))
+        tier.put(key(i), payload(i))
+    assert tier.flush()
+    assert [bytes(tier.read(key(i))) for i in range(5)] == [payload(i) for i in range(5)]
+    assert not tier.wants(key(0)) and tier.stats.blocks_written == 5 and tier.stats.blocks_read == 5
+    again = open_tier(tmp_path)  # another process's view of the same directory, as after a restart
+    assert again.stats.stored_blocks == 5
+    assert all(again.contains(key(i), look=False) for i in range(5))
+    assert bytes(again.read(key(3))) == payload(3)
+    assert again.read(key(9)) is None and not again.contains(key(9))
+
+
+def test_another_fingerprint_is_ignored_and_said_once(tmp_path, caplog):
+    tier = open_tier(tmp_path)
+    tier.put(key(1), payload(1))
+    assert tier.flush()
+    with caplog.at_level(logging.INFO, logger="tokenmill"):
+        other = open_tier(tmp_path, {**COMPONENTS, "kv_cache_dtype": "float16"})
+    assert other.stats.stored_blocks == 0 and not other.contains(key(1)) and other.read(key(1)) is None
+    notes = [r.getMessage() for r in caplog.records if "another fingerprint" in r.getMessage()]
+    assert len(notes) == 1 and "kv_cache_dtype" in notes[0] and "1 blocks" in notes[0]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "extend", "header", "foreign"])
+def test_damaged_files_are_misses_and_removed(tmp_path, damage):
+    tier = open_tier(tmp_path)
+    tier.put(key(1), payload(1))
+    tier.put(key(2), payload(2))
+    assert tier.flush()
+    path = tier._path(key(1))
+    data = bytearray(path.read_bytes())
+    if damage == "truncate":
+        data = data[:len(data) - 100]
+    elif damage == "flip":
+        data[HEADER.size + 1000] ^= 0x40
+    elif damage == "extend":
+        data += b"\0"
+    elif damage == "header":
+        data[0] ^= 1
+    else:  # a whole, valid file of another block under this one's name
+        data = bytearray(tier._path(key(2)).read_bytes())
+    path.write_bytes(bytes(data))
+    assert tier.read(key(1)) is None
+    assert tier.stats.corrupt == 1 and not path.exists() and not tier.contains(key(1))
+    assert bytes(tier.read(key(2))) == payload(2)
+
+
+def test_budget_evicts_least_recently_used(tmp_path):
+    tier = open_tier(tmp_path, budget=3 * (HEADER.size + PAYLOAD))
+    for i in range(3):
+        tier.put(key(i), payload(i))
+    assert tier.flush()
+    assert tier.read(key(0)) is not None  # block 0 is now the most recently used
+    tier.put(key(3), payload(3))
+    assert tier.flush()
+    assert [tier.contains(key(i), look=False) for i in range(4)] == [True, False, True, True]
+    assert not tier._path(key(1)).exists() and tier.stats.evictions == 1 and tier.stats.stored_blocks == 3
+
+
+@pytest.mark.parametrize("error", [errno.ENOSPC, errno.EROFS, errno.EIO])
+def test_write_failures_degrade_to_no_new_blocks(tmp_path, caplog, monkeypatch, error):
+    """A full disk, a read-only directory or an I/O error while writing (injected: this test may run as
+    root, which writes into read-only directories)."""
+    tier = open_tier(tmp_path)
+    tier.put(key(1), payload(1))
+    assert tier.flush()
+
+    def failing_replace(src, dst):
+        raise OSError(error, os.strerror(error))
+
+    monkeypatch.setattr("tokenmill.core.kv_tier.os.replace", failing_replace)
+    with caplog.at_level(logging.WARNING, logger="tokenmill"):
+        tier.put(key(2), payload(2))
+        assert tier.flush()
+    assert tier.stats.write_errors == 1 and not tier.contains(key(2))
+    assert not list(tier.root.glob("*/*.tmp"))  # the partial file is gone
+    assert not tier.wants(key(3))  # writes pause after a failure
+    assert bytes(tier.read(key(1))) == payload(1)  # what is there still serves
+    assert sum("cannot write" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_unreadable_directory_is_a_tier_with_nothing_in_it(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    tier = open_tier(blocker / "tier")  # mkdir fails: no tier to read or write, and no exception
+    assert tier.stats.write_errors == 1 and tier.stats.stored_blocks == 0
+    assert tier.read(key(1)) is None and not tier.contains(key(1))
+
+
+def _write_many(directory: str, start: int) -> None:
+    tier = open_tier(directory)
+    for i in range(start, start + 40):
+        tier.put(key(i % 50), payload(i % 50))  # blocks 0-49, overlapping between the two writers
+    assert tier.flush()
+
+
+def test_two_writers_share_one_directory(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    writers = [context.Process(target=_write_many, args=(str(tmp_path), start)) for start in (0, 10)]
+    for writer in writers:
+        writer.start()
+    for writer in writers:
+        writer.join(60)
+        assert writer.exitcode == 0
+    tier = open_tier(tmp_path)
+    assert tier.stats.stored_blocks == 50
+    assert all(bytes(tier.read(key(i))) == payload(i) for i in range(50))
+    assert not list(tier.root.glob("*/*.tmp"))
+
+
+def test_restore_decision_follows_the_measured_rates(tmp_path):
+    tier = open_tier(tmp_path)
+    assert tier.restore_pays(10, 160)  # before any measurement: reading is assumed cheap
+    for _ in range(50):  # a fast accelerator, a slow disk
+        tier.costs.observe_compute(100_000, 0.01)
+        tier.costs.observe_read(4096, 0.01)
+    assert not tier.restore_pays(10, 160) and tier.stats.skipped_restores == 1

@@ -1,0 +1,138 @@
+"""The prefix cache's second tier (--kv-offload-dir) in the engine: a prefix the memory cache lost, or that
+an earlier engine computed, is read back instead of computed, and the outputs are the ones computing it
+gives (HF transformers' own, token for token, in the exact mode); a changed setup or a damaged file is a
+miss, never a wrong block."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from model_factory import hf_greedy
+from tokenmill import LLM, SamplingParams
+from tokenmill.errors import ModelLoadError
+
+BLOCK = 16
+
+
+def ids(start: int, count: int) -> list[int]:
+    return [(start + 37 * i) % 40000 + 100 for i in range(count)]
+
+
+def run(llm: LLM, prompts: list[list[int]], max_tokens: int = 10):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    return llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+
+
+def tokens(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+def engine(llm: LLM):
+    return llm.llm_engine.core.core
+
+
+def make(model_dir, tier_dir, **kwargs) -> LLM:
+    settings = dict(num_kv_blocks=64, max_model_len=512, numerics="exact", kv_offload_dir=str(tier_dir))
+    return LLM(str(model_dir), **{**settings, **kwargs})
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, enable_prefix_caching=False,
+               numerics="exact")
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_llama_dir, torch_dtype=torch.float32).eval()
+
+
+def test_a_prefix_lost_from_memory_is_restored_and_matches_hf(tiny_llama_dir, tmp_path, reference, hf_model):
+    prompts = [ids(5, 100), ids(5, 70) + ids(900, 20)]  # the second shares 4 blocks with the first
+    expected = tokens(run(reference, prompts))
+    assert expected[0] == hf_greedy(hf_model, prompts[0], 10)
+    llm = make(tiny_llama_dir, tmp_path)
+    core = engine(llm)
+    assert tokens(run(llm, prompts[:1])) == expected[:1]
+    assert core.kv_tier.flush()
+    assert core.kv_tier.stats.blocks_written == 100 // BLOCK + 10 // BLOCK  # the prompt's and the output's full blocks
+    assert core.kv_cache.reset_prefix_cache()  # the memory cache forgets; the tier does not
+    outputs = run(llm, prompts)
+    assert tokens(outputs) == expected
+    assert outputs[0].outputs[0].token_ids == hf_greedy(hf_model, prompts[0], 10)
+    assert [o.num_cached_tokens for o in outputs] == [96, 64]
+    stats = core.scheduler.get_stats()
+    assert stats.kv_offload_hits == 96 and stats.kv_offload_blocks_read == 6  # the second hit the memory copy
+    assert stats.prefix_cache_hits == 64
+
+
+def test_a_restarted_engine_hits_at_once_and_a_changed_setup_does_not(tiny_llama_dir, tmp_path, reference):
+    prompt = ids(77, 150)
+    expected = tokens(run(reference, [prompt]))
+    first = make(tiny_llama_dir, tmp_path)
+    assert tokens(run(first, [prompt])) == expected
+    first.shutdown()  # writes what is queued
+    restarted = make(tiny_llama_dir, tmp_path)
+    outputs = run(restarted, [prompt])
+    assert tokens(outputs) == expected and outputs[0].num_cached_tokens == 144
+    assert engine(restarted).scheduler.get_stats().kv_offload_hits == 144
+    for changed in (dict(kv_cache_dtype="float16", numerics="auto"), dict(block_size=32)):
+        other = make(tiny_llama_dir, tmp_path, **changed)
+        outputs = run(other, [prompt])
+        assert outputs[0].num_cached_tokens == 0
+        assert engine(other).scheduler.get_stats().kv_offload_hits == 0
+
+
+def test_a_damaged_block_ends_the_restored_run(tiny_llama_dir, tmp_path, reference):
+    prompt = ids(300, 120)
+    expected = tokens(run(reference, [prompt]))
+    first = make(tiny_llama_dir, tmp_path)
+    run(first, [prompt])
+    tier = engine(first).kv_tier
+    assert tier.flush()
+    keys = sorted(tier.root.glob("*/*.kv"), key=lambda p: p.stat().st_mtime_ns)
+    # The blocks were written in order: flip a byte in the prompt's fourth block.
+    victim = keys[3]
+    data = bytearray(victim.read_bytes())
+    data[-5] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    restarted = make(tiny_llama_dir, tmp_path)
+    outputs = run(restarted, [prompt])
+    assert tokens(outputs) == expected
+    assert outputs[0].num_cached_tokens == 3 * BLOCK
+    assert engine(restarted).kv_tier.stats.corrupt == 1
+
+
+def test_restores_under_memory_pressure_and_chunked_prefill(tiny_llama_dir, tmp_path, reference):
+    """A cache of 12 blocks: each long prompt evicts the others' blocks from memory; coming back, they
+    are read from the tier, in 32-token chunks mixed with other requests' decodes."""
+    prompts = [ids(1000 * i, 90) for i in range(4)]
+    expected = tokens(run(reference, prompts))
+    llm = make(tiny_llama_dir, tmp_path, num_kv_blocks=12, max_model_len=192, max_num_batched_tokens=32)
+    for prompt, want in zip(prompts, expected):
+        assert tokens(run(llm, [prompt])) == [want]
+    engine(llm).kv_tier.flush()
+    outputs = run(llm, prompts)
+    assert tokens(outputs) == expected
+    assert sum(o.num_cached_tokens for o in outputs) >= 3 * 80
+    assert engine(llm).scheduler.get_stats().kv_offload_hits >= 2 * 80
+
+
+def test_offload_with_message_roundtrip(tiny_llama_dir, tmp_path, reference):
+    """The blocks cross the runner's message boundary as bytes (as they would to another process)."""
+    prompt = ids(4242, 60)
+    expected = tokens(run(reference, [prompt]))
+    llm = make(tiny_llama_dir, tmp_path)
+    llm.llm_engine.core.core.message_roundtrip = True
+    run(llm, [prompt])
+    engine(llm).kv_tier.flush()
+    assert engine(llm).kv_cache.reset_prefix_cache()
+    outputs = run(llm, [prompt])
+    assert tokens(outputs) == expected and outputs[0].num_cached_tokens == 48
+
+
+def test_unsupported_combinations_are_refused(tiny_llama_dir, tmp_path):
+    with pytest.raises(ModelLoadError, match="extends the prefix cache"):
+        make(tiny_llama_dir, tmp_path, enable_prefix_caching=False)
