@@ -43,9 +43,35 @@ REPLICA_GAUGES = (
 )
 
 
+# The prefix cache's second tier (--kv-offload-dir): (SchedulerSnapshot field, metric name, description).
+# The first two are vLLM's names for prefix hits served from outside the device's cache (its KV connectors).
+KV_OFFLOAD_COUNTERS = (
+    ("kv_offload_queries", "external_prefix_cache_queries",
+     "Prompt tokens looked up in the KV offload tier (those the memory prefix cache lacked)"),
+    ("kv_offload_hits", "external_prefix_cache_hits", "Prompt tokens read back from the KV offload tier"),
+    ("kv_offload_blocks_written", "kv_offload_blocks_written", "KV blocks written to the offload tier"),
+    ("kv_offload_bytes_written", "kv_offload_bytes_written", "Bytes of KV blocks written to the offload tier"),
+    ("kv_offload_blocks_read", "kv_offload_blocks_read", "KV blocks read back from the offload tier"),
+    ("kv_offload_bytes_read", "kv_offload_bytes_read", "Bytes of KV blocks read back from the offload tier"),
+    ("kv_offload_restore_seconds", "kv_offload_restore_seconds", "Seconds spent reading KV blocks back"),
+    ("kv_offload_evictions", "kv_offload_evictions", "KV blocks removed from the offload tier for its budget"),
+    ("kv_offload_corrupt", "kv_offload_corrupt_blocks",
+     "Offload tier files refused by their header, length or checksum (recomputed instead)"),
+    ("kv_offload_write_errors", "kv_offload_write_errors", "Failed writes to the offload tier (writing pauses)"),
+    ("kv_offload_read_errors", "kv_offload_read_errors", "Failed reads from the offload tier (recomputed instead)"),
+    ("kv_offload_dropped_writes", "kv_offload_dropped_writes", "KV blocks not written: the writer was behind"),
+    ("kv_offload_skipped_restores", "kv_offload_skipped_restores",
+     "Tier hits recomputed because computing was estimated faster than reading"),
+)
+KV_OFFLOAD_GAUGES = (
+    ("kv_offload_stored_blocks", "kv_offload_stored_blocks", "KV blocks the offload tier holds"),
+    ("kv_offload_stored_bytes", "kv_offload_usage_bytes", "Bytes of KV blocks the offload tier holds"),
+)
+
+
 class PrometheusStatLogger:
     def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None,
-                 device_memory: bool = False) -> None:
+                 device_memory: bool = False, kv_offload: bool = False) -> None:
         # A registry per engine keeps several engines in one process (tests) from colliding.
         self.registry = registry or CollectorRegistry()
         ProcessCollector(registry=self.registry)
@@ -117,6 +143,14 @@ class PrometheusStatLogger:
             # Reported by the engine core with its stats (this process holds no CUDA context).
             self.device_memory = Gauge(p + "device_memory_used_bytes", "CUDA memory allocated by the engine",
                                        labels, registry=r)
+        # Only with --kv-offload-dir: field -> counter or gauge.
+        self.kv_offload_counters: dict[str, Counter] = {}
+        self.kv_offload_gauges: dict[str, Gauge] = {}
+        if kv_offload:
+            self.kv_offload_counters = {field: Counter(p + name, doc, labels, registry=r)
+                                        for field, name, doc in KV_OFFLOAD_COUNTERS}
+            self.kv_offload_gauges = {field: Gauge(p + name, doc, labels, registry=r)
+                                      for field, name, doc in KV_OFFLOAD_GAUGES}
         self._last = SchedulerSnapshot()
         self._rejected_seen: dict[str, int] = {}
         self._responses_seen: dict[str, int] = {}
@@ -129,6 +163,8 @@ class PrometheusStatLogger:
                        self.prefix_hits, self.evictions, self.spec_drafts, self.spec_accepted, self.spec_verifies, self.ttft, self.itl,
                        self.tpot, self.e2e, self.queue,
                        self.prefill, self.decode, self.req_prompt, self.req_generation, self.iteration_tokens):
+            metric.labels(m)
+        for metric in (*self.kv_offload_counters.values(), *self.kv_offload_gauges.values()):
             metric.labels(m)
         for reason in FINISHED_REASONS:
             self.success.labels(m, reason)
@@ -160,6 +196,10 @@ class PrometheusStatLogger:
             added = total - (before[position] if position < len(before) else 0)
             if added > 0 or position >= len(before):
                 self.spec_accepted_per_pos.labels(m, str(position)).inc(max(0, added))
+        for field, counter in self.kv_offload_counters.items():
+            counter.labels(m).inc(max(0, getattr(scheduler, field) - getattr(last, field)))
+        for field, gauge in self.kv_offload_gauges.items():
+            gauge.labels(m).set(getattr(scheduler, field))
         self._last = scheduler
         if iteration.num_tokens:
             self.prompt_tokens.labels(m).inc(iteration.num_prompt_tokens)

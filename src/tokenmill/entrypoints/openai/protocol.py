@@ -71,10 +71,15 @@ class StreamOptions(OpenAIModel):
     continuous_usage_stats: bool = False
 
 
+class PromptTokensDetails(OpenAIModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (memory or the offload tier)
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 def _now() -> int:

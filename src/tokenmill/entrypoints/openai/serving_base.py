@@ -19,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from tokenmill.entrypoints.openai.errors import error_body
-from tokenmill.entrypoints.openai.protocol import UsageInfo
+from tokenmill.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from tokenmill.entrypoints.openai.rate_limit import REASON, request_key
 from tokenmill.errors import EngineDeadError, ModelNotFoundError, RateLimitExceededError, TokenmillError
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
@@ -75,7 +75,9 @@ CLIENT_CLOSED_REQUEST = 499  # nobody reads it: the client is gone
 def usage_of(outputs: list[RequestOutput]) -> UsageInfo:
     prompt = sum(len(out.prompt_token_ids) for out in outputs)
     completion = sum(len(c.token_ids) for out in outputs for c in out.outputs)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    cached = sum(out.num_cached_tokens or 0 for out in outputs)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 def sse_error(message: str, error_type: str, param: Any = None, code: Any = None) -> str:

@@ -62,6 +62,15 @@
       ? spec.num_accepted_tokens + " of " + spec.num_draft_tokens + " · by position " +
         (spec.accepted_per_position || []).map((n) => fmtPercent(n / spec.num_drafts)).join(" ")
       : "no drafts verified";
+    const offload = stats.kv_offload;
+    $("card-kv-offload").hidden = !offload;
+    if (offload) {
+      $("stat-offload-rate").textContent = fmtPercent(offload.hit_rate);
+      const mib = (bytes) => (bytes / 1048576).toFixed(bytes < 10485760 ? 1 : 0) + " MiB";
+      const problems = offload.corrupt + offload.write_errors + offload.read_errors;
+      $("stat-offload-detail").textContent = mib(offload.stored_bytes) + " stored · " + mib(offload.bytes_read) +
+        " read in " + fmtSeconds(offload.restore_seconds) + (problems ? " · " + problems + " errors" : "");
+    }
     $("updated").textContent = "updated " + new Date(stats.time * 1000).toLocaleTimeString();
     drawCharts(stats);
   }

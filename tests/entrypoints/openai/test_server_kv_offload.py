@@ -1,0 +1,56 @@
+"""`tokenmill serve --kv-offload-dir`: a restarted server answers a prompt it saw before from the tier
+(same text, the prefix counted as cached, the tier's counters in /metrics and /stats), and a directory it
+cannot use leaves it serving."""
+from __future__ import annotations
+
+import re
+
+import httpx
+
+PROMPT = "A short history of the lighthouse keepers of the northern coast, told year by year. " * 24
+
+
+def complete(server) -> dict:
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+    response = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    match = re.search(rf"^tokenmill:{name}{{[^}}]*}} ([0-9.e+]+)$", text, re.MULTILINE)
+    assert match, f"{name} missing from /metrics"
+    return float(match.group(1))
+
+
+def test_a_restarted_server_restores_the_prefix(start_server, tiny_llama_dir, tmp_path):
+    args = ["--model", str(tiny_llama_dir), "--served-model-name", "m", "--kv-offload-dir", str(tmp_path / "tier"),
+            "--numerics", "exact"]
+    first = start_server(args)
+    cold = complete(first)
+    assert cold["usage"]["prompt_tokens"] > 400
+    assert first.stop() == 0  # a graceful stop writes what was queued
+    second = start_server(args)
+    warm = complete(second)
+    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
+    prompt_tokens = warm["usage"]["prompt_tokens"]
+    cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached == (prompt_tokens - 1) // 16 * 16
+    assert metric(second, "external_prefix_cache_hits_total") == cached
+    assert metric(second, "external_prefix_cache_queries_total") == prompt_tokens
+    assert metric(second, "kv_offload_blocks_read_total") == cached // 16
+    assert metric(second, "kv_offload_usage_bytes") > 0
+    offload = second.stats()["kv_offload"]
+    assert offload["hits"] == cached and offload["hit_rate"] > 0.9 and offload["corrupt"] == 0
+
+
+def test_a_directory_that_cannot_be_written_leaves_the_server_serving(start_server, tiny_llama_dir, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    server = start_server(["--model", str(tiny_llama_dir), "--served-model-name", "m", "--kv-offload-dir",
+                           str(blocker / "tier")])
+    assert complete(server)["usage"]["completion_tokens"] == 8
+    assert complete(server)["usage"]["completion_tokens"] == 8
+    assert "KV offload: cannot write" in server.log_text()
+    assert metric(server, "kv_offload_write_errors_total") >= 1
