@@ -278,6 +278,10 @@ class EngineConfig:
     kv_offload_size: int = option(
         8 * 1024**3, "with --kv-offload-dir: the most the tier keeps there, e.g. 20GiB (least recently used blocks "
         "are removed first)", convert=parse_memory_size)
+    kv_cache_pin_fraction: float = option(
+        0.5, "the share of the KV cache that pinned prefixes (a request's `cache_ttl_s`: its prompt stays cached "
+        "that long after it ends) may hold at once; a pin beyond it holds the prefix's first blocks only",
+        bound="fraction")
     preemption_mode: Optional[str] = option(
         None, "default: swap when --swap-space > 0 on an accelerator, else recompute", choices=PREEMPTION_MODES)
     seed: int = option(0, "random seed of the engine's sampler")

@@ -58,6 +58,9 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
+MAX_CACHE_TTL_S = 86400.0  # a pinned prefix is held for a day at most
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -83,6 +86,9 @@ class SamplingParams:
     detokenize: bool = True
     structured_outputs: Optional[StructuredOutputsParams] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # tokenmill's extension: keep this prompt's prefix in the prefix cache (memory, and the offload tier's
+    # copy) for this many seconds after the request ends, within --kv-cache-pin-fraction of the cache.
+    cache_ttl_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -133,6 +139,8 @@ class SamplingParams:
             bad("stop_token_ids must be non-negative token ids", "stop_token_ids")
         if self.logit_bias is not None and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             bad("logit_bias values must be in [-100, 100]", "logit_bias")
+        if self.cache_ttl_s is not None and not 0.0 < self.cache_ttl_s <= MAX_CACHE_TTL_S:
+            bad(f"cache_ttl_s must be in (0, {MAX_CACHE_TTL_S:.0f}] seconds, got {self.cache_ttl_s}", "cache_ttl_s")
 
     @property
     def greedy(self) -> bool:

@@ -136,3 +136,30 @@ def test_offload_with_message_roundtrip(tiny_llama_dir, tmp_path, reference):
 def test_unsupported_combinations_are_refused(tiny_llama_dir, tmp_path):
     with pytest.raises(ModelLoadError, match="extends the prefix cache"):
         make(tiny_llama_dir, tmp_path, enable_prefix_caching=False)
+
+
+def test_a_pinned_prompt_stays_cached_under_pressure_and_expires(tiny_llama_dir, reference):
+    """cache_ttl_s keeps a prompt's blocks through evictions that take every other cached block."""
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=14, max_model_len=192, numerics="exact")
+    pinned, other, big = ids(10, 50), ids(20, 50), ids(5000, 160)
+    expected = tokens(run(reference, [pinned, other]))
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, cache_ttl_s=600)
+    llm.generate([{"prompt_token_ids": pinned}], params, use_tqdm=False)
+    run(llm, [other], max_tokens=4)
+    assert engine(llm).scheduler.get_stats().num_pinned_blocks == 3
+    run(llm, [big], max_tokens=2)  # 11 of the 14 blocks: everything unpinned is evicted
+    outputs = run(llm, [pinned, other])
+    assert tokens(outputs) == expected
+    assert [o.num_cached_tokens for o in outputs] == [48, 0]
+    kv = engine(llm).kv_cache
+    assert kv.expire_pins(now=float("inf")) == 3 and engine(llm).scheduler.get_stats().num_pinned_blocks == 0
+
+
+def test_pins_give_way_to_a_request_that_cannot_fit_otherwise(tiny_llama_dir, reference):
+    llm = LLM(str(tiny_llama_dir), num_kv_blocks=14, max_model_len=224, numerics="exact")
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, cache_ttl_s=600)
+    llm.generate([{"prompt_token_ids": ids(10, 100)}], params, use_tqdm=False)  # 6 blocks pinned
+    assert engine(llm).scheduler.get_stats().num_pinned_blocks == 6
+    big = ids(5000, 200)  # 13 blocks: served, not left waiting for the pins to expire
+    assert tokens(run(llm, [big], max_tokens=4)) == tokens(run(reference, [big], max_tokens=4))
+    assert engine(llm).scheduler.get_stats().num_pinned_blocks < 6

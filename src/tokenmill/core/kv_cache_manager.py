@@ -66,9 +66,10 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_host_blocks: int = 0, group_windows: Sequence[Optional[int]] = (None,),
-                 tier: Optional[KVTier] = None) -> None:
+                 tier: Optional[KVTier] = None, max_pinned_blocks: int = 0) -> None:
         """tier: the prefix cache's second tier (one KV cache group only): full blocks are stored there once
-        computed, and a prefix the memory cache lacks is read back from it instead of computed."""
+        computed, and a prefix the memory cache lacks is read back from it instead of computed.
+        max_pinned_blocks: how many blocks requests' `cache_ttl_s` may keep resident at once."""
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.group_windows = tuple(group_windows)
@@ -101,6 +102,11 @@ class KVCacheManager:
         self.pending_loads: list[tuple[int, bytearray]] = []
         self.pending_stores: list[tuple[int, bytes]] = []
         self._held_tier_payloads: dict[bytes, bytearray] = {}
+        # Pinned prefixes (a request's cache_ttl_s): cache key -> (block, expiry on time.monotonic()). A pin
+        # holds one reference, so the block never reaches the free queue (never evicted) until it expires.
+        self.max_pinned_blocks = max_pinned_blocks
+        self.pinned: dict[bytes, tuple[KVBlock, float]] = {}
+        self.num_pins_refused = 0  # blocks a pin could not hold: the pinned share was full
 
     @property
     def num_groups(self) -> int:
@@ -422,6 +428,45 @@ class KVCacheManager:
     def num_free_host_blocks(self) -> int:
         return self.host_pool.num_free_blocks if self.host_pool is not None else 0
 
+    # ---- pinned prefixes -------------------------------------------------------------------
+    def pin_prompt(self, request: Request, ttl_s: float, now: float) -> None:
+        """Keeps the request's cached prompt blocks resident until `now + ttl_s` (a pin on a block already
+        pinned extends it), as far as the pinned share allows: a prefix pins from its first block on, so
+        what fits is always a usable prefix. With a tier, its copies are kept from the tier's eviction too."""
+        until = now + ttl_s
+        num_blocks = (request.num_prompt_tokens - 1) // self.block_size
+        keys = []
+        for group, blocks in enumerate(self.group_blocks):
+            table = blocks.get(request.request_id, ())
+            for i in range(min(num_blocks, len(table), len(request.block_hashes))):
+                block = table[i]
+                key = self._cache_key(request.block_hashes[i], group)
+                if block is self.null_block or block.block_hash != key:
+                    continue  # behind a sliding window, or a private copy of a block cached elsewhere
+                keys.append(key)
+                if key in self.pinned:
+                    self.pinned[key] = (block, max(until, self.pinned[key][1]))
+                elif len(self.pinned) < self.max_pinned_blocks:
+                    self.pool.touch([block])
+                    self.pinned[key] = (block, until)
+                else:
+                    self.num_pins_refused += 1
+        if self.tier is not None and keys:
+            self.tier.pin(keys, until)
+
+    def expire_pins(self, now: float) -> int:
+        """Releases the pins whose time is up: their blocks become ordinary cached blocks (LRU)."""
+        expired = [key for key, (_, until) in self.pinned.items() if until <= now]
+        self.pool.free_blocks([self.pinned.pop(key)[0] for key in reversed(expired)])
+        return len(expired)
+
+    def release_pins(self, count: int) -> int:
+        """Releases up to `count` pins, those expiring soonest first (a request that cannot fit otherwise
+        needs their blocks); the number released."""
+        soonest = sorted(self.pinned, key=lambda key: self.pinned[key][1])[:count]
+        self.pool.free_blocks([self.pinned.pop(key)[0] for key in reversed(soonest)])
+        return len(soonest)
+
     def free(self, request: Request) -> None:
         host = self.req_to_host_blocks.pop(request.request_id, None)
         if host:
@@ -434,4 +479,7 @@ class KVCacheManager:
                 self.pool.free_blocks(reversed(self._real(blocks)))
 
     def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block, pinned ones included; False while requests hold blocks."""
+        self.pool.free_blocks([block for block, _ in self.pinned.values()])
+        self.pinned.clear()
         return self.pool.reset_prefix_cache()

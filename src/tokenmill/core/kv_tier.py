@@ -138,6 +138,7 @@ class KVTier:
         self._index: OrderedDict[bytes, None] = OrderedDict()
         self._queued: set[bytes] = set()
         self._pending_bytes = 0
+        self._pinned: dict[bytes, float] = {}  # key -> time.monotonic() until which eviction skips it
         self._writes_paused_until = 0.0
         self._queue: queue.Queue = queue.Queue()
         self._open()
@@ -387,12 +388,33 @@ class KVTier:
             "KV offload: cannot write to %s (%s); serving without new tier blocks, trying again in %.0f s",
             self.root, reason, WRITE_RETRY_S)
 
+    def pin(self, keys: Iterable[bytes], until: float) -> None:
+        """Keeps the blocks from the budget's eviction until `until` (time.monotonic()), later pins winning."""
+        with self._lock:
+            for key in keys:
+                self._pinned[key] = max(until, self._pinned.get(key, 0.0))
+
+    def _victim(self) -> Optional[bytes]:
+        """The least recently used block no pin holds (expired pins are dropped on the way)."""
+        now = time.monotonic()
+        for key in self._index:
+            until = self._pinned.get(key)
+            if until is None:
+                return key
+            if until <= now:
+                del self._pinned[key]
+                return key
+        return None
+
     def _evict_over_budget(self) -> None:
         while True:
             with self._lock:
                 if len(self._index) * self.file_bytes <= self.budget_bytes or not self._index:
                     return
-                key, _ = self._index.popitem(last=False)
+                key = self._victim()
+                if key is None:
+                    return  # everything left is pinned: the budget is exceeded until the pins expire
+                del self._index[key]
                 self.stats.evictions += 1
                 self.stats.stored_blocks = len(self._index)
                 self.stats.stored_bytes = len(self._index) * self.file_bytes

@@ -31,6 +31,10 @@ QUEUE_TIMEOUT = "queue_timeout"
 QUEUE_FULL = "queue_full"
 
 
+# Blocks released at a time when pinned prefixes must give way to a request that cannot fit otherwise.
+PIN_RELEASE_BLOCKS = 16
+
+
 @dataclass(slots=True)
 class _Item:
     """A request picked for this step, before it is described to the runner."""
@@ -59,6 +63,8 @@ class SchedulerStats:
     # Index i: how many times a verify kept its draft at position i (vLLM's accepted tokens per position).
     spec_accepted_per_position: list[int] = field(default_factory=list)
     spec_step_draft_limit: int = 0  # set by the engine core: the last step's drafts per request (0: none)
+    num_pinned_blocks: int = 0  # blocks requests' cache_ttl_s keep resident now
+    num_pins_refused: int = 0  # cumulative: blocks a pin could not hold (the pinned share was full)
     # Filled by the engine core on accelerators: device memory its process holds (bytes).
     device_memory_bytes: int = 0
     # The prefix cache's second tier (core.kv_tier), cumulative but for the last two (gauges).
@@ -140,6 +146,9 @@ class Scheduler:
         return done
 
     def _free(self, request: Request) -> None:
+        ttl = getattr(request.sampling_params, "cache_ttl_s", None)
+        if ttl:
+            self.kv_cache.pin_prompt(request, ttl, time.monotonic())
         self.kv_cache.free(request)
         self.requests.pop(request.request_id, None)
         self._forget(request)
@@ -158,6 +167,8 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.kv_cache.pinned:
+            self.kv_cache.expire_pins(time.monotonic())
         self._fork_ready_parents()
         self._expire_waiting()
         self.policy.begin_step(self.running, self.waiting)
@@ -304,6 +315,8 @@ class Scheduler:
         was preempted itself or has to wait a step."""
         request = self.running[index]
         while self.kv_cache.allocate_slots(request, num_new) is None:
+            if self.kv_cache.release_pins(PIN_RELEASE_BLOCKS):
+                continue  # pins are a cache hint: they give way before any running request does
             victim = self._running_victim(index, can_wait)
             if victim is None:
                 return False
@@ -402,7 +415,11 @@ class Scheduler:
             if remaining > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = self._cap_prefill(request, remaining, budget)
-            if self.kv_cache.allocate_slots(request, num_new, hits) is None:
+            allocated = self.kv_cache.allocate_slots(request, num_new, hits)
+            # With nothing running, no block will come free but from pins: they give way.
+            while allocated is None and not self.running and self.kv_cache.release_pins(PIN_RELEASE_BLOCKS):
+                allocated = self.kv_cache.allocate_slots(request, num_new, hits)
+            if allocated is None:
                 self._preempt_for(request, output, scheduled)
                 break
             self.waiting.remove(request)
@@ -515,6 +532,8 @@ class Scheduler:
             spec_num_accepted_tokens=self.num_accepted_tokens,
             spec_num_drafts=self.num_drafts,
             spec_accepted_per_position=list(self.accepted_per_position),
+            num_pinned_blocks=len(self.kv_cache.pinned),
+            num_pins_refused=self.kv_cache.num_pins_refused,
             **self._tier_stats(),
         )
 

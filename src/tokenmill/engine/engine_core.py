@@ -158,7 +158,8 @@ class EngineCore:
             self.executor.shutdown()
             raise
         self.kv_cache = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching, num_host_blocks,
-                                       group_windows=windows, tier=self.kv_tier)
+                                       group_windows=windows, tier=self.kv_tier,
+                                       max_pinned_blocks=int(num_blocks * config.kv_cache_pin_fraction))
         self.scheduler = Scheduler(config, self.max_model_len, self.kv_cache)
         # Structured outputs: grammars compiled against the tokenizer, masks sized to the model's logits.
         self.structured_backend = LLGuidanceBackend(source.tokenizer, self.vocab_size, self.model_info.eos_token_ids)

@@ -84,6 +84,8 @@ class PrometheusStatLogger:
         self.waiting = Gauge(p + "num_requests_waiting", "Requests waiting to be scheduled", labels, registry=r)
         self.swapped = Gauge(p + "num_requests_swapped", "Requests swapped out to host memory", labels, registry=r)
         self.kv_usage = Gauge(p + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1)", labels, registry=r)
+        self.pinned_blocks = Gauge(p + "prefix_cache_pinned_blocks", "KV blocks pinned by requests' cache_ttl_s",
+                                   labels, registry=r)
         self.cached_blocks = Gauge(p + "prefix_cache_blocks", "KV blocks holding a reusable prefix", labels,
                                    registry=r)
         self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens of requests that started generating",
@@ -158,7 +160,7 @@ class PrometheusStatLogger:
 
     def _create_series(self) -> None:
         m = self.model_name
-        for metric in (self.running, self.waiting, self.swapped, self.kv_usage, self.cached_blocks,
+        for metric in (self.running, self.waiting, self.swapped, self.kv_usage, self.cached_blocks, self.pinned_blocks,
                        self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries,
                        self.prefix_hits, self.evictions, self.spec_drafts, self.spec_accepted, self.spec_verifies, self.ttft, self.itl,
                        self.tpot, self.e2e, self.queue,
@@ -181,6 +183,7 @@ class PrometheusStatLogger:
         self.swapped.labels(m).set(scheduler.num_swapped)
         self.kv_usage.labels(m).set(scheduler.kv_cache_usage)
         self.cached_blocks.labels(m).set(scheduler.num_cached_blocks)
+        self.pinned_blocks.labels(m).set(scheduler.num_pinned_blocks)
         if self.device_memory is not None:
             self.device_memory.labels(m).set(scheduler.device_memory_bytes)
         last = self._last

@@ -29,6 +29,8 @@ class SchedulerSnapshot:
     spec_accepted_per_position: list[int] = field(default_factory=list)  # cumulative, per draft position
     spec_step_draft_limit: int = 0  # gauge: the last step's drafts per request (0: speculation paused or off)
     device_memory_bytes: int = 0  # CUDA memory the engine core holds (0 on CPU)
+    num_pinned_blocks: int = 0  # gauge: blocks requests' cache_ttl_s keep resident
+    num_pins_refused: int = 0  # cumulative: blocks a pin could not hold (the pinned share was full)
     # The prefix cache's second tier (--kv-offload-dir): cumulative, but stored blocks and bytes (gauges).
     kv_offload_enabled: bool = False
     kv_offload_queries: int = 0  # tokens the memory cache lacked
@@ -248,6 +250,8 @@ class WindowStatLogger:
                 "prefix_cache_queries": sched.prefix_cache_queries,
                 "prefix_cache_hits": sched.prefix_cache_hits,
                 "prefix_cache_hit_rate": hit_rate,
+                "prefix_cache_pinned_blocks": sched.num_pinned_blocks,
+                "prefix_cache_pins_refused": sched.num_pins_refused,
                 "spec_decode": {  # cumulative; acceptance per position = accepted there / verifies
                     "num_drafts": sched.spec_num_drafts,
                     "num_draft_tokens": sched.spec_num_draft_tokens,

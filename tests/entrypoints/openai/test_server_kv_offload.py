@@ -10,8 +10,8 @@ import httpx
 PROMPT = "A short history of the lighthouse keepers of the northern coast, told year by year. " * 24
 
 
-def complete(server) -> dict:
-    body = {"model": "m", "prompt": PROMPT, "max_tokens": 8, "temperature": 0}
+def complete(server, **extra) -> dict:
+    body = {"model": "m", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, **extra}
     response = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()
@@ -54,3 +54,15 @@ def test_a_directory_that_cannot_be_written_leaves_the_server_serving(start_serv
     assert complete(server)["usage"]["completion_tokens"] == 8
     assert "KV offload: cannot write" in server.log_text()
     assert metric(server, "kv_offload_write_errors_total") >= 1
+
+
+def test_cache_ttl_pins_a_prompt_and_bad_values_are_400(start_server, tiny_llama_dir):
+    server = start_server(["--model", str(tiny_llama_dir), "--served-model-name", "m"])
+    usage = complete(server, cache_ttl_s=300)["usage"]
+    assert server.stats()["prefix_cache_pinned_blocks"] == (usage["prompt_tokens"] - 1) // 16
+    assert metric(server, "prefix_cache_pinned_blocks") == (usage["prompt_tokens"] - 1) // 16
+    for bad in (-1, 0, 10**9, "soon"):
+        body = {"model": "m", "prompt": "hi", "max_tokens": 2, "cache_ttl_s": bad}
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=30)
+        assert response.status_code == 400, (bad, response.text)
+        assert response.json()["error"]["param"] == "cache_ttl_s"

@@ -14,7 +14,7 @@ from pydantic_core import PydanticCustomError
 
 from tokenmill.engine.text_checks import find_bad_text
 from tokenmill.errors import InvalidRequestError
-from tokenmill.sampling_params import INT64_MAX, INT64_MIN, SamplingParams, StructuredOutputsParams
+from tokenmill.sampling_params import INT64_MAX, INT64_MIN, MAX_CACHE_TTL_S, SamplingParams, StructuredOutputsParams
 
 MAX_N = 128  # OpenAI's limit on choices per prompt
 
@@ -143,6 +143,8 @@ class SamplingFields(RequestModel):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)
+    # tokenmill's extension: keep the prompt's prefix cached this long after the request (SamplingParams)
+    cache_ttl_s: Optional[float] = Field(None, gt=0.0, le=MAX_CACHE_TTL_S)
     # Structured outputs: OpenAI's response_format, vLLM's structured_outputs and its older guided_* fields.
     response_format: Optional[ResponseFormat] = None
     structured_outputs: Optional[StructuredOutputsField] = None
@@ -187,6 +189,7 @@ class SamplingFields(RequestModel):
             include_stop_str_in_output=self.include_stop_str_in_output,
             logit_bias=_checked_logit_bias(self.logit_bias, vocab_size),
             structured_outputs=self.structured_outputs_params(),
+            cache_ttl_s=self.cache_ttl_s,
         )
 
     def structured_outputs_params(self) -> Optional[StructuredOutputsParams]:
