@@ -32,6 +32,29 @@ def test_router_prefers_the_core_holding_the_prefix_unless_it_is_much_busier():
     assert router.engines[0].in_flight == 1
 
 
+def test_a_prefix_in_the_shared_tier_draws_no_request_to_one_core(tmp_path):
+    """Every core restores a prefix the shared KV offload tier holds, so only a longer in-memory prefix
+    earns a core the request; the rest goes by load."""
+    from tokenmill.core.kv_tier import TierView, block_path
+    from tokenmill.engine.dp_router import prompt_block_hashes
+
+    tier = TierView(str(tmp_path), file_bytes=8)
+    router = DataParallelRouter(2, block_size=4, capacity_blocks=100, shared_tier=tier)
+    a = list(range(16))
+    assert router.choose(a) == 0
+    assert router.choose(a) == 0  # core 0 holds the prefix in memory; the tier holds none of it
+    for key in prompt_block_hashes(a, 4)[:3]:  # the tier holds 3 of its 4 blocks...
+        block_path(tmp_path, key).parent.mkdir(exist_ok=True)
+        block_path(tmp_path, key).write_bytes(b"12345678")
+    assert router.choose(a) == 0  # ...core 0 still holds one block more
+    for key in prompt_block_hashes(a, 4):
+        block_path(tmp_path, key).parent.mkdir(exist_ok=True)
+        block_path(tmp_path, key).write_bytes(b"12345678")
+    assert router.choose(a) == 1  # all of it: the least-loaded core
+    assert [e["routed_with_tier_prefix"] for e in router.stats()] == [1, 1]
+    assert [e["routed_by_prefix"] for e in router.stats()] == [2, 0]
+
+
 @pytest.mark.parametrize("policy", ["prefix", "round_robin"])
 def test_long_prompts_have_a_lane_of_their_own(policy):
     router = DataParallelRouter(3, block_size=4, capacity_blocks=100, policy=policy, long_prompt_threshold=50)

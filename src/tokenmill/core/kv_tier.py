@@ -76,6 +76,32 @@ def files_digest(paths: Iterable[Path], sample_bytes: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
+def block_path(root: Path, key: bytes) -> Path:
+    """Where a tier keeps a block: <root>/<key[:2]>/<key>.kv (root: the fingerprint's directory)."""
+    name = key.hex()
+    return Path(root) / name[:2] / (name + SUFFIX)
+
+
+class TierView:
+    """What a process that only routes requests (the data-parallel router) sees of a tier the engine
+    cores share: which leading blocks of a prompt it holds, by one stat per block."""
+
+    def __init__(self, root: str, file_bytes: int) -> None:
+        self.root = Path(root)
+        self.file_bytes = file_bytes
+
+    def leading_blocks(self, keys: Iterable[bytes]) -> int:
+        count = 0
+        for key in keys:
+            try:
+                if block_path(self.root, key).stat().st_size != self.file_bytes:
+                    break
+            except OSError:
+                break
+            count += 1
+        return count
+
+
 @dataclass(slots=True)
 class KVTierStats:
     """Cumulative counts (the engine core sends them with its stats)."""
@@ -210,8 +236,7 @@ class KVTier:
 
     # ---- lookup and read -------------------------------------------------------------------
     def _path(self, key: bytes) -> Path:
-        name = key.hex()
-        return self.root / name[:2] / (name + SUFFIX)
+        return block_path(self.root, key)
 
     def contains(self, key: bytes, look: bool = True) -> bool:
         """Whether the tier holds the block; `look`: also stat the directory for a block another process

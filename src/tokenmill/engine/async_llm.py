@@ -26,6 +26,7 @@ from typing import Any, AsyncIterator, Optional
 import msgspec
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.kv_tier import TierView
 from tokenmill.engine.core_client import MPClient
 from tokenmill.engine.dp_router import DataParallelRouter
 from tokenmill.engine.frontend import Frontend, rejection, scheduler_snapshot
@@ -76,7 +77,8 @@ class AsyncLLM:
         self.router = DataParallelRouter(len(self.clients), self.ready.block_size, self.ready.num_kv_blocks,
                                          config.data_parallel_routing,
                                          long_prompt_threshold=config.data_parallel_long_prompt_threshold,
-                                         long_prompt_borrowing=config.data_parallel_long_prompt_borrowing) \
+                                         long_prompt_borrowing=config.data_parallel_long_prompt_borrowing,
+                                         shared_tier=_shared_tier(self.clients)) \
             if len(self.clients) > 1 else None
         self.frontend = Frontend.build(config, info, self.tokenizer, self.max_model_len)
         self.served_model_name = self.frontend.served_model_name
@@ -441,3 +443,12 @@ def _sum_known(values) -> Optional[int]:
     """The sum, or None when any value is unknown (no /proc)."""
     values = list(values)
     return None if not values or any(v is None for v in values) else sum(values)
+
+
+def _shared_tier(clients) -> Optional[TierView]:
+    """The KV offload tier every engine core reads (the same directory and fingerprint), if any."""
+    roots = {(client.ready.kv_offload_root, client.ready.kv_offload_file_bytes) for client in clients}
+    if len(roots) != 1:
+        return None
+    root, file_bytes = roots.pop()
+    return TierView(root, file_bytes) if root is not None else None

@@ -30,6 +30,7 @@ from typing import Generic, Hashable, Mapping, Optional, Sequence, TypeVar
 
 from tokenmill.config import DATA_PARALLEL_ROUTING as ROUTING_POLICIES
 from tokenmill.core.kv_cache_manager import hash_block_tokens
+from tokenmill.core.kv_tier import TierView
 
 Key = TypeVar("Key", bound=Hashable)
 
@@ -71,9 +72,11 @@ class PrefixAffinity(Generic[Key]):
                 matched += 1
         return matched
 
-    def choose(self, hashes: Sequence[bytes], loads: Mapping[Key, int]) -> tuple[Key, bool]:
+    def choose(self, hashes: Sequence[bytes], loads: Mapping[Key, int], shared_blocks: int = 0) -> tuple[Key, bool]:
         """The replica for a prompt among `loads` (replica -> requests in flight), and whether it was
-        picked for its cached prefix (True) or as the least loaded (False)."""
+        picked for its cached prefix (True) or as the least loaded (False). shared_blocks: the prompt's
+        leading blocks every replica can read from a tier they share (a replica is preferred only for
+        a prefix longer than that)."""
         if not loads:
             raise ValueError("no replica to choose from")
         order = {key: i for i, key in enumerate(loads)}
@@ -85,7 +88,7 @@ class PrefixAffinity(Generic[Key]):
             matched = self.matched_blocks(key, hashes)
             if matched > best_len or (matched == best_len and matched and loads[key] < loads[best]):
                 best, best_len = key, matched
-        by_prefix = best_len > 0 and loads[best] - loads[least] <= self.max_imbalance
+        by_prefix = best_len > shared_blocks and loads[best] - loads[least] <= self.max_imbalance
         return (best if by_prefix else least), by_prefix
 
     def remember(self, key: Key, hashes: Sequence[bytes]) -> None:
@@ -123,13 +126,16 @@ class EngineLoad:
     in_flight: int = 0
     routed: int = 0  # requests sent here
     routed_by_prefix: int = 0  # of those, sent for a cached prefix
+    routed_with_tier_prefix: int = 0  # of those, prompts whose prefix the shared KV offload tier holds
     long_in_flight: int = 0  # of the in flight, prompts above the long-prompt threshold
 
 
 class DataParallelRouter:
     def __init__(self, num_engines: int, block_size: int, capacity_blocks: int, policy: str = "prefix",
                  max_imbalance: int = 4, long_prompt_threshold: Optional[int] = None,
-                 long_prompt_borrowing: bool = True) -> None:
+                 long_prompt_borrowing: bool = True, shared_tier: Optional[TierView] = None) -> None:
+        """shared_tier: the KV offload tier every core reads (--kv-offload-dir): a prefix found there is
+        cheap on any core, so it draws a request to a core only as far as that core holds more of it."""
         if policy not in ROUTING_POLICIES:
             raise ValueError(f"routing policy must be one of {', '.join(ROUTING_POLICIES)}")
         # With two or more cores and a threshold: the last core is the long prompts' lane.
@@ -140,6 +146,7 @@ class DataParallelRouter:
         self.engines = [EngineLoad() for _ in range(num_engines)]
         self.affinity: PrefixAffinity[int] = PrefixAffinity(block_size, capacity_blocks, max_imbalance)
         self.policy = policy
+        self.shared_tier = shared_tier
 
     @property
     def block_size(self) -> int:
@@ -173,7 +180,9 @@ class DataParallelRouter:
             by_prefix = False
         else:
             hashes = self.affinity.block_hashes(prompt_token_ids)
-            index, by_prefix = self.affinity.choose(hashes, {i: self.engines[i].in_flight for i in lane})
+            shared = self.shared_tier.leading_blocks(hashes) if self.shared_tier is not None else 0
+            index, by_prefix = self.affinity.choose(hashes, {i: self.engines[i].in_flight for i in lane}, shared)
+            self.engines[index].routed_with_tier_prefix += shared > 0
         self._assign(index, hashes, by_prefix)
         if is_long and key is not None:
             self._long_requests.add(key)
@@ -194,5 +203,5 @@ class DataParallelRouter:
             self.engines[index].long_in_flight -= 1
 
     def stats(self) -> list[dict[str, int]]:
-        return [{"engine": i, "in_flight": e.in_flight, "routed": e.routed, "routed_by_prefix": e.routed_by_prefix}
-                for i, e in enumerate(self.engines)]
+        return [{"engine": i, "in_flight": e.in_flight, "routed": e.routed, "routed_by_prefix": e.routed_by_prefix,
+                 "routed_with_tier_prefix": e.routed_with_tier_prefix} for i, e in enumerate(self.engines)]

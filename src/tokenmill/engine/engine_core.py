@@ -197,7 +197,9 @@ class EngineCore:
                                linear_layers=self.linear_layers, weights_bytes=self.memory.weights,
                                buffers_bytes=self.memory.buffers, kv_cache_bytes=self.memory.kv_cache, activations_bytes=self.memory.activations,
                                rss_bytes=self.memory.rss, numerics=self.numerics.as_dict(), model_info=info,
-                               config=self.resolved_options())
+                               config=self.resolved_options(),
+                               kv_offload_root=str(self.kv_tier.root) if self.kv_tier is not None else None,
+                               kv_offload_file_bytes=self.kv_tier.file_bytes if self.kv_tier is not None else 0)
 
     def resolved_options(self) -> dict[str, Any]:
         """The options the core runs with, as plain data (the model's path, not a secret; no API keys live here)."""

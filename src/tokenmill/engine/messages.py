@@ -125,6 +125,10 @@ class EngineCoreReady(msgspec.Struct, tag=True, omit_defaults=True):
     # The engine's options as the core runs them (every default resolved; EngineConfig's field names), for
     # /stats and benchmark records.
     config: dict[str, Any] = {}
+    # --kv-offload-dir: the tier's directory for this engine's fingerprint, and the size of a block file
+    # there (the data-parallel router looks up prompts' blocks in it).
+    kv_offload_root: Optional[str] = None
+    kv_offload_file_bytes: int = 0
 
 
 class EngineCoreFailure(msgspec.Struct, tag=True):

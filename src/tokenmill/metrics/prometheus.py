@@ -40,6 +40,8 @@ REPLICA_GAUGES = (
     ("routed", "router_requests_routed", "Requests routed to each engine core (cumulative)"),
     ("routed_by_prefix", "router_requests_routed_by_prefix",
      "Requests routed to an engine core for its cached prefix (cumulative)"),
+    ("routed_with_tier_prefix", "router_requests_with_tier_prefix",
+     "Requests whose prompt prefix the shared KV offload tier held when routed (cumulative)"),
 )
 
 
