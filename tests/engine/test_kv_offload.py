@@ -163,3 +163,26 @@ def test_pins_give_way_to_a_request_that_cannot_fit_otherwise(tiny_llama_dir, re
     big = ids(5000, 200)  # 13 blocks: served, not left waiting for the pins to expire
     assert tokens(run(llm, [big], max_tokens=4)) == tokens(run(reference, [big], max_tokens=4))
     assert engine(llm).scheduler.get_stats().num_pinned_blocks < 6
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_sliding_window_models_restore_every_group(tmp_path_factory, smollm2_tokenizer, family):
+    """Gemma 3 (local and global layer groups) and Mistral (every layer windowed, window 12): a restored
+    prefix brings back each group's blocks its window still reads, and the outputs match computing it."""
+    from model_factory import build_tiny_family
+
+    directory = build_tiny_family(tmp_path_factory.mktemp(f"tier-{family}"), smollm2_tokenizer, family)
+    tier_dir = tmp_path_factory.mktemp(f"tier-{family}-blocks")
+    prompts = [ids(11, 90), ids(11, 70) + ids(600, 25)]
+    settings = dict(num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=256, numerics="exact")
+    expected = tokens(run(LLM(str(directory), enable_prefix_caching=False, **settings), prompts))
+    first = LLM(str(directory), kv_offload_dir=str(tier_dir), **settings)
+    assert tokens(run(first, prompts[:1])) == expected[:1]
+    first.shutdown()
+    restarted = LLM(str(directory), kv_offload_dir=str(tier_dir), **settings)
+    outputs = run(restarted, prompts)
+    assert tokens(outputs) == expected
+    assert [o.num_cached_tokens for o in outputs] == [80, 64]
+    stats = engine(restarted).scheduler.get_stats()
+    # The second prompt's window blocks past the shared prefix's memory copy come from the tier as well.
+    assert stats.kv_offload_hits >= 80 and stats.kv_offload_blocks_read > 0 and stats.kv_offload_corrupt == 0

@@ -37,7 +37,7 @@ class TierHit:
     fresh block at allocation, and the runner copies the payload into it before the step's forward pass."""
 
     key: bytes
-    payload: bytearray
+    payload: Optional[bytearray]  # None while only the tier's index has been asked
 
 
 # Payloads read for a request that then did not fit are kept for its next try, up to this many bytes.
@@ -93,8 +93,8 @@ class KVCacheManager:
         self.pending_swap_in: list[tuple[int, int]] = []  # (host block, device block)
         # Host blocks released by a swap-in are reused only after the copy back has run.
         self._host_blocks_to_free: list[KVBlock] = []
-        if tier is not None and (len(self.group_windows) > 1 or not enable_caching):
-            raise ValueError("the KV offload tier needs prefix caching and a single KV cache group")
+        if tier is not None and not enable_caching:
+            raise ValueError("the KV offload tier needs prefix caching")
         self.tier = tier
         self.tier_stats = PrefixCacheStats()  # tokens the memory cache lacked, and those the tier restored
         # Runner work of the step being scheduled: (block id, payload) to copy in before the forward pass,
@@ -154,9 +154,11 @@ class KVCacheManager:
             hashes.append(hash_block_tokens(parent, request.all_token_ids[start:start + bs]))
 
     # ---- lookup --------------------------------------------------------------------------
-    def _cached_prefix(self, request: Request) -> list[list[KVBlock]]:
+    def _cached_prefix(self, request: Request, tier_look: Optional[bool] = None) -> list[list]:
         """Per group, the blocks of the request's longest cached prefix. The last token must be computed
-        to get logits, so at most num_tokens - 1 tokens are looked up.
+        to get logits, so at most num_tokens - 1 tokens are looked up. With `tier_look` (True: stat the
+        directory for other processes' blocks too, False: this process's index only), a block the memory
+        cache lacks may come from the second tier: a TierHit without its payload yet.
 
         A hit of k blocks needs, in a full-attention group, blocks 0..k-1 cached; in a sliding-window
         group only the blocks the window of position k * block_size reaches (the entries before them
@@ -167,11 +169,14 @@ class KVCacheManager:
         self._update_block_hashes(request, max_tokens)
         hashes = request.block_hashes[: max_tokens // self.block_size]
         limit = len(hashes)
-        found: list[list[Optional[KVBlock]]] = []
+        found: list[list] = []
         for group, window in enumerate(self.group_windows):
-            blocks: list[Optional[KVBlock]] = []
+            blocks: list = []
             for block_hash in hashes[:limit]:
-                block = self.pool.get_cached_block(self._cache_key(block_hash, group))
+                key = self._cache_key(block_hash, group)
+                block = self.pool.get_cached_block(key)
+                if block is None and tier_look is not None and self.tier.contains(key, look=tier_look):
+                    block = TierHit(key, None)
                 if block is None and window is None:
                     break
                 blocks.append(block)
@@ -188,16 +193,16 @@ class KVCacheManager:
             hits.append([self.null_block] * first + blocks[first:num_hits])
         return hits
 
-    def _window_present(self, blocks: list[Optional[KVBlock]], num_hits: int, window: Optional[int]) -> bool:
+    def _window_present(self, blocks: list, num_hits: int, window: Optional[int]) -> bool:
         first = first_needed_block(num_hits * self.block_size, window, self.block_size)
         return all(block is not None for block in blocks[first:num_hits])
 
-    def _pack(self, hits: list[list[KVBlock]]) -> list:
+    def _pack(self, hits: list[list]) -> list:
         """Cache hits as the scheduler holds them: a block per hit (one group), or a tuple of one
         block per group."""
         return hits[0] if self.num_groups == 1 else list(zip(*hits))
 
-    def _unpack(self, hits: Sequence) -> list[list[KVBlock]]:
+    def _unpack(self, hits: Sequence) -> list[list]:
         if self.num_groups == 1:
             return [list(hits)]
         return [list(column) for column in zip(*hits)] if hits else [[] for _ in self.group_windows]
@@ -213,10 +218,9 @@ class KVCacheManager:
         self.prefix_stats.queries += request.num_tokens
         self.prefix_stats.hits += num_hits * self.block_size
         if self.tier is not None:
-            restored = self._read_from_tier(request, num_hits)
             self.tier_stats.queries += request.num_tokens - num_hits * self.block_size
-            self.tier_stats.hits += len(restored) * self.block_size
-            hits[0] += restored
+            hits = self._read_from_tier(request, hits)
+            self.tier_stats.hits += (len(hits[0]) - num_hits) * self.block_size
         return self._pack(hits), len(hits[0]) * self.block_size
 
     def peek_cached_tokens(self, request: Request) -> int:
@@ -224,44 +228,37 @@ class KVCacheManager:
         taking the blocks or counting a query."""
         if not self.enable_caching:
             return 0
-        num_hits = len(self._cached_prefix(request)[0])
-        if self.tier is not None:
-            num_hits += len(self._tier_run(request, num_hits, look=False))
-        return num_hits * self.block_size
+        return len(self._cached_prefix(request, tier_look=False if self.tier is not None else None)[0]) \
+            * self.block_size
 
     # ---- the second tier -----------------------------------------------------------------
-    def _tier_run(self, request: Request, start: int, look: bool) -> list[bytes]:
-        """Keys of the blocks from index `start` on that the tier holds, up to the first it lacks."""
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        keys = []
-        for block_hash in request.block_hashes[start:max_blocks]:
-            if not self.tier.contains(block_hash, look=look):
-                break
-            keys.append(block_hash)
-        return keys
-
-    def _read_from_tier(self, request: Request, start: int) -> list[TierHit]:
-        """The tier's blocks that continue the memory hit (ending at block `start`), read and verified,
-        when reading them is estimated cheaper than computing them; a block that fails its checks ends
-        the run (the rest is computed)."""
-        keys = self._tier_run(request, start, look=True)
-        if not keys or not self.tier.restore_pays(len(keys), len(keys) * self.block_size):
-            return []
-        restored = []
-        for key in keys:
-            payload = self._held_tier_payloads.get(key)
-            if payload is None:
-                payload = self.tier.read(key)
-                if payload is None:
-                    break
-            restored.append(TierHit(key, payload))
-        # Kept until allocated (a request that does not fit now tries again next step), within a bound.
+    def _read_from_tier(self, request: Request, memory_hits: list[list]) -> list[list]:
+        """The longest prefix the memory cache and the tier hold together, with the tier's blocks read and
+        verified, when reading them is estimated cheaper than computing what they add over the memory hit;
+        else `memory_hits`. A block that fails its checks is dropped from the tier, and the prefix is looked
+        up again without it (the rest is computed)."""
+        num_memory = len(memory_hits[0])
         held = self._held_tier_payloads
-        for hit in restored:
-            held[hit.key] = hit.payload
-        while held and len(held) * self.tier.payload_bytes > MAX_HELD_TIER_BYTES:
-            del held[next(iter(held))]
-        return restored
+        while True:
+            hits = self._cached_prefix(request, tier_look=True)
+            wanted = [hit for column in hits for hit in column if isinstance(hit, TierHit)]
+            gained = (len(hits[0]) - num_memory) * self.block_size
+            if not wanted or gained <= 0 or not self.tier.restore_pays(len(wanted), gained):
+                return memory_hits
+            failed = False
+            for hit in wanted:
+                hit.payload = held.get(hit.key)
+                if hit.payload is None:
+                    hit.payload = self.tier.read(hit.key)
+                    if hit.payload is None:
+                        failed = True  # the tier forgot it: the next lookup ends before it
+                        break
+                    held[hit.key] = hit.payload
+            # Kept until allocated (a request that does not fit now tries again next step), within a bound.
+            while held and len(held) * self.tier.payload_bytes > MAX_HELD_TIER_BYTES:
+                del held[next(iter(held))]
+            if not failed:
+                return hits
 
     def take_pending_tier_io(self) -> tuple[list[tuple[int, bytearray]], list[tuple[int, bytes]]]:
         """The step's tier copies for the runner: payloads into blocks before the forward pass, blocks
@@ -281,20 +278,19 @@ class KVCacheManager:
         bs = self.block_size
         hits = self._unpack(new_computed_blocks)
         num_hits = len(new_computed_blocks)
-        # Blocks read back from the tier take fresh blocks (one group only: see __init__).
-        tier_hits = [hit for hit in hits[0] if isinstance(hit, TierHit)]
-        if tier_hits:
-            hits[0] = hits[0][:len(hits[0]) - len(tier_hits)]
+        # Blocks read back from the tier take fresh blocks.
+        num_restored = sum(isinstance(hit, TierHit) for column in hits for hit in column)
         tables = [blocks.setdefault(rid, []) for blocks in self.group_blocks]
         num_computed = request.num_computed_tokens + num_hits * bs
         total_tokens = num_computed + num_new_tokens
         self._drop_behind_windows(tables, num_computed)
         num_needed = [-(-total_tokens // bs) - len(table) - num_hits for table in tables]
         # Cache hits sitting in the free queue stop being free once we take them.
-        num_revived = sum(1 for column in hits for b in column if b is not self.null_block and b.ref_cnt == 0)
+        num_revived = sum(1 for column in hits for b in column
+                          if isinstance(b, KVBlock) and b is not self.null_block and b.ref_cnt == 0)
         shared = [self._shared_partial_block(request, table) if num_new_tokens > 0 else None for table in tables]
         num_copies = sum(index is not None for index in shared)
-        if (sum(max(n, 0) for n in num_needed) + num_revived + num_copies + len(tier_hits)
+        if (sum(max(n, 0) for n in num_needed) + num_revived + num_copies + num_restored
                 > self.pool.num_free_blocks):
             if not tables[0]:
                 for blocks in self.group_blocks:
@@ -302,15 +298,10 @@ class KVCacheManager:
             return None
         # Every group's hits leave the free queue before any block is allocated: otherwise one group's
         # allocation could evict (and reuse) a free cached block that is a later group's hit.
+        for column in hits:
+            self.pool.touch([b for b in self._real(column) if isinstance(b, KVBlock)])
         for table, column in zip(tables, hits):
-            self.pool.touch(self._real(column))
-            table.extend(column)
-        if tier_hits:
-            restored = self.pool.get_new_blocks(len(tier_hits))
-            for block, hit in zip(restored, tier_hits):
-                self.pending_loads.append((block.block_id, hit.payload))
-                self._held_tier_payloads.pop(hit.key, None)
-            tables[0].extend(restored)
+            table.extend(self._restore(hit) if isinstance(hit, TierHit) else hit for hit in column)
         new_blocks: list[KVBlock] = []
         for table, count, index in zip(tables, num_needed, shared):
             if index is not None:
@@ -322,6 +313,14 @@ class KVCacheManager:
         if self.enable_caching:
             self._cache_full_blocks(request, total_tokens)
         return new_blocks
+
+    def _restore(self, hit: TierHit) -> KVBlock:
+        """A fresh block for a block read back from the tier; the runner copies the payload in before the
+        step's forward pass."""
+        block = self.pool.get_new_blocks(1)[0]
+        self.pending_loads.append((block.block_id, hit.payload))
+        self._held_tier_payloads.pop(hit.key, None)
+        return block
 
     def _drop_behind_windows(self, tables: list[list[KVBlock]], position: int) -> None:
         """Sliding-window groups: return the blocks a chunk starting at `position` (and every later one)

@@ -37,7 +37,7 @@ def tier_fingerprint(config: EngineConfig, model_path: Path, kv_spec, device_typ
     }
 
 
-def open_kv_tier(config: EngineConfig, model_path: Path, runner, kv_windows, device_type: str) -> Optional[KVTier]:
+def open_kv_tier(config: EngineConfig, model_path: Path, runner, device_type: str) -> Optional[KVTier]:
     """The tier under --kv-offload-dir, or None without one. config: the resolved one (numerics applied)."""
     if config.kv_offload_dir is None:
         return None
@@ -46,8 +46,6 @@ def open_kv_tier(config: EngineConfig, model_path: Path, runner, kv_windows, dev
     if not config.enable_prefix_caching:
         raise ModelLoadError("--kv-offload-dir extends the prefix cache: it cannot be used with "
                              "--no-enable-prefix-caching")
-    if len(kv_windows) > 1 or kv_windows[0] is not None:
-        raise ModelLoadError("--kv-offload-dir is not available for models with sliding-window layers yet")
     spec = runner.kv_spec
     components = tier_fingerprint(config, model_path, spec, device_type)
     return KVTier(Path(config.kv_offload_dir).expanduser(), config.kv_offload_size, fingerprint_of(components),
