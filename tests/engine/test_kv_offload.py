@@ -68,7 +68,8 @@ def test_a_prefix_lost_from_memory_is_restored_and_matches_hf(tiny_llama_dir, tm
     assert stats.prefix_cache_hits == 64
 
 
-def test_a_restarted_engine_hits_at_once_and_a_changed_setup_does_not(tiny_llama_dir, tmp_path, reference):
+def test_a_restarted_engine_hits_at_once_and_a_changed_setup_does_not(tiny_llama_dir, tmp_path, reference,
+                                                                       tmp_path_factory, smollm2_tokenizer):
     prompt = ids(77, 150)
     expected = tokens(run(reference, [prompt]))
     first = make(tiny_llama_dir, tmp_path)
@@ -78,8 +79,12 @@ def test_a_restarted_engine_hits_at_once_and_a_changed_setup_does_not(tiny_llama
     outputs = run(restarted, [prompt])
     assert tokens(outputs) == expected and outputs[0].num_cached_tokens == 144
     assert engine(restarted).scheduler.get_stats().kv_offload_hits == 144
-    for changed in (dict(kv_cache_dtype="float16", numerics="auto"), dict(block_size=32)):
-        other = make(tiny_llama_dir, tmp_path, **changed)
+    from model_factory import build_tiny_llama
+
+    other_weights = build_tiny_llama(tmp_path_factory.mktemp("other-weights"), smollm2_tokenizer, seed=1)
+    for model, changed in ((tiny_llama_dir, dict(kv_cache_dtype="float16", numerics="auto")),
+                           (tiny_llama_dir, dict(block_size=32)), (other_weights, {})):
+        other = make(model, tmp_path, **changed)
         outputs = run(other, [prompt])
         assert outputs[0].num_cached_tokens == 0
         assert engine(other).scheduler.get_stats().kv_offload_hits == 0
