@@ -231,3 +231,25 @@ def test_data_parallel_cores_each_run_their_own_tensor_parallel_workers(tiny_lla
 
     assert asyncio.run(run()) == expected
     assert not any(is_alive(pid) for pid in workers)
+
+
+def test_kv_offload_tier_under_two_ranks(tmp_path, tiny_llama_dir):
+    """Each stored block holds both ranks' shards (gathered to the driver); a restarted engine restores
+    them, each rank taking its own, with the tokens one rank computes. A one-rank engine's blocks in the
+    same directory are never read by two ranks (another fingerprint), nor theirs by it."""
+    prompt = {"prompt_token_ids": [(11 + 37 * i) % 40000 + 100 for i in range(200)]}
+    settings = dict(max_model_len=512, num_kv_blocks=64, numerics="exact", kv_offload_dir=str(tmp_path))
+    single = LLM(str(tiny_llama_dir), **settings)
+    first = single.generate([prompt], GREEDY, use_tqdm=False)[0]
+    single.shutdown()
+    assert first.num_cached_tokens == 0
+    for attempt in range(2):
+        llm = LLM(str(tiny_llama_dir), tensor_parallel_size=2, **settings)
+        try:
+            out = llm.generate([prompt], GREEDY, use_tqdm=False)[0]
+            assert out.outputs[0].token_ids == first.outputs[0].token_ids
+            assert out.num_cached_tokens == (192 if attempt else 0)
+            core = llm.llm_engine.core.core
+            assert core.kv_tier.payload_bytes == 2 * core.bytes_per_block
+        finally:
+            llm.shutdown()

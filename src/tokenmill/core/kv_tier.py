@@ -2,7 +2,7 @@
 
 One file per block, named by the block's prefix-cache key (the chained SHA-256 of every token before and
 in it, core.kv_cache_manager), under a directory named by the fingerprint of everything that changes a
-block's bytes (model files, dtypes, numerics, block size, tensor-parallel shard, KV layout, this file
+block's bytes (model files, dtypes, numerics, block size, tensor-parallel size, bytes per block, this file
 format). A block computed under other settings lives under another fingerprint and is never read.
 
     <dir>/<fingerprint[:16]>/fingerprint.json        what the fingerprint covers, in words

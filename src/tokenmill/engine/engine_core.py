@@ -153,7 +153,7 @@ class EngineCore:
             logger.info("sliding-window KV cache groups: preempted requests are recomputed, not swapped")
         self.executor.initialize_cache(num_blocks, num_host_blocks, self.max_model_len)
         try:
-            self.kv_tier = open_kv_tier(config, source.path, self.runner, device.type)
+            self.kv_tier = open_kv_tier(config, source.path, self.bytes_per_block, device.type)
         except ModelLoadError:
             self.executor.shutdown()
             raise

@@ -20,7 +20,7 @@ def _model_files(path: Path) -> list[Path]:
     return [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
 
 
-def tier_fingerprint(config: EngineConfig, model_path: Path, kv_spec, device_type: str) -> dict:
+def tier_fingerprint(config: EngineConfig, model_path: Path, bytes_per_rank: int, device_type: str) -> dict:
     """What a block's bytes depend on, as plain data (the tier hashes it; fingerprint.json shows it)."""
     tokenizer = config.tokenizer
     return {
@@ -32,21 +32,19 @@ def tier_fingerprint(config: EngineConfig, model_path: Path, kv_spec, device_typ
         "block_matmul": config.block_matmul,
         "quantization": config.quantization,
         "block_size": config.block_size,
-        "tensor_parallel": [0, config.tensor_parallel_size],
-        "kv_layout": [kv_spec.num_layers, kv_spec.num_kv_heads, kv_spec.head_dim],
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "block_bytes_per_rank": bytes_per_rank,
     }
 
 
-def open_kv_tier(config: EngineConfig, model_path: Path, runner, device_type: str) -> Optional[KVTier]:
-    """The tier under --kv-offload-dir, or None without one. config: the resolved one (numerics applied)."""
+def open_kv_tier(config: EngineConfig, model_path: Path, bytes_per_rank: int, device_type: str) -> Optional[KVTier]:
+    """The tier under --kv-offload-dir, or None without one. config: the resolved one (numerics applied).
+    bytes_per_rank: a KV block's bytes on one tensor-parallel rank; a stored block holds every rank's."""
     if config.kv_offload_dir is None:
         return None
-    if runner is None:
-        raise ModelLoadError("--kv-offload-dir is not available with --tensor-parallel-size > 1 yet")
     if not config.enable_prefix_caching:
         raise ModelLoadError("--kv-offload-dir extends the prefix cache: it cannot be used with "
                              "--no-enable-prefix-caching")
-    spec = runner.kv_spec
-    components = tier_fingerprint(config, model_path, spec, device_type)
+    components = tier_fingerprint(config, model_path, bytes_per_rank, device_type)
     return KVTier(Path(config.kv_offload_dir).expanduser(), config.kv_offload_size, fingerprint_of(components),
-                  spec.bytes_per_block, components)
+                  bytes_per_rank * config.tensor_parallel_size, components)

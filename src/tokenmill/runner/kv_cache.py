@@ -32,22 +32,30 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device)
     return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
 
 
-def kv_blocks_out(caches: list[torch.Tensor], blocks: list[tuple[int, bytes]]) -> list[tuple[bytes, bytes]]:
-    """(key, payload) for each (block id, key): a block's K/V in every layer tensor, laid out
-    [layers, 2, block_size, num_kv_heads, head_dim] in the cache's dtype, as bytes."""
-    ids = torch.tensor([block_id for block_id, _ in blocks], dtype=torch.long, device=caches[0].device)
+def kv_block_bytes(caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
+    """The blocks' K/V in every layer tensor as a uint8 [blocks, bytes] tensor on the CPU, each row laid
+    out [layers, 2, block_size, num_kv_heads, head_dim] in the cache's dtype."""
+    ids = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
     stacked = torch.stack([cache[:, ids] for cache in caches])  # [layers, 2, n, ...]
     per_block = stacked.transpose(0, 2).transpose(1, 2).contiguous().cpu()  # [n, layers, 2, ...]
-    raw = per_block.view(torch.uint8).reshape(len(blocks), -1).numpy()
+    return per_block.view(torch.uint8).reshape(len(block_ids), -1)
+
+
+def kv_blocks_out(caches: list[torch.Tensor], blocks: list[tuple[int, bytes]]) -> list[tuple[bytes, bytes]]:
+    """(key, payload) for each (block id, key): kv_block_bytes' row as bytes."""
+    raw = kv_block_bytes(caches, [block_id for block_id, _ in blocks]).numpy()
     return [(key, raw[i].tobytes()) for i, (_, key) in enumerate(blocks)]
 
 
-def kv_blocks_in(caches: list[torch.Tensor], loads: list[tuple[int, bytes]], spec: KVCacheSpec) -> None:
-    """Copies each (block id, payload) (kv_blocks_out's layout) into the block in every layer tensor."""
+def kv_blocks_in(caches: list[torch.Tensor], loads: list[tuple[int, bytes]], spec: KVCacheSpec,
+                 rank: int = 0) -> None:
+    """Copies each (block id, payload) (kv_blocks_out's layout) into the block in every layer tensor. Under
+    tensor parallelism a payload holds every rank's shard in rank order; this rank's is the rank-th."""
     shape = (len(loads), spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    size = spec.bytes_per_block
     # (bytes arrive from a decoded message; torch reads only writable buffers without a warning)
     raw = torch.stack([torch.frombuffer(payload if isinstance(payload, bytearray) else bytearray(payload),
-                                        dtype=torch.uint8) for _, payload in loads])
+                                        dtype=torch.uint8)[rank * size:(rank + 1) * size] for _, payload in loads])
     values = raw.view(spec.dtype).reshape(shape).to(caches[0].device)
     ids = torch.tensor([block_id for block_id, _ in loads], dtype=torch.long, device=caches[0].device)
     for layer, cache in enumerate(caches):
