@@ -25,6 +25,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.policy import SchedulingPolicy, make_policy
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
+from tokenmill.core.scheduler_stats import SchedulerStats, tier_stats
 
 QUEUE_TIMEOUT = "queue_timeout"
 # stop_reason of a request refused at admission because max_num_queued_requests were waiting.
@@ -43,47 +44,6 @@ class _Item:
     start_position: int
     num_new_tokens: int
     spec_token_ids: list[int] = field(default_factory=list)
-
-
-@dataclass(slots=True)
-class SchedulerStats:
-    num_running: int = 0
-    num_waiting: int = 0
-    num_swapped: int = 0
-    kv_cache_usage: float = 0.0
-    num_preemptions: int = 0
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
-    num_cached_blocks: int = 0
-    num_evictions: int = 0
-    num_queue_timeouts: int = 0
-    spec_num_draft_tokens: int = 0
-    spec_num_accepted_tokens: int = 0
-    spec_num_drafts: int = 0  # verifies that carried at least one draft
-    # Index i: how many times a verify kept its draft at position i (vLLM's accepted tokens per position).
-    spec_accepted_per_position: list[int] = field(default_factory=list)
-    spec_step_draft_limit: int = 0  # set by the engine core: the last step's drafts per request (0: none)
-    num_pinned_blocks: int = 0  # blocks requests' cache_ttl_s keep resident now
-    num_pins_refused: int = 0  # cumulative: blocks a pin could not hold (the pinned share was full)
-    # Filled by the engine core on accelerators: device memory its process holds (bytes).
-    device_memory_bytes: int = 0
-    # The prefix cache's second tier (core.kv_tier), cumulative but for the last two (gauges).
-    kv_offload_enabled: bool = False
-    kv_offload_queries: int = 0  # prompt tokens the memory cache lacked (vLLM's external prefix cache queries)
-    kv_offload_hits: int = 0  # of those, tokens read back from the tier
-    kv_offload_blocks_written: int = 0
-    kv_offload_bytes_written: int = 0
-    kv_offload_blocks_read: int = 0
-    kv_offload_bytes_read: int = 0
-    kv_offload_restore_seconds: float = 0.0
-    kv_offload_evictions: int = 0
-    kv_offload_corrupt: int = 0
-    kv_offload_write_errors: int = 0
-    kv_offload_read_errors: int = 0
-    kv_offload_dropped_writes: int = 0
-    kv_offload_skipped_restores: int = 0
-    kv_offload_stored_blocks: int = 0
-    kv_offload_stored_bytes: int = 0
 
 
 class Scheduler:
@@ -534,17 +494,6 @@ class Scheduler:
             spec_accepted_per_position=list(self.accepted_per_position),
             num_pinned_blocks=len(self.kv_cache.pinned),
             num_pins_refused=self.kv_cache.num_pins_refused,
-            **self._tier_stats(),
+            **tier_stats(self.kv_cache),
         )
 
-    def _tier_stats(self) -> dict:
-        tier = self.kv_cache.tier
-        if tier is None:
-            return {}
-        counts = tier.stats
-        return {"kv_offload_enabled": True, "kv_offload_queries": self.kv_cache.tier_stats.queries,
-                "kv_offload_hits": self.kv_cache.tier_stats.hits,
-                **{"kv_offload_" + name: getattr(counts, name) for name in (
-                    "blocks_written", "bytes_written", "blocks_read", "bytes_read", "restore_seconds", "evictions",
-                    "corrupt", "write_errors", "read_errors", "dropped_writes", "skipped_restores", "stored_blocks",
-                    "stored_bytes")}}

@@ -17,7 +17,8 @@ from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
-from tokenmill.core.scheduler import QUEUE_FULL, Scheduler, SchedulerStats
+from tokenmill.core.scheduler import QUEUE_FULL, Scheduler
+from tokenmill.core.scheduler_stats import SchedulerStats
 from tokenmill.engine.input_processor import eos_token_ids
 from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFork, EngineCoreOutput, EngineCoreOutputs,
                                        EngineCoreReady, EngineCoreRequest, FrontendModelInfo, roundtrip)

@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-from tokenmill.core.scheduler import SchedulerStats
+from tokenmill.core.scheduler_stats import SchedulerStats
 from tokenmill.outputs import Logprob
 from tokenmill.sampling_params import SamplingParams
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
+
+from tokenmill.distributed.parallel_state import TensorParallelGroup
 
 logger = logging.getLogger("tokenmill")
 
@@ -41,10 +44,18 @@ def kv_block_bytes(caches: list[torch.Tensor], block_ids: list[int]) -> torch.Te
     return per_block.view(torch.uint8).reshape(len(block_ids), -1)
 
 
-def kv_blocks_out(caches: list[torch.Tensor], blocks: list[tuple[int, bytes]]) -> list[tuple[bytes, bytes]]:
-    """(key, payload) for each (block id, key): kv_block_bytes' row as bytes."""
-    raw = kv_block_bytes(caches, [block_id for block_id, _ in blocks]).numpy()
-    return [(key, raw[i].tobytes()) for i, (_, key) in enumerate(blocks)]
+def kv_blocks_out(caches: list[torch.Tensor], blocks: list[tuple[int, bytes]],
+                  tp: Optional[TensorParallelGroup] = None) -> list[tuple[bytes, bytes]]:
+    """(key, payload) for each (block id, key): kv_block_bytes' row as bytes. Under tensor parallelism every
+    rank's shard is gathered to the driver, in rank order (one payload, one file, whatever the rank count);
+    the other ranks return nothing."""
+    raw = kv_block_bytes(caches, [block_id for block_id, _ in blocks])
+    if tp is not None:
+        raw = tp.all_gather_last_dim(raw.to(caches[0].device)).cpu()
+        if not tp.is_driver:
+            return []
+    rows = raw.numpy()
+    return [(key, rows[i].tobytes()) for i, (_, key) in enumerate(blocks)]
 
 
 def kv_blocks_in(caches: list[torch.Tensor], loads: list[tuple[int, bytes]], spec: KVCacheSpec,

@@ -23,7 +23,7 @@ from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, releas
 from tokenmill.runner.backend_check import attention_mismatch
 from tokenmill.runner.draft_verify import verify_drafts
 from tokenmill.runner.input_batch import InputBatch
-from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_caches, kv_block_bytes, kv_blocks_in, kv_blocks_out
+from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_caches, kv_blocks_in, kv_blocks_out
 from tokenmill.runner.model_memory import model_tensor_bytes
 from tokenmill.sample.sampler import Sampler, SamplingRequestState, compute_prompt_logprobs
 
@@ -221,19 +221,8 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         result = self._execute(output)
         if output.kv_stores:  # the blocks this forward pass filled, for the prefix cache's second tier
-            result.kv_stored = self._blocks_for_tier(output.kv_stores)
+            result.kv_stored = kv_blocks_out(self.kv_caches, output.kv_stores, self.tp)
         return result
-
-    def _blocks_for_tier(self, stores: list[tuple[int, bytes]]) -> list[tuple[bytes, bytes]]:
-        """(key, payload) of each block; under tensor parallelism every rank's shard gathered to the driver,
-        in rank order (one payload, one file, whatever the rank count)."""
-        if self.tp is None:
-            return kv_blocks_out(self.kv_caches, stores)
-        shards = kv_block_bytes(self.kv_caches, [block_id for block_id, _ in stores])
-        gathered = self.tp.all_gather_last_dim(shards.to(self.device)).cpu().numpy()
-        if not self.tp.is_driver:
-            return []
-        return [(key, gathered[i].tobytes()) for i, (_, key) in enumerate(stores)]
 
     def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         result = ModelRunnerOutput(sampled={}, logprobs={}, prompt_logprobs={}, accepted={})
