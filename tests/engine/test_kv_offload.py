@@ -64,7 +64,7 @@ def test_a_prefix_lost_from_memory_is_restored_and_matches_hf(tiny_llama_dir, tm
     assert outputs[0].outputs[0].token_ids == hf_greedy(hf_model, prompts[0], 10)
     assert [o.num_cached_tokens for o in outputs] == [96, 64]
     stats = core.scheduler.get_stats()
-    assert stats.kv_offload_hits == 96 and stats.kv_offload_blocks_read == 6  # the second hit the memory copy
+    assert stats.kv_offload["hits"] == 96 and stats.kv_offload["blocks_read"] == 6  # the second hit the memory copy
     assert stats.prefix_cache_hits == 64
 
 
@@ -78,7 +78,7 @@ def test_a_restarted_engine_hits_at_once_and_a_changed_setup_does_not(tiny_llama
     restarted = make(tiny_llama_dir, tmp_path)
     outputs = run(restarted, [prompt])
     assert tokens(outputs) == expected and outputs[0].num_cached_tokens == 144
-    assert engine(restarted).scheduler.get_stats().kv_offload_hits == 144
+    assert engine(restarted).scheduler.get_stats().kv_offload["hits"] == 144
     from model_factory import build_tiny_llama
 
     other_weights = build_tiny_llama(tmp_path_factory.mktemp("other-weights"), smollm2_tokenizer, seed=1)
@@ -87,7 +87,7 @@ def test_a_restarted_engine_hits_at_once_and_a_changed_setup_does_not(tiny_llama
         other = make(model, tmp_path, **changed)
         outputs = run(other, [prompt])
         assert outputs[0].num_cached_tokens == 0
-        assert engine(other).scheduler.get_stats().kv_offload_hits == 0
+        assert engine(other).scheduler.get_stats().kv_offload["hits"] == 0
 
 
 def test_a_damaged_block_ends_the_restored_run(tiny_llama_dir, tmp_path, reference):
@@ -122,7 +122,7 @@ def test_restores_under_memory_pressure_and_chunked_prefill(tiny_llama_dir, tmp_
     outputs = run(llm, prompts)
     assert tokens(outputs) == expected
     assert sum(o.num_cached_tokens for o in outputs) >= 3 * 80
-    assert engine(llm).scheduler.get_stats().kv_offload_hits >= 2 * 80
+    assert engine(llm).scheduler.get_stats().kv_offload["hits"] >= 2 * 80
 
 
 def test_offload_with_message_roundtrip(tiny_llama_dir, tmp_path, reference):
@@ -190,4 +190,4 @@ def test_sliding_window_models_restore_every_group(tmp_path_factory, smollm2_tok
     assert [o.num_cached_tokens for o in outputs] == [80, 64]
     stats = engine(restarted).scheduler.get_stats()
     # The second prompt's window blocks past the shared prefix's memory copy come from the tier as well.
-    assert stats.kv_offload_hits >= 80 and stats.kv_offload_blocks_read > 0 and stats.kv_offload_corrupt == 0
+    assert stats.kv_offload["hits"] >= 80 and stats.kv_offload["blocks_read"] > 0 and stats.kv_offload["corrupt"] == 0

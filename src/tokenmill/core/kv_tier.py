@@ -104,10 +104,9 @@ class TierView:
 
 @dataclass(slots=True)
 class KVTierStats:
-    """Cumulative counts (the engine core sends them with its stats)."""
+    """Cumulative counts (the engine core sends them with its stats; the prompt tokens looked up and restored
+    are the KV cache manager's, which does the lookups)."""
 
-    queries: int = 0  # prompt tokens looked up in the tier (those the memory cache did not hold)
-    hits: int = 0  # of those, tokens restored from it
     blocks_written: int = 0
     bytes_written: int = 0
     blocks_read: int = 0

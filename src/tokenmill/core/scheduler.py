@@ -494,6 +494,6 @@ class Scheduler:
             spec_accepted_per_position=list(self.accepted_per_position),
             num_pinned_blocks=len(self.kv_cache.pinned),
             num_pins_refused=self.kv_cache.num_pins_refused,
-            **tier_stats(self.kv_cache),
+            kv_offload=tier_stats(self.kv_cache),
         )
 

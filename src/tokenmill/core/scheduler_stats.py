@@ -1,7 +1,9 @@
 """The scheduler's statistics, sent to the frontend with every step's outputs (plain data)."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Optional
 
 from tokenmill.core.kv_cache_manager import KVCacheManager
 
@@ -28,34 +30,15 @@ class SchedulerStats:
     num_pins_refused: int = 0  # cumulative: blocks a pin could not hold (the pinned share was full)
     # Filled by the engine core on accelerators: device memory its process holds (bytes).
     device_memory_bytes: int = 0
-    # The prefix cache's second tier (core.kv_tier), cumulative but for the last two (gauges).
-    kv_offload_enabled: bool = False
-    kv_offload_queries: int = 0  # prompt tokens the memory cache lacked (vLLM's external prefix cache queries)
-    kv_offload_hits: int = 0  # of those, tokens read back from the tier
-    kv_offload_blocks_written: int = 0
-    kv_offload_bytes_written: int = 0
-    kv_offload_blocks_read: int = 0
-    kv_offload_bytes_read: int = 0
-    kv_offload_restore_seconds: float = 0.0
-    kv_offload_evictions: int = 0
-    kv_offload_corrupt: int = 0
-    kv_offload_write_errors: int = 0
-    kv_offload_read_errors: int = 0
-    kv_offload_dropped_writes: int = 0
-    kv_offload_skipped_restores: int = 0
-    kv_offload_stored_blocks: int = 0
-    kv_offload_stored_bytes: int = 0
+    # The prefix cache's second tier (core.kv_tier), None without one: "queries" (prompt tokens the memory
+    # cache lacked: vLLM's external prefix cache queries), "hits" (of those, tokens read back) and the tier's
+    # KVTierStats counters by name (cumulative; stored_blocks and stored_bytes are gauges).
+    kv_offload: Optional[dict[str, float]] = None
 
 
-def tier_stats(kv_cache: KVCacheManager) -> dict:
-    """SchedulerStats' kv_offload_* fields for the KV cache's second tier (none without one)."""
-    tier = kv_cache.tier
-    if tier is None:
-        return {}
-    counts = tier.stats
-    return {"kv_offload_enabled": True, "kv_offload_queries": kv_cache.tier_stats.queries,
-            "kv_offload_hits": kv_cache.tier_stats.hits,
-            **{"kv_offload_" + name: getattr(counts, name) for name in (
-                "blocks_written", "bytes_written", "blocks_read", "bytes_read", "restore_seconds", "evictions",
-                "corrupt", "write_errors", "read_errors", "dropped_writes", "skipped_restores", "stored_blocks",
-                "stored_bytes")}}
+def tier_stats(kv_cache: KVCacheManager) -> Optional[dict[str, float]]:
+    """SchedulerStats.kv_offload for the KV cache's second tier (None without one)."""
+    if kv_cache.tier is None:
+        return None
+    return {**dataclasses.asdict(kv_cache.tier.stats), "queries": kv_cache.tier_stats.queries,
+            "hits": kv_cache.tier_stats.hits}

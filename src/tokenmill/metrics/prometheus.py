@@ -45,29 +45,29 @@ REPLICA_GAUGES = (
 )
 
 
-# The prefix cache's second tier (--kv-offload-dir): (SchedulerSnapshot field, metric name, description).
+# The prefix cache's second tier (--kv-offload-dir): (key of SchedulerSnapshot.kv_offload, metric name, description).
 # The first two are vLLM's names for prefix hits served from outside the device's cache (its KV connectors).
 KV_OFFLOAD_COUNTERS = (
-    ("kv_offload_queries", "external_prefix_cache_queries",
+    ("queries", "external_prefix_cache_queries",
      "Prompt tokens looked up in the KV offload tier (those the memory prefix cache lacked)"),
-    ("kv_offload_hits", "external_prefix_cache_hits", "Prompt tokens read back from the KV offload tier"),
-    ("kv_offload_blocks_written", "kv_offload_blocks_written", "KV blocks written to the offload tier"),
-    ("kv_offload_bytes_written", "kv_offload_bytes_written", "Bytes of KV blocks written to the offload tier"),
-    ("kv_offload_blocks_read", "kv_offload_blocks_read", "KV blocks read back from the offload tier"),
-    ("kv_offload_bytes_read", "kv_offload_bytes_read", "Bytes of KV blocks read back from the offload tier"),
-    ("kv_offload_restore_seconds", "kv_offload_restore_seconds", "Seconds spent reading KV blocks back"),
-    ("kv_offload_evictions", "kv_offload_evictions", "KV blocks removed from the offload tier for its budget"),
-    ("kv_offload_corrupt", "kv_offload_corrupt_blocks",
+    ("hits", "external_prefix_cache_hits", "Prompt tokens read back from the KV offload tier"),
+    ("blocks_written", "kv_offload_blocks_written", "KV blocks written to the offload tier"),
+    ("bytes_written", "kv_offload_bytes_written", "Bytes of KV blocks written to the offload tier"),
+    ("blocks_read", "kv_offload_blocks_read", "KV blocks read back from the offload tier"),
+    ("bytes_read", "kv_offload_bytes_read", "Bytes of KV blocks read back from the offload tier"),
+    ("restore_seconds", "kv_offload_restore_seconds", "Seconds spent reading KV blocks back"),
+    ("evictions", "kv_offload_evictions", "KV blocks removed from the offload tier for its budget"),
+    ("corrupt", "kv_offload_corrupt_blocks",
      "Offload tier files refused by their header, length or checksum (recomputed instead)"),
-    ("kv_offload_write_errors", "kv_offload_write_errors", "Failed writes to the offload tier (writing pauses)"),
-    ("kv_offload_read_errors", "kv_offload_read_errors", "Failed reads from the offload tier (recomputed instead)"),
-    ("kv_offload_dropped_writes", "kv_offload_dropped_writes", "KV blocks not written: the writer was behind"),
-    ("kv_offload_skipped_restores", "kv_offload_skipped_restores",
+    ("write_errors", "kv_offload_write_errors", "Failed writes to the offload tier (writing pauses)"),
+    ("read_errors", "kv_offload_read_errors", "Failed reads from the offload tier (recomputed instead)"),
+    ("dropped_writes", "kv_offload_dropped_writes", "KV blocks not written: the writer was behind"),
+    ("skipped_restores", "kv_offload_skipped_restores",
      "Tier hits recomputed because computing was estimated faster than reading"),
 )
 KV_OFFLOAD_GAUGES = (
-    ("kv_offload_stored_blocks", "kv_offload_stored_blocks", "KV blocks the offload tier holds"),
-    ("kv_offload_stored_bytes", "kv_offload_usage_bytes", "Bytes of KV blocks the offload tier holds"),
+    ("stored_blocks", "kv_offload_stored_blocks", "KV blocks the offload tier holds"),
+    ("stored_bytes", "kv_offload_usage_bytes", "Bytes of KV blocks the offload tier holds"),
 )
 
 
@@ -201,10 +201,11 @@ class PrometheusStatLogger:
             added = total - (before[position] if position < len(before) else 0)
             if added > 0 or position >= len(before):
                 self.spec_accepted_per_pos.labels(m, str(position)).inc(max(0, added))
-        for field, counter in self.kv_offload_counters.items():
-            counter.labels(m).inc(max(0, getattr(scheduler, field) - getattr(last, field)))
-        for field, gauge in self.kv_offload_gauges.items():
-            gauge.labels(m).set(getattr(scheduler, field))
+        now, before = scheduler.kv_offload or {}, last.kv_offload or {}
+        for key, counter in self.kv_offload_counters.items():
+            counter.labels(m).inc(max(0, now.get(key, 0) - before.get(key, 0)))
+        for key, gauge in self.kv_offload_gauges.items():
+            gauge.labels(m).set(now.get(key, 0))
         self._last = scheduler
         if iteration.num_tokens:
             self.prompt_tokens.labels(m).inc(iteration.num_prompt_tokens)

@@ -2,7 +2,6 @@
 the Prometheus exporter, the periodic log line and the dashboard's sliding window."""
 from __future__ import annotations
 
-import dataclasses
 import threading
 import time
 from collections import deque
@@ -31,23 +30,9 @@ class SchedulerSnapshot:
     device_memory_bytes: int = 0  # CUDA memory the engine core holds (0 on CPU)
     num_pinned_blocks: int = 0  # gauge: blocks requests' cache_ttl_s keep resident
     num_pins_refused: int = 0  # cumulative: blocks a pin could not hold (the pinned share was full)
-    # The prefix cache's second tier (--kv-offload-dir): cumulative, but stored blocks and bytes (gauges).
-    kv_offload_enabled: bool = False
-    kv_offload_queries: int = 0  # tokens the memory cache lacked
-    kv_offload_hits: int = 0  # of those, tokens read back from the tier
-    kv_offload_blocks_written: int = 0
-    kv_offload_bytes_written: int = 0
-    kv_offload_blocks_read: int = 0
-    kv_offload_bytes_read: int = 0
-    kv_offload_restore_seconds: float = 0.0
-    kv_offload_evictions: int = 0
-    kv_offload_corrupt: int = 0
-    kv_offload_write_errors: int = 0
-    kv_offload_read_errors: int = 0
-    kv_offload_dropped_writes: int = 0
-    kv_offload_skipped_restores: int = 0
-    kv_offload_stored_blocks: int = 0
-    kv_offload_stored_bytes: int = 0
+    # The prefix cache's second tier (--kv-offload-dir), None without one: counters by name (queries, hits,
+    # blocks/bytes written and read, restore_seconds, ...; stored_blocks and stored_bytes are gauges).
+    kv_offload: Optional[dict[str, float]] = None
 
 
 @dataclass(slots=True)
@@ -275,11 +260,8 @@ class WindowStatLogger:
 
 
 def _kv_offload_summary(sched: SchedulerSnapshot) -> Optional[dict]:
-    """The second tier's counters for /stats (None without --kv-offload-dir)."""
-    if not sched.kv_offload_enabled:
+    """The second tier's counters for /stats, with its hit rate (None without --kv-offload-dir)."""
+    if sched.kv_offload is None:
         return None
-    prefix = "kv_offload_"
-    body = {f.name[len(prefix):]: getattr(sched, f.name) for f in dataclasses.fields(sched)
-            if f.name.startswith(prefix) and f.name != "kv_offload_enabled"}
-    body["hit_rate"] = sched.kv_offload_hits / sched.kv_offload_queries if sched.kv_offload_queries else None
-    return body
+    queries = sched.kv_offload.get("queries", 0)
+    return {**sched.kv_offload, "hit_rate": sched.kv_offload.get("hits", 0) / queries if queries else None}
