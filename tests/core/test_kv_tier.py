@@ -148,3 +148,33 @@ def test_restore_decision_follows_the_measured_rates(tmp_path):
         tier.costs.observe_compute(100_000, 0.01)
         tier.costs.observe_read(4096, 0.01)
     assert not tier.restore_pays(10, 160) and tier.stats.skipped_restores == 1
+
+
+def test_a_long_restore_is_read_in_the_background_while_its_request_waits(tmp_path):
+    """The KV cache manager over a tier: a prefix of READ_AHEAD_MIN_BLOCKS or more unread blocks makes the
+    request wait while a background thread reads them; the next lookup takes them (exact block ids)."""
+    from tokenmill.core.kv_cache_manager import READ_AHEAD_MIN_BLOCKS, KVCacheManager, TierHit
+    from tokenmill.core.request import Request
+    from tokenmill.sampling_params import SamplingParams
+
+    tier = open_tier(tmp_path)
+    kv = KVCacheManager(num_blocks=32, block_size=4, tier=tier)
+    first = Request("a", list(range(4 * READ_AHEAD_MIN_BLOCKS + 1)), SamplingParams(max_tokens=1))
+    kv.allocate_slots(first, first.num_tokens)
+    for i, key in enumerate(first.block_hashes):
+        tier.put(key, payload(i))
+    assert tier.flush()
+    kv.take_pending_tier_io()
+    kv.free(first)
+    assert kv.reset_prefix_cache()
+    again = Request("b", list(range(4 * READ_AHEAD_MIN_BLOCKS + 1)), SamplingParams(max_tokens=1))
+    assert kv.get_computed_blocks(again) == ([], 0) and kv.is_reading(again)
+    kv._reads["b"].result(timeout=30)
+    hits, cached = kv.get_computed_blocks(again)
+    assert not kv.is_reading(again) and cached == 4 * READ_AHEAD_MIN_BLOCKS
+    assert [bytes(hit.payload) for hit in hits] == [payload(i) for i in range(READ_AHEAD_MIN_BLOCKS)]
+    assert all(isinstance(hit, TierHit) for hit in hits)
+    assert len(kv.allocate_slots(again, 1, hits)) == 1  # the last token's block; the restored ones are hits
+    loads, _ = kv.take_pending_tier_io()
+    assert [block_id for block_id, _ in loads] == kv.block_ids("b")[:READ_AHEAD_MIN_BLOCKS]
+    assert [bytes(data) for _, data in loads] == [payload(i) for i in range(READ_AHEAD_MIN_BLOCKS)]

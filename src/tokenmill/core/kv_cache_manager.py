@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -42,6 +43,13 @@ class TierHit:
 
 # Payloads read for a request that then did not fit are kept for its next try, up to this many bytes.
 MAX_HELD_TIER_BYTES = 512 * 2**20
+# A restore of at least this many blocks not yet read is read in the background while its request waits
+# (fewer are read at once: the step's wait is shorter than a step).
+READ_AHEAD_MIN_BLOCKS = 8
+# A step with nothing to run waits at most this long for such a read.
+READ_WAIT_S = 0.05
+# Pins released at a time when pinned prefixes must give way to a request that cannot fit otherwise.
+PIN_RELEASE_BLOCKS = 16
 
 
 def first_needed_block(position: int, window: Optional[int], block_size: int) -> int:
@@ -102,6 +110,9 @@ class KVCacheManager:
         self.pending_loads: list[tuple[int, bytearray]] = []
         self.pending_stores: list[tuple[int, bytes]] = []
         self._held_tier_payloads: dict[bytes, bytearray] = {}
+        # Requests whose tier blocks a background thread is reading (they wait meanwhile): id -> its future.
+        self._reads: dict[str, Future] = {}
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-kv-tier-reader") if tier else None
         # Pinned prefixes (a request's cache_ttl_s): cache key -> (block, expiry on time.monotonic()). A pin
         # holds one reference, so the block never reaches the free queue (never evicted) until it expires.
         self.max_pinned_blocks = max_pinned_blocks
@@ -218,9 +229,12 @@ class KVCacheManager:
         self.prefix_stats.queries += request.num_tokens
         self.prefix_stats.hits += num_hits * self.block_size
         if self.tier is not None:
+            restored = self._read_from_tier(request, hits)
+            if restored is None:  # being read in the background: is_reading() says so; nothing counted yet
+                return [], 0
             self.tier_stats.queries += request.num_tokens - num_hits * self.block_size
-            hits = self._read_from_tier(request, hits)
-            self.tier_stats.hits += (len(hits[0]) - num_hits) * self.block_size
+            self.tier_stats.hits += (len(restored[0]) - num_hits) * self.block_size
+            hits = restored
         return self._pack(hits), len(hits[0]) * self.block_size
 
     def peek_cached_tokens(self, request: Request) -> int:
@@ -232,19 +246,30 @@ class KVCacheManager:
             * self.block_size
 
     # ---- the second tier -----------------------------------------------------------------
-    def _read_from_tier(self, request: Request, memory_hits: list[list]) -> list[list]:
+    def _read_from_tier(self, request: Request, memory_hits: list[list]) -> Optional[list[list]]:
         """The longest prefix the memory cache and the tier hold together, with the tier's blocks read and
         verified, when reading them is estimated cheaper than computing what they add over the memory hit;
         else `memory_hits`. A block that fails its checks is dropped from the tier, and the prefix is looked
-        up again without it (the rest is computed)."""
+        up again without it (the rest is computed). None while a background read of the blocks runs."""
         num_memory = len(memory_hits[0])
         held = self._held_tier_payloads
+        reading = self._reads.pop(request.request_id, None)
+        if reading is not None:
+            if not reading.done():
+                self._reads[request.request_id] = reading
+                return None
+            held.update((key, payload) for key, payload in reading.result().items() if payload is not None)
         while True:
             hits = self._cached_prefix(request, tier_look=True)
             wanted = [hit for column in hits for hit in column if isinstance(hit, TierHit)]
             gained = (len(hits[0]) - num_memory) * self.block_size
             if not wanted or gained <= 0 or not self.tier.restore_pays(len(wanted), gained):
                 return memory_hits
+            missing = [hit.key for hit in wanted if hit.key not in held]
+            if reading is None and len(missing) >= READ_AHEAD_MIN_BLOCKS:
+                # Off the step's critical path: the request waits while its blocks are read.
+                self._reads[request.request_id] = self._reader.submit(self._read_all, missing)
+                return None
             failed = False
             for hit in wanted:
                 hit.payload = held.get(hit.key)
@@ -259,6 +284,20 @@ class KVCacheManager:
                 del held[next(iter(held))]
             if not failed:
                 return hits
+
+    def _read_all(self, keys: list[bytes]) -> dict[bytes, Optional[bytearray]]:
+        """Runs on the reader thread: each block read and verified (None where it fails)."""
+        return {key: self.tier.read(key) for key in keys}
+
+    def wait_for_reads(self, timeout_s: float = READ_WAIT_S) -> None:
+        """Blocks until a background read finishes (or timeout_s passes): a step with nothing else to do
+        waits here instead of spinning (which would also hold the interpreter the reader needs)."""
+        if self._reads:
+            wait(list(self._reads.values()), timeout=timeout_s, return_when=FIRST_COMPLETED)
+
+    def is_reading(self, request: Request) -> bool:
+        """Whether the request's tier blocks are being read in the background (it waits this step)."""
+        return request.request_id in self._reads
 
     def take_pending_tier_io(self) -> tuple[list[tuple[int, bytearray]], list[tuple[int, bytes]]]:
         """The step's tier copies for the runner: payloads into blocks before the forward pass, blocks
@@ -459,7 +498,7 @@ class KVCacheManager:
         self.pool.free_blocks([self.pinned.pop(key)[0] for key in reversed(expired)])
         return len(expired)
 
-    def release_pins(self, count: int) -> int:
+    def release_pins(self, count: int = PIN_RELEASE_BLOCKS) -> int:
         """Releases up to `count` pins, those expiring soonest first (a request that cannot fit otherwise
         needs their blocks); the number released."""
         soonest = sorted(self.pinned, key=lambda key: self.pinned[key][1])[:count]
@@ -467,6 +506,7 @@ class KVCacheManager:
         return len(soonest)
 
     def free(self, request: Request) -> None:
+        self._reads.pop(request.request_id, None)
         host = self.req_to_host_blocks.pop(request.request_id, None)
         if host:
             self.host_pool.free_blocks(host)

@@ -32,9 +32,6 @@ QUEUE_TIMEOUT = "queue_timeout"
 QUEUE_FULL = "queue_full"
 
 
-# Blocks released at a time when pinned prefixes must give way to a request that cannot fit otherwise.
-PIN_RELEASE_BLOCKS = 16
-
 
 @dataclass(slots=True)
 class _Item:
@@ -150,6 +147,8 @@ class Scheduler:
             # would only cause another one.
             self._schedule_waiting(scheduled, output, budget)
 
+        if not scheduled and not self.running:
+            self.kv_cache.wait_for_reads()  # only tier reads are left to wait for, if anything
         output.block_copies = self.kv_cache.take_pending_copies()
         output.swap_out, output.swap_in = self.kv_cache.take_pending_swaps()
         output.kv_loads, output.kv_stores = self.kv_cache.take_pending_tier_io()
@@ -275,7 +274,7 @@ class Scheduler:
         was preempted itself or has to wait a step."""
         request = self.running[index]
         while self.kv_cache.allocate_slots(request, num_new) is None:
-            if self.kv_cache.release_pins(PIN_RELEASE_BLOCKS):
+            if self.kv_cache.release_pins():
                 continue  # pins are a cache hint: they give way before any running request does
             victim = self._running_victim(index, can_wait)
             if victim is None:
@@ -363,6 +362,8 @@ class Scheduler:
             candidates.remove(request)
             if request.sampling_params.prompt_logprobs is None:
                 hits, num_cached = self.kv_cache.get_computed_blocks(request)
+                if self.kv_cache.is_reading(request):
+                    continue  # its prefix is being read back from the offload tier: it waits a step
             else:  # every prompt position must be computed to be scored
                 hits, num_cached = [], 0
             num_cached = min(num_cached, request.num_tokens_to_compute)
@@ -377,7 +378,7 @@ class Scheduler:
             num_new = self._cap_prefill(request, remaining, budget)
             allocated = self.kv_cache.allocate_slots(request, num_new, hits)
             # With nothing running, no block will come free but from pins: they give way.
-            while allocated is None and not self.running and self.kv_cache.release_pins(PIN_RELEASE_BLOCKS):
+            while allocated is None and not self.running and self.kv_cache.release_pins():
                 allocated = self.kv_cache.allocate_slots(request, num_new, hits)
             if allocated is None:
                 self._preempt_for(request, output, scheduled)
