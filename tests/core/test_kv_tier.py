@@ -37,7 +37,7 @@ def test_written_blocks_read_back_and_survive_a_restart(tmp_path):
     assert [bytes(tier.read(key(i))) for i in range(5)] == [payload(i) for i in range(5)]
     assert not tier.wants(key(0)) and tier.stats.blocks_written == 5 and tier.stats.blocks_read == 5
     again = open_tier(tmp_path)  # another process's view of the same directory, as after a restart
-    assert again.stats.stored_blocks == 5
+    assert again.stored_blocks == 5
     assert all(again.contains(key(i), look=False) for i in range(5))
     assert bytes(again.read(key(3))) == payload(3)
     assert again.read(key(9)) is None and not again.contains(key(9))
@@ -49,7 +49,7 @@ def test_another_fingerprint_is_ignored_and_said_once(tmp_path, caplog):
     assert tier.flush()
     with caplog.at_level(logging.INFO, logger="tokenmill"):
         other = open_tier(tmp_path, {**COMPONENTS, "kv_cache_dtype": "float16"})
-    assert other.stats.stored_blocks == 0 and not other.contains(key(1)) and other.read(key(1)) is None
+    assert other.stored_blocks == 0 and not other.contains(key(1)) and other.read(key(1)) is None
     notes = [r.getMessage() for r in caplog.records if "another fingerprint" in r.getMessage()]
     assert len(notes) == 1 and "kv_cache_dtype" in notes[0] and "1 blocks" in notes[0]
 
@@ -87,7 +87,7 @@ def test_budget_evicts_least_recently_used(tmp_path):
     tier.put(key(3), payload(3))
     assert tier.flush()
     assert [tier.contains(key(i), look=False) for i in range(4)] == [True, False, True, True]
-    assert not tier._path(key(1)).exists() and tier.stats.evictions == 1 and tier.stats.stored_blocks == 3
+    assert not tier._path(key(1)).exists() and tier.stats.evictions == 1 and tier.stored_blocks == 3
 
 
 @pytest.mark.parametrize("error", [errno.ENOSPC, errno.EROFS, errno.EIO])
@@ -116,7 +116,7 @@ def test_unreadable_directory_is_a_tier_with_nothing_in_it(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     tier = open_tier(blocker / "tier")  # mkdir fails: no tier to read or write, and no exception
-    assert tier.stats.write_errors == 1 and tier.stats.stored_blocks == 0
+    assert tier.stats.write_errors == 1 and tier.stored_blocks == 0
     assert tier.read(key(1)) is None and not tier.contains(key(1))
 
 
@@ -136,7 +136,7 @@ def test_two_writers_share_one_directory(tmp_path):
         writer.join(60)
         assert writer.exitcode == 0
     tier = open_tier(tmp_path)
-    assert tier.stats.stored_blocks == 50
+    assert tier.stored_blocks == 50
     assert all(bytes(tier.read(key(i))) == payload(i) for i in range(50))
     assert not list(tier.root.glob("*/*.tmp"))
 

@@ -75,8 +75,8 @@ class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
                  num_host_blocks: int = 0, group_windows: Sequence[Optional[int]] = (None,),
                  tier: Optional[KVTier] = None, max_pinned_blocks: int = 0) -> None:
-        """tier: the prefix cache's second tier (one KV cache group only): full blocks are stored there once
-        computed, and a prefix the memory cache lacks is read back from it instead of computed.
+        """tier: the prefix cache's second tier: full blocks are stored there once computed, and a prefix the
+        memory cache lacks is read back from it instead of computed.
         max_pinned_blocks: how many blocks requests' `cache_ttl_s` may keep resident at once."""
         self.block_size = block_size
         self.enable_caching = enable_caching
@@ -252,6 +252,9 @@ class KVCacheManager:
         else `memory_hits`. A block that fails its checks is dropped from the tier, and the prefix is looked
         up again without it (the rest is computed). None while a background read of the blocks runs."""
         num_memory = len(memory_hits[0])
+        if num_memory == (request.num_tokens - 1) // self.block_size:
+            self._reads.pop(request.request_id, None)  # the memory cache holds every block a hit may cover
+            return memory_hits
         held = self._held_tier_payloads
         reading = self._reads.pop(request.request_id, None)
         if reading is not None:
@@ -494,16 +497,17 @@ class KVCacheManager:
 
     def expire_pins(self, now: float) -> int:
         """Releases the pins whose time is up: their blocks become ordinary cached blocks (LRU)."""
-        expired = [key for key, (_, until) in self.pinned.items() if until <= now]
-        self.pool.free_blocks([self.pinned.pop(key)[0] for key in reversed(expired)])
-        return len(expired)
+        return self._unpin([key for key, (_, until) in self.pinned.items() if until <= now])
 
     def release_pins(self, count: int = PIN_RELEASE_BLOCKS) -> int:
         """Releases up to `count` pins, those expiring soonest first (a request that cannot fit otherwise
         needs their blocks); the number released."""
-        soonest = sorted(self.pinned, key=lambda key: self.pinned[key][1])[:count]
-        self.pool.free_blocks([self.pinned.pop(key)[0] for key in reversed(soonest)])
-        return len(soonest)
+        return self._unpin(sorted(self.pinned, key=lambda key: self.pinned[key][1])[:count])
+
+    def _unpin(self, keys: list[bytes]) -> int:
+        """Drops the pins' references, the later blocks of a prefix first in the free queue (evicted first)."""
+        self.pool.free_blocks([self.pinned.pop(key)[0] for key in reversed(keys)])
+        return len(keys)
 
     def free(self, request: Request) -> None:
         self._reads.pop(request.request_id, None)
@@ -519,6 +523,5 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block, pinned ones included; False while requests hold blocks."""
-        self.pool.free_blocks([block for block, _ in self.pinned.values()])
-        self.pinned.clear()
+        self._unpin(list(self.pinned))
         return self.pool.reset_prefix_cache()

@@ -20,6 +20,7 @@ directory) stops writing for a while and counts an error; a read that fails is a
 """
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import json
@@ -118,8 +119,6 @@ class KVTierStats:
     read_errors: int = 0
     dropped_writes: int = 0  # the writer fell behind
     skipped_restores: int = 0  # tier hits recomputed because computing was estimated cheaper
-    stored_blocks: int = 0  # gauges: what the tier holds now (as this process knows it)
-    stored_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -170,6 +169,20 @@ class KVTier:
         self._writer = threading.Thread(target=self._write_loop, name="tokenmill-kv-tier-writer", daemon=True)
         self._writer.start()
 
+    @property
+    def stored_blocks(self) -> int:
+        """Blocks the tier holds, as this process knows them."""
+        return len(self._index)
+
+    @property
+    def stored_bytes(self) -> int:
+        return len(self._index) * self.file_bytes
+
+    def counters(self) -> dict[str, float]:
+        """The cumulative counts and the two gauges (stored blocks and bytes), by name."""
+        return {**dataclasses.asdict(self.stats), "stored_blocks": self.stored_blocks,
+                "stored_bytes": self.stored_bytes}
+
     # ---- start-up ------------------------------------------------------------------------
     def _open(self) -> None:
         """Find what an earlier run left under this fingerprint (oldest first), and say once what other
@@ -194,15 +207,13 @@ class KVTier:
                 found.append((stat.st_mtime, bytes.fromhex(path.stem)))
         for _, key in sorted(found):
             self._index[key] = None
-        self.stats.stored_blocks = len(self._index)
-        self.stats.stored_bytes = len(self._index) * self.file_bytes
         others = self._other_fingerprints()
         if others:
             logger.info("KV offload: ignoring %d blocks in %s written under another fingerprint (%s)",
                         sum(count for _, count in others), self.directory,
                         "; ".join(f"{name}: {count} blocks" for name, count in others))
         logger.info("KV offload: %s, %d blocks (%.1f MiB) found, budget %.1f GiB", self.root, len(self._index),
-                    self.stats.stored_bytes / 2**20, self.budget_bytes / 2**30)
+                    self.stored_bytes / 2**20, self.budget_bytes / 2**30)
         self._evict_over_budget()
 
     @staticmethod
@@ -219,13 +230,13 @@ class KVTier:
             subdirs = [d for d in self.directory.iterdir() if d.is_dir() and d != self.root]
         except OSError:
             return []
+        ours = {"layout_version": LAYOUT_VERSION, **json.loads(json.dumps(self.components, default=str))}
         for sub in subdirs:
             count = len(self._block_files(sub))
             if not count:
                 continue
             try:
                 theirs = json.loads((sub / "fingerprint.json").read_text())
-                ours = {"layout_version": LAYOUT_VERSION, **json.loads(json.dumps(self.components, default=str))}
                 differs = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
                 name = "differs in " + ", ".join(differs)
             except (OSError, ValueError):
@@ -252,8 +263,6 @@ class KVTier:
         if present:
             with self._lock:
                 self._index[key] = None
-                self.stats.stored_blocks = len(self._index)
-                self.stats.stored_bytes = len(self._index) * self.file_bytes
         return present
 
     def read(self, key: bytes) -> Optional[bytearray]:
@@ -314,10 +323,7 @@ class KVTier:
 
     def _forget(self, key: bytes) -> None:
         with self._lock:
-            if key in self._index:
-                del self._index[key]
-                self.stats.stored_blocks = len(self._index)
-                self.stats.stored_bytes = len(self._index) * self.file_bytes
+            self._index.pop(key, None)
 
     def restore_pays(self, num_blocks: int, num_tokens: int) -> bool:
         """Whether reading `num_blocks` back is estimated to take less time than computing their
@@ -397,8 +403,6 @@ class KVTier:
             self._index[key] = None
             self.stats.blocks_written += 1
             self.stats.bytes_written += len(payload)
-            self.stats.stored_blocks = len(self._index)
-            self.stats.stored_bytes = len(self._index) * self.file_bytes
         self._evict_over_budget()
 
     def _write_failed(self, exc: OSError) -> None:
@@ -433,15 +437,13 @@ class KVTier:
     def _evict_over_budget(self) -> None:
         while True:
             with self._lock:
-                if len(self._index) * self.file_bytes <= self.budget_bytes or not self._index:
+                if self.stored_bytes <= self.budget_bytes or not self._index:
                     return
                 key = self._victim()
                 if key is None:
                     return  # everything left is pinned: the budget is exceeded until the pins expire
                 del self._index[key]
                 self.stats.evictions += 1
-                self.stats.stored_blocks = len(self._index)
-                self.stats.stored_bytes = len(self._index) * self.file_bytes
             try:
                 self._path(key).unlink()
             except OSError:

@@ -32,7 +32,6 @@ QUEUE_TIMEOUT = "queue_timeout"
 QUEUE_FULL = "queue_full"
 
 
-
 @dataclass(slots=True)
 class _Item:
     """A request picked for this step, before it is described to the runner."""

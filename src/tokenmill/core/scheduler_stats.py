@@ -1,7 +1,6 @@
 """The scheduler's statistics, sent to the frontend with every step's outputs (plain data)."""
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -40,5 +39,4 @@ def tier_stats(kv_cache: KVCacheManager) -> Optional[dict[str, float]]:
     """SchedulerStats.kv_offload for the KV cache's second tier (None without one)."""
     if kv_cache.tier is None:
         return None
-    return {**dataclasses.asdict(kv_cache.tier.stats), "queries": kv_cache.tier_stats.queries,
-            "hits": kv_cache.tier_stats.hits}
+    return {**kv_cache.tier.counters(), "queries": kv_cache.tier_stats.queries, "hits": kv_cache.tier_stats.hits}

@@ -36,11 +36,11 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device)
 
 
 def kv_block_bytes(caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
-    """The blocks' K/V in every layer tensor as a uint8 [blocks, bytes] tensor on the CPU, each row laid
-    out [layers, 2, block_size, num_kv_heads, head_dim] in the cache's dtype."""
+    """The blocks' K/V in every layer tensor as a uint8 [blocks, bytes] tensor on the caches' device, each
+    row laid out [layers, 2, block_size, num_kv_heads, head_dim] in the cache's dtype."""
     ids = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
     stacked = torch.stack([cache[:, ids] for cache in caches])  # [layers, 2, n, ...]
-    per_block = stacked.transpose(0, 2).transpose(1, 2).contiguous().cpu()  # [n, layers, 2, ...]
+    per_block = stacked.transpose(0, 2).transpose(1, 2).contiguous()  # [n, layers, 2, ...]
     return per_block.view(torch.uint8).reshape(len(block_ids), -1)
 
 
@@ -51,10 +51,10 @@ def kv_blocks_out(caches: list[torch.Tensor], blocks: list[tuple[int, bytes]],
     the other ranks return nothing."""
     raw = kv_block_bytes(caches, [block_id for block_id, _ in blocks])
     if tp is not None:
-        raw = tp.all_gather_last_dim(raw.to(caches[0].device)).cpu()
+        raw = tp.all_gather_last_dim(raw)
         if not tp.is_driver:
             return []
-    rows = raw.numpy()
+    rows = raw.cpu().numpy()
     return [(key, rows[i].tobytes()) for i, (_, key) in enumerate(blocks)]
 
 
