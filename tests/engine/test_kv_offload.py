@@ -191,3 +191,12 @@ def test_sliding_window_models_restore_every_group(tmp_path_factory, smollm2_tok
     stats = engine(restarted).scheduler.get_stats()
     # The second prompt's window blocks past the shared prefix's memory copy come from the tier as well.
     assert stats.kv_offload["hits"] >= 80 and stats.kv_offload["blocks_read"] > 0 and stats.kv_offload["corrupt"] == 0
+
+
+def test_a_cache_dtype_of_the_same_size_never_reads_the_others_blocks(tiny_llama_dir, tmp_path):
+    """bfloat16 and float16 blocks have the same bytes per block: only the fingerprint tells them apart."""
+    prompt = ids(515, 70)
+    for kv_cache_dtype, cached in (("bfloat16", 0), ("float16", 0), ("bfloat16", 64)):
+        llm = make(tiny_llama_dir, tmp_path, numerics="auto", dtype="float32", kv_cache_dtype=kv_cache_dtype)
+        assert run(llm, [prompt])[0].num_cached_tokens == cached, kv_cache_dtype
+        llm.shutdown()
