@@ -153,7 +153,8 @@ def test_restore_decision_follows_the_measured_rates(tmp_path):
 def test_a_long_restore_is_read_in_the_background_while_its_request_waits(tmp_path):
     """The KV cache manager over a tier: a prefix of READ_AHEAD_MIN_BLOCKS or more unread blocks makes the
     request wait while a background thread reads them; the next lookup takes them (exact block ids)."""
-    from tokenmill.core.kv_cache_manager import READ_AHEAD_MIN_BLOCKS, KVCacheManager, TierHit
+    from tokenmill.core.kv_cache_manager import KVCacheManager
+    from tokenmill.core.tier_reads import READ_AHEAD_MIN_BLOCKS, TierHit
     from tokenmill.core.request import Request
     from tokenmill.sampling_params import SamplingParams
 
@@ -169,7 +170,7 @@ def test_a_long_restore_is_read_in_the_background_while_its_request_waits(tmp_pa
     assert kv.reset_prefix_cache()
     again = Request("b", list(range(4 * READ_AHEAD_MIN_BLOCKS + 1)), SamplingParams(max_tokens=1))
     assert kv.get_computed_blocks(again) == ([], 0) and kv.is_reading(again)
-    kv._reads["b"].result(timeout=30)
+    kv.tier_reads.in_flight["b"].result(timeout=30)
     hits, cached = kv.get_computed_blocks(again)
     assert not kv.is_reading(again) and cached == 4 * READ_AHEAD_MIN_BLOCKS
     assert [bytes(hit.payload) for hit in hits] == [payload(i) for i in range(READ_AHEAD_MIN_BLOCKS)]

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from tokenmill.core.block_pool import BlockPool, KVBlock
 from tokenmill.core.kv_tier import KVTier
+from tokenmill.core.pinned_prefixes import PIN_RELEASE_BLOCKS, PinnedPrefixes
 from tokenmill.core.request import Request
+from tokenmill.core.tier_reads import READ_WAIT_S, TierHit, TierReads
 
 _ROOT_HASH = b"tokenmill-root"
 
@@ -30,26 +31,6 @@ def hash_block_tokens(parent_hash: Optional[bytes], token_ids: Sequence[int], ex
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up
     hits: int = 0  # of those, tokens found cached
-
-
-@dataclass(slots=True)
-class TierHit:
-    """A block of a request's prefix found in the second tier (core.kv_tier) and read back: it takes a
-    fresh block at allocation, and the runner copies the payload into it before the step's forward pass."""
-
-    key: bytes
-    payload: Optional[bytearray]  # None while only the tier's index has been asked
-
-
-# Payloads read for a request that then did not fit are kept for its next try, up to this many bytes.
-MAX_HELD_TIER_BYTES = 512 * 2**20
-# A restore of at least this many blocks not yet read is read in the background while its request waits
-# (fewer are read at once: the step's wait is shorter than a step).
-READ_AHEAD_MIN_BLOCKS = 8
-# A step with nothing to run waits at most this long for such a read.
-READ_WAIT_S = 0.05
-# Pins released at a time when pinned prefixes must give way to a request that cannot fit otherwise.
-PIN_RELEASE_BLOCKS = 16
 
 
 def first_needed_block(position: int, window: Optional[int], block_size: int) -> int:
@@ -109,15 +90,9 @@ class KVCacheManager:
         # (block id, key) to copy out after it (blocks this step fills, for the tier).
         self.pending_loads: list[tuple[int, bytearray]] = []
         self.pending_stores: list[tuple[int, bytes]] = []
-        self._held_tier_payloads: dict[bytes, bytearray] = {}
-        # Requests whose tier blocks a background thread is reading (they wait meanwhile): id -> its future.
-        self._reads: dict[str, Future] = {}
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-kv-tier-reader") if tier else None
-        # Pinned prefixes (a request's cache_ttl_s): cache key -> (block, expiry on time.monotonic()). A pin
-        # holds one reference, so the block never reaches the free queue (never evicted) until it expires.
-        self.max_pinned_blocks = max_pinned_blocks
-        self.pinned: dict[bytes, tuple[KVBlock, float]] = {}
-        self.num_pins_refused = 0  # blocks a pin could not hold: the pinned share was full
+        self.tier_reads = TierReads(tier) if tier is not None else None
+        # Pinned prefixes (a request's cache_ttl_s).
+        self.pins = PinnedPrefixes(self.pool, max_pinned_blocks)
 
     @property
     def num_groups(self) -> int:
@@ -247,60 +222,23 @@ class KVCacheManager:
 
     # ---- the second tier -----------------------------------------------------------------
     def _read_from_tier(self, request: Request, memory_hits: list[list]) -> Optional[list[list]]:
-        """The longest prefix the memory cache and the tier hold together, with the tier's blocks read and
-        verified, when reading them is estimated cheaper than computing what they add over the memory hit;
-        else `memory_hits`. A block that fails its checks is dropped from the tier, and the prefix is looked
-        up again without it (the rest is computed). None while a background read of the blocks runs."""
-        num_memory = len(memory_hits[0])
-        if num_memory == (request.num_tokens - 1) // self.block_size:
-            self._reads.pop(request.request_id, None)  # the memory cache holds every block a hit may cover
+        """The longest prefix the memory cache and the tier hold together, the tier's blocks read back (see
+        TierReads.read); None while a background read of them runs."""
+        if len(memory_hits[0]) == (request.num_tokens - 1) // self.block_size:
+            self.tier_reads.forget(request.request_id)  # the memory cache holds every block a hit may cover
             return memory_hits
-        held = self._held_tier_payloads
-        reading = self._reads.pop(request.request_id, None)
-        if reading is not None:
-            if not reading.done():
-                self._reads[request.request_id] = reading
-                return None
-            held.update((key, payload) for key, payload in reading.result().items() if payload is not None)
-        while True:
-            hits = self._cached_prefix(request, tier_look=True)
-            wanted = [hit for column in hits for hit in column if isinstance(hit, TierHit)]
-            gained = (len(hits[0]) - num_memory) * self.block_size
-            if not wanted or gained <= 0 or not self.tier.restore_pays(len(wanted), gained):
-                return memory_hits
-            missing = [hit.key for hit in wanted if hit.key not in held]
-            if reading is None and len(missing) >= READ_AHEAD_MIN_BLOCKS:
-                # Off the step's critical path: the request waits while its blocks are read.
-                self._reads[request.request_id] = self._reader.submit(self._read_all, missing)
-                return None
-            failed = False
-            for hit in wanted:
-                hit.payload = held.get(hit.key)
-                if hit.payload is None:
-                    hit.payload = self.tier.read(hit.key)
-                    if hit.payload is None:
-                        failed = True  # the tier forgot it: the next lookup ends before it
-                        break
-                    held[hit.key] = hit.payload
-            # Kept until allocated (a request that does not fit now tries again next step), within a bound.
-            while held and len(held) * self.tier.payload_bytes > MAX_HELD_TIER_BYTES:
-                del held[next(iter(held))]
-            if not failed:
-                return hits
-
-    def _read_all(self, keys: list[bytes]) -> dict[bytes, Optional[bytearray]]:
-        """Runs on the reader thread: each block read and verified (None where it fails)."""
-        return {key: self.tier.read(key) for key in keys}
+        return self.tier_reads.read(request.request_id, memory_hits,
+                                    lambda: self._cached_prefix(request, tier_look=True), self.block_size)
 
     def wait_for_reads(self, timeout_s: float = READ_WAIT_S) -> None:
-        """Blocks until a background read finishes (or timeout_s passes): a step with nothing else to do
-        waits here instead of spinning (which would also hold the interpreter the reader needs)."""
-        if self._reads:
-            wait(list(self._reads.values()), timeout=timeout_s, return_when=FIRST_COMPLETED)
+        """Blocks until a background tier read finishes (or timeout_s passes): a step with nothing else to
+        do waits here instead of spinning (which would also hold the interpreter the reader needs)."""
+        if self.tier_reads is not None:
+            self.tier_reads.wait(timeout_s)
 
     def is_reading(self, request: Request) -> bool:
         """Whether the request's tier blocks are being read in the background (it waits this step)."""
-        return request.request_id in self._reads
+        return self.tier_reads is not None and self.tier_reads.is_reading(request.request_id)
 
     def take_pending_tier_io(self) -> tuple[list[tuple[int, bytearray]], list[tuple[int, bytes]]]:
         """The step's tier copies for the runner: payloads into blocks before the forward pass, blocks
@@ -361,7 +299,7 @@ class KVCacheManager:
         step's forward pass."""
         block = self.pool.get_new_blocks(1)[0]
         self.pending_loads.append((block.block_id, hit.payload))
-        self._held_tier_payloads.pop(hit.key, None)
+        self.tier_reads.restored(hit)
         return block
 
     def _drop_behind_windows(self, tables: list[list[KVBlock]], position: int) -> None:
@@ -471,46 +409,33 @@ class KVCacheManager:
 
     # ---- pinned prefixes -------------------------------------------------------------------
     def pin_prompt(self, request: Request, ttl_s: float, now: float) -> None:
-        """Keeps the request's cached prompt blocks resident until `now + ttl_s` (a pin on a block already
-        pinned extends it), as far as the pinned share allows: a prefix pins from its first block on, so
-        what fits is always a usable prefix. With a tier, its copies are kept from the tier's eviction too."""
+        """Keeps the request's cached prompt blocks resident until `now + ttl_s`, as far as the pinned share
+        allows (core.pinned_prefixes). With a tier, its copies are kept from the tier's eviction too."""
         until = now + ttl_s
         num_blocks = (request.num_prompt_tokens - 1) // self.block_size
-        keys = []
-        for group, blocks in enumerate(self.group_blocks):
-            table = blocks.get(request.request_id, ())
+        blocks = []
+        for group, tables in enumerate(self.group_blocks):
+            table = tables.get(request.request_id, ())
             for i in range(min(num_blocks, len(table), len(request.block_hashes))):
-                block = table[i]
                 key = self._cache_key(request.block_hashes[i], group)
-                if block is self.null_block or block.block_hash != key:
-                    continue  # behind a sliding window, or a private copy of a block cached elsewhere
-                keys.append(key)
-                if key in self.pinned:
-                    self.pinned[key] = (block, max(until, self.pinned[key][1]))
-                elif len(self.pinned) < self.max_pinned_blocks:
-                    self.pool.touch([block])
-                    self.pinned[key] = (block, until)
-                else:
-                    self.num_pins_refused += 1
-        if self.tier is not None and keys:
-            self.tier.pin(keys, until)
+                # Not behind a sliding window, nor a private copy of a block cached elsewhere.
+                if table[i] is not self.null_block and table[i].block_hash == key:
+                    blocks.append((key, table[i]))
+        self.pins.pin(blocks, until)
+        if self.tier is not None and blocks:
+            self.tier.pin([key for key, _ in blocks], until)
 
     def expire_pins(self, now: float) -> int:
         """Releases the pins whose time is up: their blocks become ordinary cached blocks (LRU)."""
-        return self._unpin([key for key, (_, until) in self.pinned.items() if until <= now])
+        return self.pins.expire(now)
 
     def release_pins(self, count: int = PIN_RELEASE_BLOCKS) -> int:
-        """Releases up to `count` pins, those expiring soonest first (a request that cannot fit otherwise
-        needs their blocks); the number released."""
-        return self._unpin(sorted(self.pinned, key=lambda key: self.pinned[key][1])[:count])
-
-    def _unpin(self, keys: list[bytes]) -> int:
-        """Drops the pins' references, the later blocks of a prefix first in the free queue (evicted first)."""
-        self.pool.free_blocks([self.pinned.pop(key)[0] for key in reversed(keys)])
-        return len(keys)
+        """Releases up to `count` pins, those expiring soonest first; the number released."""
+        return self.pins.release(count)
 
     def free(self, request: Request) -> None:
-        self._reads.pop(request.request_id, None)
+        if self.tier_reads is not None:
+            self.tier_reads.forget(request.request_id)
         host = self.req_to_host_blocks.pop(request.request_id, None)
         if host:
             self.host_pool.free_blocks(host)
@@ -523,5 +448,5 @@ class KVCacheManager:
 
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached block, pinned ones included; False while requests hold blocks."""
-        self._unpin(list(self.pinned))
+        self.pins.unpin(list(self.pins.pinned))
         return self.pool.reset_prefix_cache()

@@ -123,7 +123,7 @@ class Scheduler:
 
     # ---- scheduling ----------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        if self.kv_cache.pinned:
+        if self.kv_cache.pins:
             self.kv_cache.expire_pins(time.monotonic())
         self._fork_ready_parents()
         self._expire_waiting()
@@ -492,8 +492,8 @@ class Scheduler:
             spec_num_accepted_tokens=self.num_accepted_tokens,
             spec_num_drafts=self.num_drafts,
             spec_accepted_per_position=list(self.accepted_per_position),
-            num_pinned_blocks=len(self.kv_cache.pinned),
-            num_pins_refused=self.kv_cache.num_pins_refused,
+            num_pinned_blocks=len(self.kv_cache.pins),
+            num_pins_refused=self.kv_cache.pins.num_refused,
             kv_offload=tier_stats(self.kv_cache),
         )
 
