@@ -79,7 +79,7 @@ def test_no_flags_give_the_defaults():
         "lpm_max_wait": 5.0, "max_preemptions": 4, "max_num_queued_requests": None, "max_queue_time": None,
         "max_prompt_tokens": None, "max_mixed_prefill_tokens": None, "long_prefill_token_threshold": None,
         "max_long_partial_prefills": 1, "swap_space": 0.0, "kv_offload_dir": None,
-            "kv_offload_size": 8 * 1024**3, "kv_cache_pin_fraction": 0.5, "preemption_mode": None, "seed": 0, "max_logprobs": 20, "num_threads": None,
+            "kv_offload_size": 8 * 1024**3, "kv_offload_host_size": None, "kv_cache_pin_fraction": 0.5, "preemption_mode": None, "seed": 0, "max_logprobs": 20, "num_threads": None,
         "attention_backend": "auto", "packed_linear": True, "quantization": None, "block_matmul": "auto",
         "kv_cache_dtype": "auto", "numerics": "auto",
         "structured_outputs_fast_forward": True, "data_parallel_size": 1, "data_parallel_routing": "prefix",
@@ -203,7 +203,7 @@ def test_validation_keeps_every_value_as_given():
                   enable_prefix_caching=False, scheduling_policy="fair", lpm_max_wait=2.0, max_preemptions=None,
                   max_num_queued_requests=5, max_queue_time=1.5, max_prompt_tokens=50, max_mixed_prefill_tokens=64,
                   long_prefill_token_threshold=20, max_long_partial_prefills=2, swap_space=0.5,
-                  kv_offload_dir="/tmp/tier", kv_offload_size=2**30, kv_cache_pin_fraction=0.25, preemption_mode=None, seed=3, max_logprobs=0, num_threads=1, attention_backend="cpu",
+                  kv_offload_dir="/tmp/tier", kv_offload_size=2**30, kv_offload_host_size=2**29, kv_cache_pin_fraction=0.25, preemption_mode=None, seed=3, max_logprobs=0, num_threads=1, attention_backend="cpu",
                   packed_linear=False, quantization="q8_0", block_matmul="int8", kv_cache_dtype="bfloat16",
                   structured_outputs_fast_forward=False, data_parallel_size=2, data_parallel_routing="round_robin",
                   data_parallel_long_prompt_threshold=512, data_parallel_long_prompt_borrowing=False, tensor_parallel_size=2, engine_core_nice=0, speculative_config=None, numerics="auto")

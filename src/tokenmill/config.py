@@ -278,6 +278,11 @@ class EngineConfig:
     kv_offload_size: int = option(
         8 * 1024**3, "with --kv-offload-dir: the most the tier keeps there, e.g. 20GiB (least recently used blocks "
         "are removed first)", convert=parse_memory_size)
+    kv_offload_host_size: Optional[int] = option(
+        None, "with --kv-offload-dir: a level in process memory in front of the directory, e.g. 4GiB, holding the "
+        "latest blocks written or read (default: 4GiB on CUDA, where the copies are staged through pinned memory; "
+        "none on CPU, where the KV cache is host memory already and the OS page cache keeps recent files)",
+        convert=parse_memory_size)
     kv_cache_pin_fraction: float = option(
         0.5, "the share of the KV cache that pinned prefixes (a request's `cache_ttl_s`: its prompt stays cached "
         "that long after it ends) may hold at once; a pin beyond it holds the prefix's first blocks only",

@@ -43,6 +43,43 @@ def test_written_blocks_read_back_and_survive_a_restart(tmp_path):
     assert again.read(key(9)) is None and not again.contains(key(9))
 
 
+def test_the_level_in_memory_serves_the_latest_blocks_before_the_directory(tmp_path):
+    """With host_budget_bytes, the latest blocks written or read are served from process memory (no file
+    read), the least recently used leave it over its budget and are read from the directory again."""
+    tier = KVTier(tmp_path, 1 << 30, fingerprint_of(COMPONENTS), PAYLOAD, dict(COMPONENTS),
+                  host_budget_bytes=3 * PAYLOAD)
+    for i in range(4):
+        tier.put(key(i), payload(i))
+    assert tier.flush() and tier.host_stored_bytes == 3 * PAYLOAD and tier.stats.host_evictions == 1
+    for path in tier.root.glob("*/*.kv"):
+        path.unlink()  # only the level in memory can answer now
+    assert [bytes(tier.read(key(i))) for i in (1, 2, 3)] == [payload(i) for i in (1, 2, 3)]
+    assert tier.stats.host_blocks_read == 3 and tier.stats.blocks_read == 3
+    assert tier.read(key(0)) is None  # evicted from memory, its file gone: a miss
+    tier.put(key(0), payload(0))
+    assert tier.flush() and tier.contains(key(0), look=False)
+    # A block read from the directory joins the level; the least recently read leaves it.
+    again = KVTier(tmp_path, 1 << 30, fingerprint_of(COMPONENTS), PAYLOAD, dict(COMPONENTS),
+                   host_budget_bytes=PAYLOAD)
+    assert bytes(again.read(key(0))) == payload(0) and again.stats.host_blocks_read == 0
+    assert bytes(again.read(key(0))) == payload(0) and again.stats.host_blocks_read == 1
+    assert again.counters()["host_stored_bytes"] == PAYLOAD
+    assert open_tier(tmp_path).host_stored_bytes == 0  # no level without a budget
+
+
+def test_the_level_in_memory_takes_blocks_while_writes_are_paused(tmp_path, monkeypatch):
+    tier = KVTier(tmp_path, 1 << 30, fingerprint_of(COMPONENTS), PAYLOAD, dict(COMPONENTS),
+                  host_budget_bytes=4 * PAYLOAD)
+    monkeypatch.setattr(tier, "_write", lambda k, p: (_ for _ in ()).throw(OSError(errno.ENOSPC, "full")))
+    tier.put(key(0), payload(0))
+    assert tier.flush() and tier.stats.write_errors == 1
+    assert tier.wants(key(1))  # writes are paused, yet the level in memory lacks it
+    tier.put(key(1), payload(1))
+    assert tier.flush() and tier.stats.write_errors == 1  # paused: the writer skipped it
+    assert not tier.wants(key(1))  # held in memory already
+    assert bytes(tier.read(key(1))) == payload(1) and tier.stats.host_blocks_read == 1
+
+
 def test_another_fingerprint_is_ignored_and_said_once(tmp_path, caplog):
     tier = open_tier(tmp_path)
     tier.put(key(1), payload(1))

@@ -138,6 +138,29 @@ def test_offload_with_message_roundtrip(tiny_llama_dir, tmp_path, reference):
     assert tokens(outputs) == expected and outputs[0].num_cached_tokens == 48
 
 
+def test_the_level_in_memory_restores_when_the_files_are_gone(tiny_llama_dir, tmp_path, reference):
+    """--kv-offload-host-size: the latest blocks are read back from process memory, token-exact, with no file
+    left to read; unset, it is 4 GiB on CUDA and none on CPU."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.kv_offload import DEFAULT_CUDA_HOST_BYTES, open_kv_tier
+
+    prompt = ids(4343, 60)
+    expected = tokens(run(reference, [prompt]))
+    llm = make(tiny_llama_dir, tmp_path, kv_offload_host_size=1 << 20)
+    run(llm, [prompt])
+    tier = engine(llm).kv_tier
+    assert tier.flush() and tier.host_stored_bytes == 4 * tier.payload_bytes  # 70 tokens: 4 full blocks
+    for path in tier.root.glob("*/*.kv"):
+        path.unlink()
+    assert engine(llm).kv_cache.reset_prefix_cache()
+    outputs = run(llm, [prompt])
+    assert tokens(outputs) == expected and outputs[0].num_cached_tokens == 48
+    assert engine(llm).scheduler.get_stats().kv_offload["host_blocks_read"] == 3
+    config = EngineConfig(model=str(tiny_llama_dir), kv_offload_dir=str(tmp_path / "defaults"))
+    assert open_kv_tier(config, tiny_llama_dir, 1024, "cuda").host_budget_bytes == DEFAULT_CUDA_HOST_BYTES
+    assert open_kv_tier(config, tiny_llama_dir, 1024, "cpu").host_budget_bytes == 0
+
+
 def test_unsupported_combinations_are_refused(tiny_llama_dir, tmp_path):
     with pytest.raises(ModelLoadError, match="extends the prefix cache"):
         make(tiny_llama_dir, tmp_path, enable_prefix_caching=False)

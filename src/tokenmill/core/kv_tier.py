@@ -14,6 +14,12 @@ their own servers; here a block is a few hundred KiB written once and read whole
 the host tier, a rename makes each write atomic for every process sharing the directory, and the file
 name is the index (a restarted server lists the directory, another core's new block is one stat away).
 
+In front of the directory an optional level in process memory (`host_budget_bytes`, LRU) keeps the
+latest blocks written or read, as vLLM's offloading keeps them in host memory before disk: on an
+accelerator, where the KV cache lives in device memory, a hit there is a memory copy with no system call
+(the runner stages the copies through pinned memory). On a CPU the KV cache is host memory already and the
+OS page cache holds recent files, so the level is off by default there.
+
 Nothing a reader could mistake for a block is ever decoded: a file whose header, length or CRC-32 does not
 match is a miss (and is removed). Errors never fail a request: a write that fails (full disk, read-only
 directory) stops writing for a while and counts an error; a read that fails is a miss.
@@ -119,6 +125,8 @@ class KVTierStats:
     read_errors: int = 0
     dropped_writes: int = 0  # the writer fell behind
     skipped_restores: int = 0  # tier hits recomputed because computing was estimated cheaper
+    host_blocks_read: int = 0  # of blocks_read, those found in the level in process memory
+    host_evictions: int = 0  # blocks dropped from that level for its budget (the directory keeps them)
 
 
 @dataclass(slots=True)
@@ -142,6 +150,7 @@ class KVTier:
     """A directory of KV blocks with a byte budget, LRU eviction and a background writer.
 
     payload_bytes: the size of one block as the runner lays it out (every valid file holds exactly that).
+    host_budget_bytes: the level in process memory in front of the directory (0: none).
     """
 
     directory: Path
@@ -150,6 +159,7 @@ class KVTier:
     payload_bytes: int
     components: dict[str, Any] = field(default_factory=dict)
     stats: KVTierStats = field(default_factory=KVTierStats)
+    host_budget_bytes: int = 0
 
     def __post_init__(self) -> None:
         self.directory = Path(self.directory)
@@ -161,6 +171,8 @@ class KVTier:
         # found by a stat on lookup, their evictions by a failed read).
         self._index: OrderedDict[bytes, None] = OrderedDict()
         self._queued: set[bytes] = set()
+        # The level in process memory: key -> payload, least recently used first.
+        self._host: OrderedDict[bytes, bytearray] = OrderedDict()
         self._pending_bytes = 0
         self._pinned: dict[bytes, float] = {}  # key -> time.monotonic() until which eviction skips it
         self._writes_paused_until = 0.0
@@ -178,10 +190,14 @@ class KVTier:
     def stored_bytes(self) -> int:
         return len(self._index) * self.file_bytes
 
+    @property
+    def host_stored_bytes(self) -> int:
+        return len(self._host) * self.payload_bytes
+
     def counters(self) -> dict[str, float]:
-        """The cumulative counts and the two gauges (stored blocks and bytes), by name."""
+        """The cumulative counts and the gauges (stored blocks and bytes, bytes in process memory), by name."""
         return {**dataclasses.asdict(self.stats), "stored_blocks": self.stored_blocks,
-                "stored_bytes": self.stored_bytes}
+                "stored_bytes": self.stored_bytes, "host_stored_bytes": self.host_stored_bytes}
 
     # ---- start-up ------------------------------------------------------------------------
     def _open(self) -> None:
@@ -212,8 +228,9 @@ class KVTier:
             logger.info("KV offload: ignoring %d blocks in %s written under another fingerprint (%s)",
                         sum(count for _, count in others), self.directory,
                         "; ".join(f"{name}: {count} blocks" for name, count in others))
-        logger.info("KV offload: %s, %d blocks (%.1f MiB) found, budget %.1f GiB", self.root, len(self._index),
-                    self.stored_bytes / 2**20, self.budget_bytes / 2**30)
+        logger.info("KV offload: %s, %d blocks (%.1f MiB) found, budget %.1f GiB%s", self.root, len(self._index),
+                    self.stored_bytes / 2**20, self.budget_bytes / 2**30,
+                    f", {self.host_budget_bytes / 2**30:.1f} GiB in memory before it" if self.host_budget_bytes else "")
         self._evict_over_budget()
 
     @staticmethod
@@ -252,7 +269,7 @@ class KVTier:
         """Whether the tier holds the block; `look`: also stat the directory for a block another process
         wrote (otherwise only this process's index answers)."""
         with self._lock:
-            if key in self._index:
+            if key in self._index or key in self._host:
                 return True
         if not look:
             return False
@@ -266,7 +283,16 @@ class KVTier:
         return present
 
     def read(self, key: bytes) -> Optional[bytearray]:
-        """The block's payload, verified; None when it is missing, unreadable or fails a check."""
+        """The block's payload, verified; None when it is missing, unreadable or fails a check. The caller
+        must not change it (the level in memory may hand the same buffer out again)."""
+        with self._lock:
+            payload = self._host.get(key)
+            if payload is not None:
+                self._host.move_to_end(key)
+                self.stats.blocks_read += 1
+                self.stats.host_blocks_read += 1
+                self.stats.bytes_read += len(payload)
+                return payload
         path = self._path(key)
         start = time.perf_counter()
         try:
@@ -301,6 +327,7 @@ class KVTier:
         with self._lock:
             if key in self._index:
                 self._index.move_to_end(key)
+            self._keep_in_host(key, payload)
         try:
             os.utime(path)  # a restarted server's LRU order
         except OSError:
@@ -325,6 +352,17 @@ class KVTier:
         with self._lock:
             self._index.pop(key, None)
 
+    def _keep_in_host(self, key: bytes, payload: bytearray) -> None:
+        """Keeps a payload in the level in process memory, dropping the least recently used over its budget.
+        Called with the lock held."""
+        if self.host_budget_bytes < self.payload_bytes:
+            return
+        self._host[key] = payload
+        self._host.move_to_end(key)
+        while len(self._host) * self.payload_bytes > self.host_budget_bytes:
+            self._host.popitem(last=False)
+            self.stats.host_evictions += 1
+
     def restore_pays(self, num_blocks: int, num_tokens: int) -> bool:
         """Whether reading `num_blocks` back is estimated to take less time than computing their
         `num_tokens` tokens (both rates measured as the engine runs)."""
@@ -337,9 +375,13 @@ class KVTier:
 
     # ---- write -----------------------------------------------------------------------------
     def wants(self, key: bytes) -> bool:
-        """Whether a block is worth handing to `put` (not stored, not queued, writes not paused)."""
+        """Whether a block is worth handing to `put`: not stored or queued, and writes not paused (while they
+        are, the level in memory still takes blocks it lacks)."""
         with self._lock:
-            return key not in self._index and key not in self._queued and time.monotonic() >= self._writes_paused_until
+            if key in self._index or key in self._queued:
+                return False
+            return time.monotonic() >= self._writes_paused_until or (
+                self.host_budget_bytes >= self.payload_bytes and key not in self._host)
 
     def put(self, key: bytes, payload: bytes) -> None:
         """Queue a block for the writer thread (dropped, and counted, if the writer is far behind)."""
@@ -348,6 +390,8 @@ class KVTier:
         with self._lock:
             if key in self._index or key in self._queued:
                 return
+            if key not in self._host:
+                self._keep_in_host(key, bytearray(payload))
             if self._pending_bytes + len(payload) > MAX_PENDING_WRITE_BYTES:
                 self.stats.dropped_writes += 1
                 return

@@ -12,6 +12,10 @@ from tokenmill.errors import ModelLoadError
 
 logger = logging.getLogger("tokenmill")
 
+# --kv-offload-host-size when unset: on CUDA a level in host memory before the disk (as vLLM's offloading
+# keeps one); on CPU none (the KV cache is host memory already, and the OS page cache keeps recent files).
+DEFAULT_CUDA_HOST_BYTES = 4 * 2**30
+
 
 def _model_files(path: Path) -> list[Path]:
     """The files that make a model: a GGUF, or a directory's top-level files (weights, config, tokenizer)."""
@@ -46,5 +50,8 @@ def open_kv_tier(config: EngineConfig, model_path: Path, bytes_per_rank: int, de
         raise ModelLoadError("--kv-offload-dir extends the prefix cache: it cannot be used with "
                              "--no-enable-prefix-caching")
     components = tier_fingerprint(config, model_path, bytes_per_rank, device_type)
+    host_bytes = config.kv_offload_host_size
+    if host_bytes is None:
+        host_bytes = DEFAULT_CUDA_HOST_BYTES if device_type == "cuda" else 0
     return KVTier(Path(config.kv_offload_dir).expanduser(), config.kv_offload_size, fingerprint_of(components),
-                  bytes_per_rank * config.tensor_parallel_size, components)
+                  bytes_per_rank * config.tensor_parallel_size, components, host_budget_bytes=host_bytes)

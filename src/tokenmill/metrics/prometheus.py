@@ -64,10 +64,15 @@ KV_OFFLOAD_COUNTERS = (
     ("dropped_writes", "kv_offload_dropped_writes", "KV blocks not written: the writer was behind"),
     ("skipped_restores", "kv_offload_skipped_restores",
      "Tier hits recomputed because computing was estimated faster than reading"),
+    ("host_blocks_read", "kv_offload_host_blocks_read",
+     "KV blocks read back from the offload tier's level in process memory (of kv_offload_blocks_read)"),
+    ("host_evictions", "kv_offload_host_evictions",
+     "KV blocks dropped from the offload tier's level in process memory for its budget"),
 )
 KV_OFFLOAD_GAUGES = (
     ("stored_blocks", "kv_offload_stored_blocks", "KV blocks the offload tier holds"),
     ("stored_bytes", "kv_offload_usage_bytes", "Bytes of KV blocks the offload tier holds"),
+    ("host_stored_bytes", "kv_offload_host_usage_bytes", "Bytes of KV blocks the offload tier holds in process memory"),
 )
 
 

@@ -54,8 +54,22 @@ def kv_blocks_out(caches: list[torch.Tensor], blocks: list[tuple[int, bytes]],
         raw = tp.all_gather_last_dim(raw)
         if not tp.is_driver:
             return []
-    rows = raw.cpu().numpy()
+    rows = _to_host(raw).numpy()
     return [(key, rows[i].tobytes()) for i, (_, key) in enumerate(blocks)]
+
+
+def _host_buffer(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """Host memory for a copy to or from `device`: pinned (page-locked) for an accelerator, so the copy is
+    one DMA transfer (torch caches pinned allocations)."""
+    return torch.empty(shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
+
+
+def _to_host(raw: torch.Tensor) -> torch.Tensor:
+    if raw.device.type == "cpu":
+        return raw
+    host = _host_buffer(tuple(raw.shape), raw.device)
+    host.copy_(raw)
+    return host
 
 
 def kv_blocks_in(caches: list[torch.Tensor], loads: list[tuple[int, bytes]], spec: KVCacheSpec,
@@ -65,9 +79,11 @@ def kv_blocks_in(caches: list[torch.Tensor], loads: list[tuple[int, bytes]], spe
     shape = (len(loads), spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
     size = spec.bytes_per_block
     # (bytes arrive from a decoded message; torch reads only writable buffers without a warning)
+    device = caches[0].device
     raw = torch.stack([torch.frombuffer(payload if isinstance(payload, bytearray) else bytearray(payload),
-                                        dtype=torch.uint8)[rank * size:(rank + 1) * size] for _, payload in loads])
-    values = raw.view(spec.dtype).reshape(shape).to(caches[0].device)
+                                        dtype=torch.uint8)[rank * size:(rank + 1) * size] for _, payload in loads],
+                      out=_host_buffer((len(loads), size), device))
+    values = raw.view(spec.dtype).reshape(shape).to(device, non_blocking=True)
     ids = torch.tensor([block_id for block_id, _ in loads], dtype=torch.long, device=caches[0].device)
     for layer, cache in enumerate(caches):
         cache[:, ids] = values[:, layer].transpose(0, 1)

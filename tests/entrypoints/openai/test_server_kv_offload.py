@@ -4,10 +4,12 @@ cannot use leaves it serving."""
 from __future__ import annotations
 
 import re
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
 PROMPT = "A short history of the lighthouse keepers of the northern coast, told year by year. " * 24
+OTHER_PROMPT = "Notes on the tides, winds and shipping lanes of a small harbour town, season by season. " * 24
 
 
 def complete(server, **extra) -> dict:
@@ -25,24 +27,38 @@ def metric(server, name: str) -> float:
 
 
 def test_a_restarted_server_restores_the_prefix(start_server, tiny_llama_dir, tmp_path):
+    """The first server computes two prompts; the restarted one runs two engine cores sharing the directory
+    (--data-parallel-size 2): the two prompts, sent together, go one to each core, and each core restores
+    its prompt from the blocks the first server wrote."""
     args = ["--model", str(tiny_llama_dir), "--served-model-name", "m", "--kv-offload-dir", str(tmp_path / "tier"),
             "--numerics", "exact"]
     first = start_server(args)
-    cold = complete(first)
-    assert cold["usage"]["prompt_tokens"] > 400
+    cold = [complete(first), complete(first, prompt=OTHER_PROMPT)]
+    assert cold[0]["usage"]["prompt_tokens"] > 400
     assert first.stop() == 0  # a graceful stop writes what was queued
-    second = start_server(args)
-    warm = complete(second)
-    assert warm["choices"][0]["text"] == cold["choices"][0]["text"]
-    prompt_tokens = warm["usage"]["prompt_tokens"]
-    cached = warm["usage"]["prompt_tokens_details"]["cached_tokens"]
-    assert cached == (prompt_tokens - 1) // 16 * 16
-    assert metric(second, "external_prefix_cache_hits_total") == cached
-    assert metric(second, "external_prefix_cache_queries_total") == prompt_tokens
-    assert metric(second, "kv_offload_blocks_read_total") == cached // 16
-    assert metric(second, "kv_offload_usage_bytes") > 0
+    second = start_server(args + ["--data-parallel-size", "2"])
+    with ThreadPoolExecutor(2) as pool:
+        warm = list(pool.map(lambda extra: complete(second, **extra), [{}, {"prompt": OTHER_PROMPT}]))
+    assert [w["choices"][0]["text"] for w in warm] == [c["choices"][0]["text"] for c in cold]
+    prompt_tokens = [w["usage"]["prompt_tokens"] for w in warm]
+    cached = [w["usage"]["prompt_tokens_details"]["cached_tokens"] for w in warm]
+    assert cached == [(n - 1) // 16 * 16 for n in prompt_tokens]
+    replicas = second.stats()["data_parallel"]
+    assert [r["routed_with_tier_prefix"] for r in replicas] == [1, 1]  # one prompt on each core
+    assert metric_sum(second, "external_prefix_cache_hits_total") == sum(cached)
+    assert metric_sum(second, "external_prefix_cache_queries_total") == sum(prompt_tokens)
+    assert metric_sum(second, "kv_offload_blocks_read_total") == sum(cached) // 16
+    assert metric_sum(second, "kv_offload_usage_bytes") > 0
     offload = second.stats()["kv_offload"]
-    assert offload["hits"] == cached and offload["hit_rate"] > 0.9 and offload["corrupt"] == 0
+    assert offload["hits"] == sum(cached) and offload["hit_rate"] > 0.9 and offload["corrupt"] == 0
+
+
+def metric_sum(server, name: str) -> float:
+    """A metric summed over its series (one per engine core under data parallelism)."""
+    text = httpx.get(server.url + "/metrics", timeout=10).text
+    values = re.findall(rf"^tokenmill:{name}{{[^}}]*}} ([0-9.e+]+)$", text, re.MULTILINE)
+    assert values, f"{name} missing from /metrics"
+    return sum(float(v) for v in values)
 
 
 def test_an_unwritable_directory_leaves_the_server_serving_and_cache_ttl_pins(start_server, tiny_llama_dir,

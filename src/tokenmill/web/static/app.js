@@ -68,7 +68,9 @@
       $("stat-offload-rate").textContent = fmtPercent(offload.hit_rate);
       const mib = (bytes) => (bytes / 1048576).toFixed(bytes < 10485760 ? 1 : 0) + " MiB";
       const problems = offload.corrupt + offload.write_errors + offload.read_errors;
-      $("stat-offload-detail").textContent = mib(offload.stored_bytes) + " stored · " + mib(offload.bytes_read) +
+      $("stat-offload-detail").textContent = mib(offload.stored_bytes) + " stored" +
+        (offload.host_stored_bytes ? " (" + mib(offload.host_stored_bytes) + " in memory)" : "") + " · " +
+        mib(offload.bytes_read) +
         " read in " + fmtSeconds(offload.restore_seconds) + (problems ? " · " + problems + " errors" : "");
     }
     $("updated").textContent = "updated " + new Date(stats.time * 1000).toLocaleTimeString();
