@@ -211,6 +211,10 @@ TINY_FAMILIES = {
     "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         tie_word_embeddings=False, head_dim=16, num_hidden_layers=3, num_experts=8, num_experts_per_tok=2,
         moe_intermediate_size=32, norm_topk_prob=True, mlp_only_layers=[1], initializer_range=0.1)),
+    # Every layer sparse, 2 of 4 experts per token, no window (as Mixtral 8x7B's config has none).
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        tie_word_embeddings=False, num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2,
+        intermediate_size=32, sliding_window=None, initializer_range=0.1)),
 }
 
 
@@ -235,7 +239,7 @@ def build_tiny_family(directory: Path, tokenizer, family: str, *, seed: int = 0)
         for name, param in model.named_parameters():
             if "norm" in name or name.endswith(".bias"):
                 param.add_(torch.randn_like(param) * 0.2)
-            elif name.endswith("mlp.gate.weight"):  # a router: distinct expert scores, no ties in the top-k
+            elif name.endswith(("mlp.gate.weight", "mlp.gate")):  # a router: distinct expert scores, no ties
                 param.copy_(torch.randn_like(param))
     model.save_pretrained(directory, safe_serialization=True)
     tokenizer.save_pretrained(directory)
@@ -262,7 +266,9 @@ _PHI3_GGUF_NAMES = {**_FAMILY_GGUF_NAMES, "self_attn.qkv_proj": "attn_qkv", "mlp
 _MOE_GGUF_NAMES = {**_FAMILY_GGUF_NAMES, "mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps",
                    "mlp.experts.up_proj": "ffn_up_exps", "mlp.experts.down_proj": "ffn_down_exps"}
 _FAMILY_NAMES = {"gemma2": _GEMMA_GGUF_NAMES, "gemma3": _GEMMA_GGUF_NAMES, "phi3": _PHI3_GGUF_NAMES,
-                 "qwen3moe": _MOE_GGUF_NAMES}
+                 "qwen3moe": _MOE_GGUF_NAMES, "mixtral": _MOE_GGUF_NAMES}
+# llama.cpp writes Mixtral as a Llama with experts: its q/k rows permuted as Llama's.
+_GGUF_ARCH = {"mixtral": "llama"}
 
 
 def _add_family_metadata(writer, arch: str, config: dict, head_dim: int) -> None:
@@ -292,6 +298,9 @@ def _add_family_metadata(writer, arch: str, config: dict, head_dim: int) -> None
         writer.add_expert_used_count(config["num_experts_per_tok"])
         writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
         writer.add_expert_weights_norm(config["norm_topk_prob"])
+    if arch == "mixtral":  # what llama.cpp's converter writes for Mixtral: the counts, nothing more
+        writer.add_expert_count(config["num_local_experts"])
+        writer.add_expert_used_count(config["num_experts_per_tok"])
 
 
 def _stack_experts(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -323,16 +332,25 @@ def _hf_expert_tensors(stored: dict[str, torch.Tensor]) -> dict[str, torch.Tenso
 
 
 def write_family_gguf(path: Path, hf_dir: Path, arch: str) -> dict[str, torch.Tensor]:
-    """Convert a tiny Qwen2/Qwen3/Qwen3-MoE/Gemma 2/Gemma 3/Phi-3 checkpoint as llama.cpp does (no q/k
-    permutation for these; Gemma's norms stored as 1 + w; experts stacked). Returns the HF tensors
-    holding the values the file stores, for an HF model to run the same weights."""
+    """Convert a tiny Qwen2/Qwen3/Qwen3-MoE/Gemma 2/Gemma 3/Phi-3/Mixtral checkpoint as llama.cpp does
+    (q/k rows permuted for Mixtral only, a `llama` file with experts; Gemma's norms stored as 1 + w;
+    experts stacked). Returns the HF tensors holding the values the file stores, for an HF model to run
+    the same weights."""
+    import re
+
     import gguf
 
+    from tokenmill.model.registry import CHECKPOINT_RENAMES
+
     config = json.loads((hf_dir / "config.json").read_text())
-    tensors = _stack_experts(load_file(str(hf_dir / "model.safetensors")))
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    for pattern, replacement in CHECKPOINT_RENAMES.get(config["architectures"][0], ()):
+        tensors = {re.sub(pattern, replacement, name): tensor for name, tensor in tensors.items()}
+    tensors = _stack_experts(tensors)
     names = _FAMILY_NAMES.get(arch, _FAMILY_GGUF_NAMES)
     gemma = arch in ("gemma2", "gemma3")
-    writer = _gguf_writer(path, arch, config)
+    permuted = _GGUF_ARCH.get(arch) == "llama"
+    writer = _gguf_writer(path, _GGUF_ARCH.get(arch, arch), config)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
@@ -351,6 +369,10 @@ def write_family_gguf(path: Path, hf_dir: Path, arch: str) -> dict[str, torch.Te
         array = gguf.quants.quantize(weight.numpy(), kind)
         values = torch.from_numpy(gguf.quants.dequantize(array, kind).reshape(weight.shape).copy())
         stored[name] = values - 1 if gemma and name.endswith("norm.weight") else values
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
+            # Row blocks quantize alike in either order: the file holds the permuted rows of `values`.
+            heads = config["num_attention_heads" if "q_proj" in name else "num_key_value_heads"]
+            array = gguf.quants.quantize(gguf_permute(weight, heads).numpy(), kind)
         stem, _, suffix = name.rpartition(".")
         stem = stem.removeprefix("model.")
         if stem.startswith("layers."):

@@ -125,7 +125,8 @@ def test_tensor_parallel_size_must_be_positive():
 
 # ---- parity with one process ------------------------------------------------------------------------
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe"])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "qwen3moe",
+                                    "mixtral"])
 def test_two_ranks_match_one_on_every_family(family, tmp_path, smollm2_tokenizer, tiny_llama_dir):
     model = tiny_llama_dir if family == "llama" else build_tiny_family(tmp_path, smollm2_tokenizer, family)
     assert _greedy(str(model), 2) == _greedy(str(model), 1)

@@ -15,9 +15,9 @@ from fused_decode import decode_step_both_ways
 from model_factory import GOLDEN_PROMPTS, build_tiny_family, hf_greedy, write_family_gguf
 from tokenmill import LLM, SamplingParams
 
-FAMILIES = ["qwen2", "qwen3", "gemma3", "phi3", "gemma2", "qwen3moe"]
+FAMILIES = ["qwen2", "qwen3", "gemma3", "phi3", "gemma2", "qwen3moe", "mixtral"]
 GGUF_FAMILIES = FAMILIES
-FUSED_STACK_BLOCKED = {"qwen3moe", "phi3"}  # experts; a partial rotary. The others decode in one C++ call
+FUSED_STACK_BLOCKED = {"qwen3moe", "mixtral", "phi3"}  # experts; a partial rotary. The others: one C++ call
 MAX_TOKENS = [12, 20, 5, 16, 24, 9, 30, 14, 22]
 
 
@@ -127,6 +127,7 @@ def test_new_family_gguf_configs_match_hf(tmp_path, family_dirs):
     fields = {"phi3": ["rope_parameters", "original_max_position_embeddings", "sliding_window"],
               "gemma2": ["attn_logit_softcapping", "final_logit_softcapping", "sliding_window", "layer_types",
                          "query_pre_attn_scalar", "head_dim"],
+              "mixtral": ["num_local_experts", "num_experts_per_tok", "intermediate_size", "sliding_window"],
               "qwen3moe": ["num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
                            "mlp_only_layers", "decoder_sparse_step"]}
     from transformers import AutoConfig

@@ -55,6 +55,10 @@ _PHI3_NAMES = {"attn_qkv": "self_attn.qkv_proj", "attn_output": "self_attn.o_pro
 _MOE_NAMES = {"ffn_gate_inp": "mlp.gate", "ffn_gate_exps": "mlp.experts.gate_proj",
               "ffn_up_exps": "mlp.experts.up_proj", "ffn_down_exps": "mlp.experts.down_proj"}
 
+# Mixtral: llama.cpp writes it as `llama` with experts (`llama.expert_count`), q/k rows permuted as Llama's.
+LLAMA_WITH_EXPERTS = GgufFamily("MixtralForCausalLM", "MixtralConfig", unpermute_qk=True,
+                                block_names={**_BLOCK_TENSOR_NAMES, **_MOE_NAMES})
+
 # Add a family here together with its tensor names and a model implementation (registry.py).
 GGUF_FAMILIES: dict[str, GgufFamily] = {
     "llama": GgufFamily("LlamaForCausalLM", "LlamaConfig", unpermute_qk=True),
@@ -105,6 +109,11 @@ def family_settings(arch: str, settings: dict[str, Any], metadata: Callable[[str
         if "original_max_position_embeddings" in settings["rope_parameters"]:
             settings["original_max_position_embeddings"] = settings["rope_parameters"][
                 "original_max_position_embeddings"]
+    elif arch == "llama" and metadata("expert_count"):
+        # Mixtral: every block sparse, its top-k weights always renormalized; feed_forward_length is each
+        # expert's width. No window (llama.cpp stores none for it).
+        settings.update(num_local_experts=int(metadata("expert_count")),
+                        num_experts_per_tok=int(metadata("expert_used_count")), sliding_window=None)
     elif arch == "qwen3moe":
         layers = settings["num_hidden_layers"]
         settings.update(

@@ -19,7 +19,8 @@ import torch
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model import tokenizer_cache
-from tokenmill.model.gguf_families import GGUF_FAMILIES, GgufFamily, block_tensor_names, family_settings
+from tokenmill.model.gguf_families import (GGUF_FAMILIES, LLAMA_WITH_EXPERTS, GgufFamily, block_tensor_names,
+                                           family_settings)
 from tokenmill.model.layers.linear import Int8Blocks
 
 
@@ -58,6 +59,8 @@ def gguf_architecture(reader: gguf.GGUFReader, path: Path) -> tuple[str, GgufFam
     if arch is None:
         raise ModelLoadError(f"{path} has no general.architecture metadata")
     family = GGUF_FAMILIES.get(arch)
+    if arch == "llama" and (_field(reader, "llama.expert_count") or 0) > 0:
+        family = LLAMA_WITH_EXPERTS
     if family is None:
         raise ModelLoadError(
             f"unsupported GGUF architecture {arch!r} in {path.name} (supported: {', '.join(sorted(GGUF_FAMILIES))})"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,7 @@ from tokenmill.model import gguf_loader
 from tokenmill.model.chat_templates import ensure_chat_template
 from tokenmill.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from tokenmill.model.layers.linear import Int8Blocks
-from tokenmill.model.registry import MODEL_REGISTRY
+from tokenmill.model.registry import CHECKPOINT_RENAMES, MODEL_REGISTRY
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
@@ -96,7 +97,7 @@ class ModelSource:
             yield from gguf_loader.iter_gguf_weights(self.path, self.hf_config, dtype, reader, int8_blocks,
                                                      dense_kept)
         else:
-            yield from _iter_safetensors(self.path, dtype)
+            yield from _iter_safetensors(self.path, dtype, CHECKPOINT_RENAMES.get(self.architecture, ()))
 
 
 def load_model_source(model: str | None, tokenizer: str | None = None) -> ModelSource:
@@ -237,7 +238,8 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
-def _iter_safetensors(directory: Path, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_safetensors(directory: Path, dtype: torch.dtype,
+                      renames: tuple[tuple[str, str], ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for file in _safetensors_files(directory):
@@ -245,4 +247,7 @@ def _iter_safetensors(directory: Path, dtype: torch.dtype) -> Iterator[tuple[str
             for name in handle.keys():
                 if name.endswith(_SKIPPED_SUFFIXES):
                     continue
-                yield name, handle.get_tensor(name).to(dtype)
+                tensor = handle.get_tensor(name).to(dtype)
+                for pattern, replacement in renames:
+                    name = re.sub(pattern, replacement, name)
+                yield name, tensor
