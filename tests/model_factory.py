@@ -383,3 +383,35 @@ def write_family_gguf(path: Path, hf_dir: Path, arch: str) -> dict[str, torch.Te
         writer.add_tensor(gguf_name, array, raw_dtype=kind)
     finish_gguf(writer)
     return _hf_expert_tensors(stored)
+
+
+# ---- LoRA adapters ------------------------------------------------------------------------------
+
+def build_peft_adapter(directory: Path, base_dir: Path, *, seed: int, rank: int = 8, alpha: int = 16,
+                       targets: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                   "down_proj"), **lora_kwargs) -> Path:
+    """A PEFT LoRA adapter with random A and B (B nonzero, unlike a fresh adapter's, so it changes the
+    outputs) for the model in `base_dir`, saved as PEFT saves it."""
+    import transformers
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
+    config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), init_lora_weights=False,
+                        **lora_kwargs)
+    model = get_peft_model(base, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_" in name:
+                param.normal_(0.0, 0.5 if "lora_B" in name else 1.0 / param.shape[-1] ** 0.5)
+    model.save_pretrained(directory)
+    return directory
+
+
+def hf_with_adapter(base_dir: Path, adapter_dir: Path):
+    """HF transformers' model of `base_dir` with the PEFT adapter applied (float32), the LoRA reference."""
+    import transformers
+    from peft import PeftModel
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+    return PeftModel.from_pretrained(base, adapter_dir).eval()

@@ -83,7 +83,8 @@ def test_no_flags_give_the_defaults():
         "attention_backend": "auto", "packed_linear": True, "quantization": None, "block_matmul": "auto",
         "kv_cache_dtype": "auto", "numerics": "auto",
         "structured_outputs_fast_forward": True, "data_parallel_size": 1, "data_parallel_routing": "prefix",
-        "data_parallel_long_prompt_threshold": None, "data_parallel_long_prompt_borrowing": True, "tensor_parallel_size": 1, "engine_core_nice": None, "speculative_config": None}
+        "data_parallel_long_prompt_threshold": None, "data_parallel_long_prompt_borrowing": True, "tensor_parallel_size": 1, "engine_core_nice": None, "speculative_config": None,
+        "enable_lora": False, "max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None}
 
 
 def test_every_old_flag_parses_to_the_same_value():
@@ -206,7 +207,8 @@ def test_validation_keeps_every_value_as_given():
                   kv_offload_dir="/tmp/tier", kv_offload_size=2**30, kv_offload_host_size=2**29, kv_cache_pin_fraction=0.25, preemption_mode=None, seed=3, max_logprobs=0, num_threads=1, attention_backend="cpu",
                   packed_linear=False, quantization="q8_0", block_matmul="int8", kv_cache_dtype="bfloat16",
                   structured_outputs_fast_forward=False, data_parallel_size=2, data_parallel_routing="round_robin",
-                  data_parallel_long_prompt_threshold=512, data_parallel_long_prompt_borrowing=False, tensor_parallel_size=2, engine_core_nice=0, speculative_config=None, numerics="auto")
+                  data_parallel_long_prompt_threshold=512, data_parallel_long_prompt_borrowing=False, tensor_parallel_size=2, engine_core_nice=0, speculative_config=None, numerics="auto",
+                  enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=5)
     assert set(values) == {f.name for f in engine_options()}
     config = EngineConfig(**values)
     assert dataclasses.asdict(config) == values  # dtype stays "auto" under q8_0

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "EngineConfig", "__version__"]
+__all__ = ["LLM", "SamplingParams", "LoRARequest", "RequestOutput", "CompletionOutput", "EngineConfig",
+           "__version__"]
 
 
 def __getattr__(name: str):
@@ -17,6 +18,9 @@ def __getattr__(name: str):
     if name in ("RequestOutput", "CompletionOutput"):
         import tokenmill.outputs as outputs
         return getattr(outputs, name)
+    if name == "LoRARequest":
+        from tokenmill.lora_request import LoRARequest
+        return LoRARequest
     if name == "EngineConfig":
         from tokenmill.config import EngineConfig
         return EngineConfig

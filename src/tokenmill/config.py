@@ -186,7 +186,7 @@ DATA_PARALLEL_ROUTING = ("prefix", "round_robin")
 
 def option(default: Any, help: str, *, choices: Optional[tuple] = None, bound: Optional[str] = None,
            convert: Optional[Callable[[Any], Any]] = None, parse: Optional[Callable[[str], Any]] = None,
-           aliases: tuple[str, ...] = (), metavar: Optional[str] = None, repeat: bool = False) -> Any:
+           aliases: tuple[str, ...] = (), metavar: Optional[str] = None, repeat: bool | str = False) -> Any:
     """A dataclass field that carries everything the CLI and validation need (EngineConfig here, the
     server's ServerConfig in entrypoints/openai/cli_args.py; entrypoints/engine_args.py makes the flags).
 
@@ -194,7 +194,8 @@ def option(default: Any, help: str, *, choices: Optional[tuple] = None, bound: O
     passes); convert: turns an accepted input form into the stored one (an alias, '4GiB', a dict) and
     raises InvalidRequestError for bad input; parse: the CLI's reader of the flag's string when neither
     the field's type nor `convert` is the right one; aliases: extra flags (e.g. "-q"); repeat: the flag
-    may be given several times, its values collected in order.
+    may be given several times, its values collected in order ("many": each use may also list several
+    values, as vLLM's `--lora-modules a=PATH b=PATH`).
     """
     if bound is not None and bound not in BOUNDS:
         raise ValueError(f"unknown bound {bound!r}")
@@ -360,6 +361,15 @@ class EngineConfig:
         '4}\' (drafts from n-grams already in the sequence; greedy requests keep their exact output, sampled ones their '
         'distribution, through speculative sampling)',
         convert=_speculative_config, parse=_json_object, metavar="JSON")
+    enable_lora: bool = option(
+        False, "serve LoRA adapters (PEFT directories) on top of the model: a request picks one by its `model` "
+        "(the server) or `lora_request` (LLM.generate); requests for different adapters and for the base model "
+        "share steps")
+    max_loras: int = option(1, "with --enable-lora: the most adapters in one step (each holds a slot of weights "
+                            "on every projection)", bound="positive")
+    max_lora_rank: int = option(16, "with --enable-lora: the highest adapter rank the slots hold", bound="positive")
+    max_cpu_loras: Optional[int] = option(
+        None, "with --enable-lora: adapters kept read in host memory (default: --max-loras)", bound="positive")
 
     def __post_init__(self) -> None:
         validate_options(self)

@@ -137,7 +137,9 @@ class KVCacheManager:
         while (len(hashes) + 1) * bs <= num_tokens:
             start = len(hashes) * bs
             parent = hashes[-1] if hashes else None
-            hashes.append(hash_block_tokens(parent, request.all_token_ids[start:start + bs]))
+            # The first block carries the request's salt (its LoRA adapter's): the chain carries it on.
+            hashes.append(hash_block_tokens(parent, request.all_token_ids[start:start + bs],
+                                            b"" if hashes else request.cache_salt))
 
     # ---- lookup --------------------------------------------------------------------------
     def _cached_prefix(self, request: Request, tier_look: Optional[bool] = None) -> list[list]:

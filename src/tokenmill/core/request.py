@@ -68,9 +68,16 @@ class Request:
     # Beam search: park after every sampled token (fork_children = []) until the search forks the
     # beams that continue from this one.
     park_after_sample: bool = False
+    # Its LoRA adapter (a tokenmill.lora_request.LoRARequest; opaque here but for its cache_salt).
+    lora: Optional[Any] = None
 
     def __post_init__(self) -> None:
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
+
+    @property
+    def cache_salt(self) -> bytes:
+        """Mixed into the first block's prefix-cache key: another adapter's blocks never match."""
+        return self.lora.cache_salt if self.lora is not None else b""
 
     @property
     def num_prompt_tokens(self) -> int:

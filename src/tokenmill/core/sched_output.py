@@ -20,6 +20,7 @@ from typing import Optional, Union
 import msgspec
 
 from tokenmill.outputs import Logprob
+from tokenmill.lora_request import LoRARequest
 from tokenmill.sampling_params import SamplingParams
 
 
@@ -32,6 +33,7 @@ class NewRequestData(msgspec.Struct, omit_defaults=True):
     eos_token_id: Optional[int] = None
     # Tokens generated before the runner heard of it (resumed or forked requests).
     output_token_ids: list[int] = []
+    lora: Optional[LoRARequest] = None  # its LoRA adapter
 
 
 class ScheduledRequest(msgspec.Struct, omit_defaults=True):

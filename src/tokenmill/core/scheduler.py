@@ -176,7 +176,8 @@ class Scheduler:
             num_sent = 0
             output.new_requests.append(NewRequestData(
                 request_id=rid, prompt_token_ids=request.prompt_token_ids, sampling_params=request.sampling_params,
-                eos_token_id=request.eos_token_id, output_token_ids=list(request.output_token_ids)))
+                eos_token_id=request.eos_token_id, output_token_ids=list(request.output_token_ids),
+                lora=request.lora))
         new_blocks = self.kv_cache.block_ids_from(rid, num_sent)
         more_groups = [self.kv_cache.block_ids_from(rid, num_sent, group)
                        for group in range(1, self.kv_cache.num_groups)]
@@ -355,10 +356,15 @@ class Scheduler:
                        s.request.num_tokens_to_compute - s.start_position > threshold)
         skipped: list[Request] = []
         candidates = list(self.waiting)
+        # --max-loras: the adapters of running requests, which a step never exceeds.
+        adapters = {r.lora for r in self.running if r.lora is not None}
         while (candidates and budget > 0 and self._prefill_left > 0
                and len(self.running) < self.config.max_num_seqs):
             request = self.policy.pick_next(candidates, self.kv_cache.peek_cached_tokens)
             candidates.remove(request)
+            if request.lora is not None and request.lora not in adapters:
+                if len(adapters) >= self.config.max_loras:
+                    continue  # waits until a running adapter's requests are done
             if request.sampling_params.prompt_logprobs is None:
                 hits, num_cached = self.kv_cache.get_computed_blocks(request)
                 if self.kv_cache.is_reading(request):
@@ -384,6 +390,8 @@ class Scheduler:
                 break
             self.waiting.remove(request)
             num_long += is_long
+            if request.lora is not None:
+                adapters.add(request.lora)
             if request.num_cached_tokens is None:
                 request.num_cached_tokens = num_cached
             request.num_computed_tokens = num_cached

@@ -37,6 +37,7 @@ from tokenmill.engine.tokenizer_handover import tokenizer_from_files
 from tokenmill.errors import EngineDeadError, EngineFailedError, InvalidRequestError, RequestTimeoutError, \
     TokenmillError
 from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot, StatLogger
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.runner.host_memory import process_rss_bytes, release_freed_memory
 from tokenmill.sampling_params import SamplingParams
@@ -145,8 +146,10 @@ class AsyncLLM:
             if limits:
                 self._watchdog = loop.create_task(self._watch(max(0.05, min(1.0, min(limits) / 4))))
 
-    def _route(self, prompt_token_ids: list[int], key: str) -> int:
-        return self.router.choose(prompt_token_ids, key) if self.router is not None else 0
+    def _route(self, prompt_token_ids: list[int], key: str, lora: Optional[LoRARequest] = None) -> int:
+        if self.router is None:
+            return 0
+        return self.router.choose(prompt_token_ids, key, lora.cache_salt if lora is not None else b"")
 
     def _release(self, key: str) -> None:
         index = self._engine_of.pop(key, None)
@@ -155,7 +158,8 @@ class AsyncLLM:
 
     # ---- requests ------------------------------------------------------------------------
     def submit(self, prompt: ProcessedPrompt, sampling_params: SamplingParams, request_id: str, sink: Any, *,
-               priority: int = 0, user: Optional[str] = None, validated: bool = False) -> None:
+               priority: int = 0, user: Optional[str] = None, validated: bool = False,
+               lora: Optional[LoRARequest] = None) -> None:
         """Sends a request to its core; its outputs (as its params' output_kind asks), or the exception
         that ends it, go to `sink.put_nowait` on the event loop, straight from the step's callback.
         The caller aborts it (`abort`) if it stops listening before a finished output.
@@ -163,17 +167,18 @@ class AsyncLLM:
         self._raise_if_dead()
         self._ensure_receiving()
         message = self.frontend.admit(request_id, prompt, sampling_params, priority=priority, user=user,
-                                      queue=sink, validated=validated)
-        index = self._engine_of[request_id] = self._route(prompt.prompt_token_ids, request_id)
+                                      queue=sink, validated=validated, lora=lora)
+        index = self._engine_of[request_id] = self._route(prompt.prompt_token_ids, request_id, lora)
         self.clients[index].add_request(message)
 
     async def generate(self, prompt: ProcessedPrompt, sampling_params: SamplingParams, request_id: str, *,
-                       priority: int = 0, user: Optional[str] = None,
-                       validated: bool = False) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, user: Optional[str] = None, validated: bool = False,
+                       lora_request: Optional[LoRARequest] = None) -> AsyncIterator[RequestOutput]:
         """The request's outputs (as its params' output_kind asks); closing the iterator early aborts it.
         validated: the caller already ran input_processor.validate on these parameters."""
         queue: asyncio.Queue = asyncio.Queue()
-        self.submit(prompt, sampling_params, request_id, queue, priority=priority, user=user, validated=validated)
+        self.submit(prompt, sampling_params, request_id, queue, priority=priority, user=user, validated=validated,
+                    lora=lora_request)
         finished = False
         try:
             while not finished:

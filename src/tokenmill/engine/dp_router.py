@@ -35,11 +35,13 @@ from tokenmill.core.kv_tier import TierView
 Key = TypeVar("Key", bound=Hashable)
 
 
-def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """The chained hashes of the prompt's full blocks, as the prefix cache computes them."""
+def prompt_block_hashes(prompt_token_ids: Sequence[int], block_size: int, salt: bytes = b"") -> list[bytes]:
+    """The chained hashes of the prompt's full blocks, as the prefix cache computes them (salt: the request's
+    Request.cache_salt, its LoRA adapter's)."""
     hashes: list[bytes] = []
     for start in range(0, len(prompt_token_ids) - block_size + 1, block_size):
-        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, prompt_token_ids[start:start + block_size]))
+        hashes.append(hash_block_tokens(hashes[-1] if hashes else None, prompt_token_ids[start:start + block_size],
+                                        b"" if hashes else salt))
     return hashes
 
 
@@ -58,8 +60,8 @@ class PrefixAffinity(Generic[Key]):
         # Per replica, the block hashes it is believed to hold, least recently routed first.
         self.blocks: dict[Key, "OrderedDict[bytes, None]"] = {}
 
-    def block_hashes(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
-        return prompt_block_hashes(prompt_token_ids, self.block_size)
+    def block_hashes(self, prompt_token_ids: Sequence[int], salt: bytes = b"") -> list[bytes]:
+        return prompt_block_hashes(prompt_token_ids, self.block_size, salt)
 
     def matched_blocks(self, key: Key, hashes: Sequence[bytes]) -> int:
         """How many leading blocks of the prompt the replica is believed to hold."""
@@ -152,8 +154,8 @@ class DataParallelRouter:
     def block_size(self) -> int:
         return self.affinity.block_size
 
-    def block_hashes(self, prompt_token_ids: Sequence[int]) -> list[bytes]:
-        return self.affinity.block_hashes(prompt_token_ids)
+    def block_hashes(self, prompt_token_ids: Sequence[int], salt: bytes = b"") -> list[bytes]:
+        return self.affinity.block_hashes(prompt_token_ids, salt)
 
     def is_long(self, num_prompt_tokens: int) -> bool:
         return self.long_prompt_threshold is not None and num_prompt_tokens > self.long_prompt_threshold
@@ -167,9 +169,10 @@ class DataParallelRouter:
                            {i: e.long_in_flight for i, e in enumerate(self.engines)},
                            borrowing=self.long_prompt_borrowing)
 
-    def choose(self, prompt_token_ids: Sequence[int], key: Optional[Hashable] = None) -> int:
+    def choose(self, prompt_token_ids: Sequence[int], key: Optional[Hashable] = None, salt: bytes = b"") -> int:
         """The engine index for a new request (counted as in flight there until `finished`). key: the
-        request's, to count it among the long prompts in flight until `finished(index, key)`."""
+        request's, to count it among the long prompts in flight until `finished(index, key)`; salt: its
+        prefix-cache salt (its LoRA adapter's)."""
         lane = self.lane(len(prompt_token_ids))
         is_long = self.is_long(len(prompt_token_ids))
         if self.policy == "round_robin":
@@ -179,7 +182,7 @@ class DataParallelRouter:
             hashes: list[bytes] = []
             by_prefix = False
         else:
-            hashes = self.affinity.block_hashes(prompt_token_ids)
+            hashes = self.affinity.block_hashes(prompt_token_ids, salt)
             shared = self.shared_tier.leading_blocks(hashes) if self.shared_tier is not None else 0
             index, by_prefix = self.affinity.choose(hashes, {i: self.engines[i].in_flight for i in lane}, shared)
             self.engines[index].routed_with_tier_prefix += shared > 0

@@ -104,7 +104,8 @@ class EngineCore:
         self.tokenizer = source.tokenizer
         # What a frontend needs of the model (the ready message carries it).
         self.model_info = FrontendModelInfo(served_model_name=source.served_model_name, vocab_size=self.vocab_size,
-                                            eos_token_ids=eos_token_ids(source.tokenizer, hf_config))
+                                            eos_token_ids=eos_token_ids(source.tokenizer, hf_config),
+                                            num_hidden_layers=hf_config.num_hidden_layers)
         # Device- and model-dependent defaults resolved once, into a new config (the caller's is never written
         # to), before anything is built from it.
         budget_was_given = config.max_num_batched_tokens is not None
@@ -250,7 +251,7 @@ class EngineCore:
     def _request(request_id: str, message: EngineCoreRequest, params, grammar) -> Request:
         return Request(request_id, list(message.prompt_token_ids), params, message.eos_token_id,
                        arrival_time=message.arrival_time, priority=message.priority, user=message.user,
-                       structured_output=grammar, park_after_sample=message.park_after_sample)
+                       structured_output=grammar, park_after_sample=message.park_after_sample, lora=message.lora)
 
     def fork(self, message: EngineCoreFork) -> None:
         """Beam search: the picked beams continue from a parked parent (its blocks shared, its last

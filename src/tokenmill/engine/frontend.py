@@ -14,6 +14,7 @@ from tokenmill.engine.input_processor import InputProcessor, ProcessedPrompt
 from tokenmill.engine.messages import EngineCoreOutputs, EngineCoreRequest, ForkChild, FrontendModelInfo
 from tokenmill.engine.output_processor import OutputProcessor, RequestState
 from tokenmill.errors import InvalidRequestError, RequestRejectedError
+from tokenmill.lora_request import LoRARequest, check_adapter
 from tokenmill.metrics.stats import SchedulerSnapshot
 from tokenmill.model.default_model import DEFAULT_MODEL_NAME
 from tokenmill.sampling_params import SamplingParams
@@ -28,6 +29,8 @@ class Frontend:
     eos_token_ids: list[int]
     input_processor: InputProcessor
     output_processor: OutputProcessor
+    # --enable-lora: the adapters' checks (None: requests with an adapter are refused).
+    lora_checks: Optional[LoRAChecks] = None
 
     @classmethod
     def build(cls, config: EngineConfig, info: FrontendModelInfo, tokenizer: Any, max_model_len: int) -> "Frontend":
@@ -40,19 +43,30 @@ class Frontend:
         return cls(name, eos_ids,
                    InputProcessor(tokenizer, max_model_len, info.vocab_size, config.max_prompt_tokens, backend,
                                   config.max_logprobs),
-                   OutputProcessor(tokenizer, eos_ids))
+                   OutputProcessor(tokenizer, eos_ids),
+                   LoRAChecks(info.num_hidden_layers, config.max_lora_rank) if config.enable_lora else None)
+
+    def check_lora(self, lora: Optional[LoRARequest]) -> None:
+        """InvalidRequestError for an adapter this engine cannot serve (no --enable-lora, unreadable, too big)."""
+        if lora is None:
+            return
+        if self.lora_checks is None:
+            raise InvalidRequestError(f"LoRA adapter {lora.lora_name!r} requested, but the engine was started "
+                                      "without --enable-lora", "model")
+        self.lora_checks.check(lora)
 
     def admit(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, *, priority: int = 0,
               user: Optional[str] = None, arrival_time: Optional[float] = None, queue: Any = None,
-              validated: bool = False) -> EngineCoreRequest:
+              validated: bool = False, lora: Optional[LoRARequest] = None) -> EngineCoreRequest:
         """Validate a request (unless the caller did), register it for output processing, and return the
         message that hands it to the core."""
         if not validated:
             params = self.input_processor.validate(prompt.prompt_token_ids, params)
+        self.check_lora(lora)
         if request_id in self.output_processor.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         message, params, core_ids = core_request(request_id, prompt, params, self.eos_token_ids,
-                                                 priority=priority, user=user, arrival_time=arrival_time)
+                                                 priority=priority, user=user, arrival_time=arrival_time, lora=lora)
         parent = message.request_id if message.fork_children else None
         self.output_processor.add_request(request_id, prompt.prompt, prompt.prompt_token_ids, params, core_ids,
                                           parent, message.arrival_time, queue=queue, tenant=user)
@@ -60,8 +74,8 @@ class Frontend:
 
 
 def core_request(request_id: str, prompt: ProcessedPrompt, params: SamplingParams, eos_ids: list[int], *,
-                 priority: int = 0, user: Optional[str] = None,
-                 arrival_time: Optional[float] = None) -> tuple[EngineCoreRequest, SamplingParams, list[str]]:
+                 priority: int = 0, user: Optional[str] = None, arrival_time: Optional[float] = None,
+                 lora: Optional[LoRARequest] = None) -> tuple[EngineCoreRequest, SamplingParams, list[str]]:
     """The core's message for a validated request, the parameters the frontend keeps for it, and the
     core ids of its samples."""
     # Extra EOS ids of the model (e.g. Llama 3's <|eot_id|>) stop generation like EOS does.
@@ -81,8 +95,23 @@ def core_request(request_id: str, prompt: ProcessedPrompt, params: SamplingParam
         prompt_token_ids=prompt.prompt_token_ids, sampling_params=params,
         eos_token_id=eos_ids[0] if eos_ids else None,
         arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
-        priority=priority, user=user, fork_children=children)
+        priority=priority, user=user, fork_children=children, lora=lora)
     return message, params, core_ids
+
+
+class LoRAChecks:
+    """Each adapter's files checked once (config and safetensors header, no tensors read) before its first
+    request reaches the core, so a bad adapter is a clear 400 and never a failed engine step."""
+
+    def __init__(self, num_layers: int, max_rank: int) -> None:
+        self.num_layers = num_layers
+        self.max_rank = max_rank
+        self.checked: dict[LoRARequest, int] = {}  # -> its rank
+
+    def check(self, lora: LoRARequest) -> int:
+        if lora not in self.checked:
+            self.checked[lora] = check_adapter(lora.lora_path, self.num_layers, self.max_rank).rank
+        return self.checked[lora]
 
 
 def rejection(state: RequestState, max_queue_time: Optional[float]) -> Optional[RequestRejectedError]:

@@ -17,6 +17,7 @@ from tokenmill.engine.input_processor import ProcessedPrompt
 from tokenmill.engine.messages import EngineCoreAbort, EngineCoreOutputs
 from tokenmill.metrics.stats import IterationStats, StatLogger
 from tokenmill.model.loader import load_model_source
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 
@@ -51,9 +52,10 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: ProcessedPrompt, params: SamplingParams, *,
-                    priority: int = 0, user: Optional[str] = None, arrival_time: Optional[float] = None) -> None:
+                    priority: int = 0, user: Optional[str] = None, arrival_time: Optional[float] = None,
+                    lora_request: Optional[LoRARequest] = None) -> None:
         self.core.add_request(self.frontend.admit(request_id, prompt, params, priority=priority, user=user,
-                                                 arrival_time=arrival_time))
+                                                 arrival_time=arrival_time, lora=lora_request))
 
     def abort_request(self, request_ids: list[str] | str) -> None:
         if isinstance(request_ids, str):

@@ -19,6 +19,7 @@ from typing import Any, Optional, Union
 import msgspec
 
 from tokenmill.core.scheduler_stats import SchedulerStats
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import Logprob
 from tokenmill.sampling_params import SamplingParams
 
@@ -48,6 +49,7 @@ class EngineCoreRequest(msgspec.Struct, tag=True, omit_defaults=True):
     park_after_sample: bool = False
     # --api-server-count N: the API server that sent it (0..N-1), which gets its outputs (and its forks').
     frontend: int = 0
+    lora: Optional[LoRARequest] = None  # its LoRA adapter (--enable-lora)
 
 
 class EngineCoreFork(msgspec.Struct, tag=True):
@@ -102,6 +104,7 @@ class FrontendModelInfo(msgspec.Struct, omit_defaults=True):
     # template ...), name -> content; see tokenizer_handover. Empty when the frontend shares the core's
     # process and takes the tokenizer object itself.
     tokenizer_files: dict[str, bytes] = {}
+    num_hidden_layers: int = 0  # the layers a LoRA adapter may target
 
 
 class EngineCoreReady(msgspec.Struct, tag=True, omit_defaults=True):

@@ -82,6 +82,8 @@ def add_option_args(parser: argparse.ArgumentParser, options_class: type, title:
         base = _base_type(types[f.name])
         if f.metadata.get("repeat"):
             kwargs["action"] = "append"
+            if f.metadata["repeat"] == "many":
+                kwargs.update(action="extend", nargs="+")
             if f.metadata.get("metavar") is not None:
                 kwargs["metavar"] = f.metadata["metavar"]
         elif base is bool:

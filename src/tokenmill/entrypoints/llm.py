@@ -10,6 +10,7 @@ from tokenmill.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_s
 from tokenmill.config import EngineConfig
 from tokenmill.engine.llm_engine import LLMEngine
 from tokenmill.errors import InvalidRequestError
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import RequestOutputKind, SamplingParams
 
@@ -42,12 +43,19 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Optional[list[int]] = None) -> list[RequestOutput]:
+                 use_tqdm: bool = True, priority: Optional[list[int]] = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest] | None = None) -> list[RequestOutput]:
+        """lora_request (vLLM's): the LoRA adapter of every prompt, or one per prompt (None: the base model);
+        needs an engine started with enable_lora=True."""
         prompt_list = self._as_list(prompts)
         params_list = self._params_for(sampling_params, len(prompt_list))
         processor = self.llm_engine.input_processor
         processed = [processor.process_prompt(p) for p in prompt_list]  # all validated before any runs
-        return self._run([(p, sp) for p, sp in zip(processed, params_list)], use_tqdm, priority)
+        loras = (list(lora_request) if isinstance(lora_request, (list, tuple))
+                 else [lora_request] * len(prompt_list))
+        if len(loras) != len(prompt_list):
+            raise InvalidRequestError("lora_request must be one LoRARequest or one per prompt")
+        return self._run([(p, sp) for p, sp in zip(processed, params_list)], use_tqdm, priority, loras)
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
@@ -86,7 +94,8 @@ class LLM:
             raise InvalidRequestError("sampling_params must be one SamplingParams or one per prompt")
         return list(sampling_params)
 
-    def _run(self, items, use_tqdm: bool, priority: Optional[list[int]]) -> list[RequestOutput]:
+    def _run(self, items, use_tqdm: bool, priority: Optional[list[int]],
+             loras: Optional[list[Optional[LoRARequest]]] = None) -> list[RequestOutput]:
         engine = self.llm_engine
         ids = []
         try:
@@ -94,7 +103,8 @@ class LLM:
                 request_id = f"offline-{next(self._counter)}"
                 # Only the final outputs are returned, so only they are assembled.
                 params = params.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-                engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0)
+                engine.add_request(request_id, prompt, params, priority=priority[i] if priority else 0,
+                                   lora_request=loras[i] if loras else None)
                 ids.append(request_id)
         except BaseException:
             engine.abort_request(ids)  # one refused prompt refuses the whole call

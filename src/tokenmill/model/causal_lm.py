@@ -71,6 +71,7 @@ class DecoderForCausalLM(nn.Module):
         self.tie_word_embeddings = spec.tie_word_embeddings
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
         self._int8_decode: Optional[tuple[Any, list[torch.Tensor]]] = None  # (kernels, per-layer tensors)
+        self.lora_state: Optional[Any] = None  # --enable-lora: the step's rows' adapters (layers.lora.LoRAStepState)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
@@ -83,7 +84,8 @@ class DecoderForCausalLM(nn.Module):
         metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
         rows = input_ids.numel()
         if (self._int8_decode is not None and metas[0].num_decodes == rows <= BLOCK_KERNEL_MAX_ROWS
-                and metas[0].decode_block_tables is not None and self._fused_decode_fits(kv_caches)):
+                and metas[0].decode_block_tables is not None and self._fused_decode_fits(kv_caches)
+                and (self.lora_state is None or self.lora_state.onehot is None)):  # the stack has no LoRA
             return self._forward_int8_decode(input_ids, positions, kv_caches, metas)
         x, residual = self.embed(input_ids), None
         for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas):

@@ -40,6 +40,7 @@ class ModelInputs:
     attention: list[AttentionInputs]
     # Flat index of each scheduled request's last token, in the order of the rows given.
     last_token_index: list[int]
+    token_rows: np.ndarray  # [T] the batch row each token belongs to
 
 
 @dataclass(slots=True)
@@ -193,6 +194,7 @@ class InputBatch:
             positions=torch.from_numpy(positions).to(device),
             attention=[self._attention_inputs(step, table, device) for table in self.block_tables],
             last_token_index=last_index.tolist(),
+            token_rows=token_rows,
         )
 
     def _attention_inputs(self, step: _Step, table: np.ndarray, device: torch.device) -> AttentionInputs:

@@ -24,6 +24,7 @@ from tokenmill.runner.backend_check import attention_mismatch
 from tokenmill.runner.draft_verify import verify_drafts
 from tokenmill.runner.input_batch import InputBatch
 from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_caches, kv_blocks_in, kv_blocks_out
+from tokenmill.runner.lora_slots import LoRASlots
 from tokenmill.runner.model_memory import model_tensor_bytes
 from tokenmill.sample.sampler import Sampler, SamplingRequestState, compute_prompt_logprobs
 
@@ -96,6 +97,8 @@ class ModelRunner:
                                             config.quantization, config.block_matmul, self.packed_linear_rows,
                                             self.tp)
         self.linear_layers = ""  # how the projections run, once loaded (logged; reported by benchmarks)
+        self.lora: Optional[LoRASlots] = None  # --enable-lora: the adapters' slots, added once the weights are in
+        self._lora_slots = LoRASlots.settings(config)
 
     def _check_attention_kernels(self) -> None:
         """The triton kernels on this model's attention shapes, once per distinct (window, soft-cap) kind of
@@ -130,6 +133,7 @@ class ModelRunner:
                 shard_int8_blocks(int8_blocks, self.tp, qkv_rows)
         self.linear_layers = self.linear_methods.apply(int8_blocks)
         logger.info("linear layers: %s", self.linear_layers)
+        self.lora = LoRASlots(self.model, *self._lora_slots, tp=self.tp) if self._lora_slots else None
 
     # What the linear layers' methods decided (tests and benchmark reports read these off the runner).
     @property
@@ -231,11 +235,15 @@ class ModelRunner:
         self._copy_blocks(output.block_copies)
         if output.kv_loads:
             kv_blocks_in(self.kv_caches, output.kv_loads, self.kv_spec, self.tp.rank if self.tp is not None else 0)
+        if self.lora is not None:
+            self.lora.track(output)
         if not output.scheduled:
             return result
         batch = self.input_batch
         backend = self.attention_backend
         inputs = batch.prepare(output.scheduled, states, self.device, backend.paged_decode)
+        if self.lora is not None:
+            self.lora.prepare(output.scheduled, states, inputs.token_rows)
         metas = [backend.prepare_metadata(group_inputs) for group_inputs in inputs.attention]
         # Several KV cache groups: each layer attends through its group's tables.
         meta = metas[0] if len(metas) == 1 else [metas[group] for group in self._layer_group]

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
-from starlette.responses import FileResponse, JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.staticfiles import StaticFiles
 
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
@@ -36,6 +36,7 @@ from tokenmill.entrypoints.openai.cli_args import (
     ServerConfig,
     add_serve_args,
     configure_logging,
+    parse_lora_modules,
     resolve_rate_limiter,
     server_config_from_args,
 )
@@ -51,10 +52,12 @@ from tokenmill.entrypoints.openai.protocol import (
     DetokenizeRequest,
     DetokenizeResponse,
     ErrorResponse,
+    LoadLoRAAdapterRequest,
     ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
     VersionResponse,
 )
 from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -131,9 +134,13 @@ def build_app(engine: "AsyncLLM", server: Optional[ServerConfig] = None,
 
 def _add_openai_routes(app: FastAPI, engine: "AsyncLLM", server: ServerConfig) -> None:
     name = engine.served_model_name
-    completions = OpenAIServingCompletion(engine, name)
-    chat = OpenAIServingChat(engine, name, tool_call_parser=server.auto_tool_call_parser)
-    models = OpenAIServingModels(name, engine.max_model_len)
+    lora_checks = engine.frontend.lora_checks
+    models = OpenAIServingModels(name, engine.max_model_len, check_lora=None if lora_checks is None else
+                                 engine.frontend.check_lora)
+    for lora_name, lora_path in parse_lora_modules(server):
+        models.load_lora(lora_name, lora_path)
+    completions = OpenAIServingCompletion(engine, name, models)
+    chat = OpenAIServingChat(engine, name, tool_call_parser=server.auto_tool_call_parser, models=models)
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_STREAMING, **_ERRORS})
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
@@ -150,6 +157,18 @@ def _add_openai_routes(app: FastAPI, engine: "AsyncLLM", server: ServerConfig) -
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
     async def get_model(model_id: str) -> ModelCard:
         return models.get_model(model_id)
+
+    if lora_checks is not None:
+        # vLLM's endpoints and answers (plain text); with --api-key they need a key, like every /v1 route.
+        @app.post("/v1/load_lora_adapter", responses=_ERRORS)
+        async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
+            models.load_lora(body.lora_name, body.lora_path)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter", responses=_ERRORS)
+        async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
+            models.unload_lora(body.lora_name)
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
 
 def _add_server_routes(app: FastAPI, engine: "AsyncLLM", lifecycle: ServerLifecycle) -> None:

@@ -6,6 +6,7 @@ which imports this module; nothing here imports the server back.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
@@ -81,6 +82,11 @@ class ServerConfig:
         None, "the model's tool-call format: hermes (<tool_call>{json}</tool_call>: Qwen2.5/3, Hermes)",
         choices=tuple(TOOL_CALL_PARSERS))
 
+    lora_modules: Optional[tuple[str, ...]] = option(
+        None, "with --enable-lora: adapters served from the start, each as name=path or vLLM's JSON "
+        "'{\"name\": ..., \"path\": ...}'; a request names one in its `model`", repeat="many", convert=_tuple,
+        metavar="NAME=PATH")
+
     def __post_init__(self) -> None:
         validate_options(self)
         if self.enable_auto_tool_choice and not self.tool_call_parser:
@@ -91,6 +97,25 @@ class ServerConfig:
     def auto_tool_call_parser(self) -> Optional[str]:
         """The parser of tool calls in replies to tool_choice 'auto', when that is enabled."""
         return self.tool_call_parser if self.enable_auto_tool_choice else None
+
+
+def parse_lora_modules(server: ServerConfig) -> list[tuple[str, str]]:
+    """(name, path) of each --lora-modules entry (name=path, or vLLM's JSON object)."""
+    modules = []
+    for entry in server.lora_modules or ():
+        if entry.lstrip().startswith("{"):
+            try:
+                value = json.loads(entry)
+                modules.append((str(value["name"]), str(value["path"])))
+            except (ValueError, KeyError, TypeError):
+                raise InvalidRequestError(f"--lora-modules {entry!r}: a JSON entry needs \"name\" and \"path\"",
+                                          "lora_modules") from None
+            continue
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            raise InvalidRequestError(f"--lora-modules {entry!r}: expected name=path", "lora_modules")
+        modules.append((name, path))
+    return modules
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

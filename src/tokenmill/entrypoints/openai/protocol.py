@@ -529,6 +529,20 @@ class ModelCard(OpenAIModel):
     max_model_len: Optional[int] = None
 
 
+class LoadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's /v1/load_lora_adapter body."""
+
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAAdapterRequest(OpenAIModel):
+    """vLLM's /v1/unload_lora_adapter body (its lora_int_id, if sent, is not needed: names are unique)."""
+
+    lora_name: str
+    lora_int_id: Optional[int] = None
+
+
 class ModelList(OpenAIModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)

@@ -22,11 +22,13 @@ from tokenmill.entrypoints.openai.errors import error_body
 from tokenmill.entrypoints.openai.protocol import PromptTokensDetails, UsageInfo
 from tokenmill.entrypoints.openai.rate_limit import REASON, request_key
 from tokenmill.errors import EngineDeadError, ModelNotFoundError, RateLimitExceededError, TokenmillError
+from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import CompletionOutput, Logprob, RequestOutput
 from tokenmill.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from tokenmill.engine.async_llm import AsyncLLM
+    from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
     from tokenmill.engine.input_processor import ProcessedPrompt
     from tokenmill.sampling_params import SamplingParams
 
@@ -134,15 +136,25 @@ class RequestLog:
 
 
 class ServingBase:
-    def __init__(self, engine: "AsyncLLM", model_name: str) -> None:
+    def __init__(self, engine: "AsyncLLM", model_name: str, models: Optional["OpenAIServingModels"] = None) -> None:
+        """models: the server's models and LoRA adapters, which a request's `model` may name."""
         self.engine = engine
         self.model_name = model_name
+        self.models = models
 
-    def check_request(self, model: Optional[str]) -> None:
+    def check_request(self, model: Optional[str]) -> Optional[LoRARequest]:
+        """The LoRA adapter the request's `model` names (None: the base model); 404 for an unknown name."""
         if self.engine.errored:
             raise EngineDeadError("the engine has stopped and cannot serve requests", code="engine_dead")
+        if self.models is not None:
+            return self.models.resolve(model)
         if model not in (None, "", self.model_name):
             raise ModelNotFoundError(f"The model `{model}` does not exist.", "model", "model_not_found")
+        return None
+
+    def response_model(self, lora: Optional[LoRARequest]) -> str:
+        """The `model` a response names: the adapter the request asked for, else the served model."""
+        return lora.lora_name if lora is not None else self.model_name
 
     @staticmethod
     async def collect(group: "GenerationGroup") -> bool:
@@ -256,8 +268,9 @@ class GenerationGroup:
 
     def __init__(self, engine: "AsyncLLM", jobs: list[GenerationJob], log: RequestLog, *,
                  request: Optional[Request] = None, priority: int = 0, user: Optional[str] = None,
-                 stream: bool = False) -> None:
+                 stream: bool = False, lora: Optional[LoRARequest] = None) -> None:
         self.engine = engine
+        self.lora = lora
         self.jobs = jobs
         self.stream = stream
         self.log = log
@@ -287,7 +300,7 @@ class GenerationGroup:
         for index, job in enumerate(self.jobs):
             try:
                 self.engine.submit(job.prompt, job.params, job.request_id, _JobSink(self, index),
-                                   priority=self._priority, user=self._user, validated=True)
+                                   priority=self._priority, user=self._user, validated=True, lora=self.lora)
             except Exception as exc:  # handed to the reader, which maps it to an error response
                 self._error = exc
                 break

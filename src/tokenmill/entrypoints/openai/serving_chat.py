@@ -87,13 +87,14 @@ class _ChoiceState:
 
 
 class OpenAIServingChat(ServingBase):
-    def __init__(self, engine: Any, model_name: str, tool_call_parser: Optional[str] = None) -> None:
-        super().__init__(engine, model_name)
+    def __init__(self, engine: Any, model_name: str, tool_call_parser: Optional[str] = None,
+                 models: Any = None) -> None:
+        super().__init__(engine, model_name, models)
         # Set with --enable-auto-tool-choice --tool-call-parser NAME: "auto" replies are parsed for calls.
         self.tool_call_parser = tool_call_parser
 
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
-        self.check_request(body.model)
+        lora = self.check_request(body.model)
         processor = self.engine.input_processor
         plan = plan_tool_calls(body.tools, body.tool_choice, body.parallel_tool_calls, self.tool_call_parser)
         prompt = render_chat_prompt(processor, body)
@@ -110,7 +111,7 @@ class OpenAIServingChat(ServingBase):
         response_id = f"chatcmpl-{request_id}"
         jobs = [GenerationJob(engine_request_id(response_id, 0), prompt, params)]
         group = GenerationGroup(self.engine, jobs, RequestLog(request_id, "/v1/chat/completions"), request=raw,
-                                priority=body.priority, user=body.user, stream=body.stream)
+                                priority=body.priority, user=body.user, stream=body.stream, lora=lora)
         group.start()
         role = "assistant" if body.add_generation_prompt else body.messages[-1].role
         echo = self._echo_text(body, role)
@@ -133,7 +134,7 @@ class OpenAIServingChat(ServingBase):
                 index=comp.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
                 stop_reason=comp.stop_reason))
         choices.sort(key=lambda c: c.index)
-        response = ChatCompletionResponse(id=response_id, model=self.model_name, choices=choices,
+        response = ChatCompletionResponse(id=response_id, model=self.response_model(lora), choices=choices,
                                           usage=usage_of(outputs))
         # OpenAI leaves tool_calls out of replies that made none.
         exclude = None if any(c.message.tool_calls for c in choices) else \
@@ -152,11 +153,11 @@ class OpenAIServingChat(ServingBase):
     async def _stream(self, body: ChatCompletionRequest, group: GenerationGroup, response_id: str, role: str,
                       echo: str, plan: ToolPlan) -> Response:
         states: dict[int, _ChoiceState] = {}
+        model = self.response_model(group.lora)
 
         def chunk(choice: ChatCompletionStreamChoice) -> str:
             usage = usage_of(group.final_outputs()) if body.continuous_usage else None
-            return sse(ChatCompletionStreamResponse(id=response_id, model=self.model_name, choices=[choice],
-                                                    usage=usage))
+            return sse(ChatCompletionStreamResponse(id=response_id, model=model, choices=[choice], usage=usage))
 
         def render(batch: dict[int, RequestOutput]) -> Iterator[str]:
             out = batch.get(0)
@@ -175,7 +176,7 @@ class OpenAIServingChat(ServingBase):
 
         def tail() -> Iterator[str]:
             if body.include_usage:
-                yield sse(ChatCompletionStreamResponse(id=response_id, model=self.model_name, choices=[],
+                yield sse(ChatCompletionStreamResponse(id=response_id, model=model, choices=[],
                                                        usage=usage_of(group.final_outputs())))
 
         return await self.stream(group, render, tail)

@@ -53,7 +53,7 @@ class _ChoiceState:
 
 class OpenAIServingCompletion(ServingBase):
     async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
-        self.check_request(body.model)
+        lora = self.check_request(body.model)
         if body.suffix is not None:
             raise InvalidRequestError("suffix is not supported", "suffix")
         best_of = self._best_of(body)
@@ -68,6 +68,8 @@ class OpenAIServingCompletion(ServingBase):
         if body.echo and body.logprobs is not None:
             prompt_logprobs = max(prompt_logprobs or 0, body.logprobs)
         if body.use_beam_search:
+            if lora is not None:
+                raise InvalidRequestError("beam search with a LoRA adapter is not supported", "use_beam_search")
             return await self._beam_search(body, processed, base_request_id(raw))
         params = body.sampling_params(max_tokens=body.max_tokens, logprobs=body.logprobs,
                                       prompt_logprobs=prompt_logprobs, vocab_size=processor.vocab_size)
@@ -77,7 +79,7 @@ class OpenAIServingCompletion(ServingBase):
         response_id = f"cmpl-{request_id}"
         jobs = [GenerationJob(engine_request_id(response_id, i), p, params) for i, p in enumerate(processed)]
         group = GenerationGroup(self.engine, jobs, RequestLog(request_id, "/v1/completions"), request=raw,
-                                priority=body.priority, user=body.user, stream=body.stream)
+                                priority=body.priority, user=body.user, stream=body.stream, lora=lora)
         group.start()
         if body.stream:
             return await self._stream(body, group, processed, response_id)
@@ -149,7 +151,7 @@ class OpenAIServingCompletion(ServingBase):
                     finish_reason=comp.finish_reason, stop_reason=comp.stop_reason,
                     prompt_logprobs=_prompt_logprobs(out) if body.prompt_logprobs is not None else None))
         choices.sort(key=lambda c: c.index)
-        response = CompletionResponse(id=response_id, model=self.model_name, choices=choices,
+        response = CompletionResponse(id=response_id, model=self.response_model(group.lora), choices=choices,
                                       usage=usage_of(outputs))
         return Response(response.model_dump_json(), media_type="application/json")
 
@@ -166,12 +168,12 @@ class OpenAIServingCompletion(ServingBase):
                     choice = self._delta(body, state, index, out, comp, prompts[prompt_index])
                     if choice is not None:
                         usage = usage_of(group.final_outputs()) if body.continuous_usage else None
-                        yield sse(CompletionStreamResponse(id=response_id, model=self.model_name,
+                        yield sse(CompletionStreamResponse(id=response_id, model=self.response_model(group.lora),
                                                            choices=[choice], usage=usage))
 
         def tail() -> Iterator[str]:
             if body.include_usage:
-                yield sse(CompletionStreamResponse(id=response_id, model=self.model_name, choices=[],
+                yield sse(CompletionStreamResponse(id=response_id, model=self.response_model(group.lora), choices=[],
                                                    usage=usage_of(group.final_outputs())))
 
         return await self.stream(group, render, tail)

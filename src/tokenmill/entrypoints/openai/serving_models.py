@@ -1,28 +1,72 @@
-"""GET /v1/models and /v1/models/{id}: the one model this server serves."""
+"""GET /v1/models and /v1/models/{id}: the model this server serves and, with --enable-lora, its LoRA
+adapters (vLLM's cards: an adapter's `root` is its path, its `parent` the base model); and vLLM's
+/v1/load_lora_adapter and /v1/unload_lora_adapter, which add and remove adapters at run time."""
 from __future__ import annotations
 
+import itertools
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from tokenmill.entrypoints.openai.protocol import ModelCard, ModelList
-from tokenmill.errors import ModelNotFoundError
+from tokenmill.errors import InvalidRequestError, ModelNotFoundError
+from tokenmill.lora_request import LoRARequest
 
 
 class OpenAIServingModels:
-    def __init__(self, served_model_name: str, max_model_len: int, root: Optional[str] = None) -> None:
+    def __init__(self, served_model_name: str, max_model_len: int, root: Optional[str] = None,
+                 check_lora: Optional[Callable[[LoRARequest], None]] = None) -> None:
+        """check_lora: raises for an adapter the engine cannot serve (the frontend's check); None: the engine
+        serves no adapters."""
         self.served_model_name = served_model_name
         self.max_model_len = max_model_len
         self.root = root or served_model_name
         self.created = int(time.time())  # fixed, so repeated listings agree
+        self.check_lora = check_lora
+        self.loras: dict[str, LoRARequest] = {}
+        self._ids = itertools.count(1)
 
     def card(self) -> ModelCard:
         return ModelCard(id=self.served_model_name, created=self.created, root=self.root,
                          max_model_len=self.max_model_len)
 
+    def _lora_card(self, lora: LoRARequest) -> ModelCard:
+        return ModelCard(id=lora.lora_name, created=self.created, root=lora.lora_path,
+                         parent=self.served_model_name, max_model_len=self.max_model_len)
+
     def list_models(self) -> ModelList:
-        return ModelList(data=[self.card()])
+        return ModelList(data=[self.card(), *(self._lora_card(lora) for lora in self.loras.values())])
 
     def get_model(self, model_id: str) -> ModelCard:
+        if model_id in self.loras:
+            return self._lora_card(self.loras[model_id])
         if model_id != self.served_model_name:
             raise ModelNotFoundError(f"The model `{model_id}` does not exist.", "model", "model_not_found")
         return self.card()
+
+    def resolve(self, model: Optional[str]) -> Optional[LoRARequest]:
+        """The adapter a request's `model` names (None: the base model); 404 for a name the server lacks."""
+        if model in (None, "", self.served_model_name):
+            return None
+        lora = self.loras.get(model)
+        if lora is None:
+            raise ModelNotFoundError(f"The model `{model}` does not exist.", "model", "model_not_found")
+        return lora
+
+    def load_lora(self, name: str, path: str) -> LoRARequest:
+        """Adds an adapter under `name`, its files checked first (400 naming the problem)."""
+        if self.check_lora is None:
+            raise InvalidRequestError("LoRA adapters need a server started with --enable-lora", "lora_name")
+        if not name or not path:
+            raise InvalidRequestError("both lora_name and lora_path are required", "lora_name" if not name else
+                                      "lora_path")
+        if name == self.served_model_name or name in self.loras:
+            raise InvalidRequestError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
+        lora = LoRARequest(name, next(self._ids), path)
+        self.check_lora(lora)
+        self.loras[name] = lora
+        return lora
+
+    def unload_lora(self, name: str) -> None:
+        """Removes an adapter: new requests for it are 404s; requests already running finish with it."""
+        if self.loras.pop(name, None) is None:
+            raise ModelNotFoundError(f"The lora adapter '{name}' cannot be found.", "lora_name", "model_not_found")

@@ -1,0 +1,139 @@
+"""LoRA adapters (--enable-lora): each adapter's greedy tokens equal HF transformers + PEFT's on the same
+weights, with requests for different adapters and for the base model in the same steps; adapters beyond
+--max-loras wait for a slot; the prefix cache never hands one adapter's blocks to another; bad adapters are
+clear errors."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from model_factory import build_peft_adapter, hf_greedy, hf_with_adapter
+from tokenmill import LLM, LoRARequest, SamplingParams
+from tokenmill.errors import InvalidRequestError
+
+PROMPTS = [list(range(300, 340)), list(range(1000, 1021)), [5, 17, 923, 44, 1200, 8, 77, 301, 12, 999] * 5]
+MAX_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory, tiny_llama_dir) -> list:
+    """Three adapters: every projection (rank 8), attention only (rank 4, rsLoRA), MLP only (rank 16)."""
+    root = tmp_path_factory.mktemp("adapters")
+    specs = [dict(seed=1), dict(seed=2, rank=4, targets=("q_proj", "v_proj", "o_proj"), use_rslora=True),
+             dict(seed=3, rank=16, alpha=8, targets=("gate_proj", "up_proj", "down_proj"))]
+    return [LoRARequest(f"a{i}", i + 1, str(build_peft_adapter(root / f"a{i}", tiny_llama_dir, **spec)))
+            for i, spec in enumerate(specs)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_llama_dir, adapters) -> dict:
+    """HF + PEFT's greedy tokens per (adapter index or None, prompt index)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
+    out = {(None, p): hf_greedy(base, prompt, MAX_TOKENS) for p, prompt in enumerate(PROMPTS)}
+    for a, lora in enumerate(adapters):
+        hf = hf_with_adapter(tiny_llama_dir, lora.lora_path)
+        out.update({(a, p): hf_greedy(hf, prompt, MAX_TOKENS) for p, prompt in enumerate(PROMPTS)})
+    return out
+
+
+def params() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def engine(model, **kwargs) -> LLM:
+    settings = dict(enable_lora=True, max_loras=2, num_kv_blocks=96, max_model_len=256, numerics="exact",
+                    max_num_batched_tokens=48)
+    return LLM(str(model), **{**settings, **kwargs})
+
+
+def test_mixed_adapters_in_one_batch_match_hf_and_peft(tiny_llama_dir, adapters, expected):
+    """Every (adapter, prompt) pair and the base model at once: steps mix adapters and base rows, prompts
+    are chunked (48-token budget), and the third adapter waits for one of the two slots."""
+    llm = engine(tiny_llama_dir)
+    pairs = [(a, p) for a in (None, 0, 1, 2) for p in range(len(PROMPTS))]
+    outputs = llm.generate([{"prompt_token_ids": PROMPTS[p]} for _, p in pairs], params(), use_tqdm=False,
+                           lora_request=[None if a is None else adapters[a] for a, _ in pairs])
+    for (a, p), out in zip(pairs, outputs):
+        assert out.outputs[0].token_ids == expected[(a, p)], f"adapter {a}, prompt {p}"
+    slots = llm.llm_engine.core.core.runner.lora
+    assert slots.num_slot_loads >= 3 and len(slots.slots) == 2
+
+
+def test_the_prefix_cache_keeps_adapters_apart(tiny_llama_dir, adapters, expected):
+    llm = engine(tiny_llama_dir)
+    run = lambda lora: llm.generate([{"prompt_token_ids": PROMPTS[0]}], params(), use_tqdm=False,  # noqa: E731
+                                    lora_request=lora)[0]
+    first = run(adapters[0])
+    assert first.num_cached_tokens == 0 and first.outputs[0].token_ids == expected[(0, 0)]
+    base = run(None)
+    assert base.num_cached_tokens == 0 and base.outputs[0].token_ids == expected[(None, 0)]
+    other = run(adapters[1])
+    assert other.num_cached_tokens == 0 and other.outputs[0].token_ids == expected[(1, 0)]
+    again = run(adapters[0])
+    assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == expected[(0, 0)]
+
+
+def test_an_adapter_on_the_embedded_gguf_matches_peft(smollm2_path, smollm2_hf, tmp_path):
+    """Kept Q4_1 blocks (widened to float32 in the exact mode) with an adapter's delta on top, against PEFT
+    on transformers' dequantized copy of the same file."""
+    from peft import LoraConfig, get_peft_model
+    import torch
+
+    torch.manual_seed(7)
+    config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)
+    peft_model = get_peft_model(smollm2_hf, config)
+    try:
+        with torch.no_grad():
+            for name, param in peft_model.named_parameters():
+                if "lora_" in name:
+                    param.normal_(0.0, 0.02 if "lora_B" in name else 1.0 / param.shape[-1] ** 0.5)
+        peft_model.save_pretrained(tmp_path / "smollm2-lora")
+        prompt = [1, 504, 3458, 282, 4649, 314, 253, 1345, 30, 2683, 314, 260, 3458]
+        want = hf_greedy(peft_model, prompt, 12)
+    finally:
+        peft_model.unload()  # the session's HF model back to itself
+    llm = LLM(str(smollm2_path), enable_lora=True, numerics="exact", num_kv_blocks=64, max_model_len=256)
+    runner = llm.llm_engine.core.core.runner
+    assert runner.num_gguf_layers_kept > 0
+    lora = LoRARequest("smol", 1, str(tmp_path / "smollm2-lora"))
+    got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+                       use_tqdm=False, lora_request=lora)[0]
+    assert got.outputs[0].token_ids == want
+
+
+def test_bad_adapters_are_clear_errors(tiny_llama_dir, adapters, tmp_path):
+    plain = LLM(str(tiny_llama_dir), num_kv_blocks=32, max_model_len=128)
+    with pytest.raises(InvalidRequestError, match="without --enable-lora"):
+        plain.generate("hi", params(), lora_request=adapters[0])
+    llm = engine(tiny_llama_dir, max_lora_rank=8)
+    with pytest.raises(InvalidRequestError, match="rank 16, above --max-lora-rank 8"):
+        llm.generate("hi", params(), lora_request=adapters[2])
+    with pytest.raises(InvalidRequestError, match="cannot be read"):
+        llm.generate("hi", params(), lora_request=LoRARequest("gone", 9, str(tmp_path / "missing")))
+    dora = tmp_path / "dora"
+    dora.mkdir()
+    source = adapters[0].lora_path
+    config = json.loads(open(f"{source}/adapter_config.json").read())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
+    (dora / "adapter_model.safetensors").write_bytes(open(f"{source}/adapter_model.safetensors", "rb").read())
+    with pytest.raises(InvalidRequestError, match="DoRA"):
+        llm.generate("hi", params(), lora_request=LoRARequest("dora", 10, str(dora)))
+    assert llm.generate("hi", params())[0].outputs[0].token_ids  # the engine serves on
+
+
+@pytest.mark.slow
+def test_two_tensor_parallel_ranks_apply_their_shards_of_each_adapter(tiny_llama_dir, adapters, expected):
+    """Column-parallel projections hold their rows of B, row-parallel ones their columns of A: the ranks'
+    partial deltas sum, with the base's, in the same all-reduce."""
+    llm = engine(tiny_llama_dir, tensor_parallel_size=2)
+    pairs = [(a, p) for a in (None, 0, 1) for p in range(2)]
+    try:
+        outputs = llm.generate([{"prompt_token_ids": PROMPTS[p]} for _, p in pairs], params(), use_tqdm=False,
+                               lora_request=[None if a is None else adapters[a] for a, _ in pairs])
+    finally:
+        llm.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == [expected[pair] for pair in pairs]
