@@ -50,10 +50,26 @@ def engine(model, **kwargs) -> LLM:
     return LLM(str(model), **{**settings, **kwargs})
 
 
-def test_mixed_adapters_in_one_batch_match_hf_and_peft(tiny_llama_dir, adapters, expected):
+@pytest.mark.parametrize("backend, budget", [("cpu", 48), ("torch", 48), ("torch", 256)])
+def test_mixed_adapters_in_one_batch_match_hf_and_peft(request, tiny_llama_dir, adapters, expected, backend, budget,
+                                                       monkeypatch):
     """Every (adapter, prompt) pair and the base model at once: steps mix adapters and base rows, prompts
-    are chunked (48-token budget), and the third adapter waits for one of the two slots."""
-    llm = engine(tiny_llama_dir)
+    are chunked, and the third adapter waits for one of the two slots. With the C++ kernels every row takes its
+    own adapter in `lora_add`; without them a 48-token budget keeps every step on the masked path, and at 256
+    the prompt steps take the grouped one (a counter of its uses proves it)."""
+    from tokenmill.model.layers import lora as lora_layers
+
+    if backend == "cpu":
+        request.getfixturevalue("kernels")
+    grouped = []
+    original = lora_layers.LoRAStepState.set_rows
+
+    def counting(state, token_slots, num_slots, device):
+        original(state, token_slots, num_slots, device)
+        grouped.append(state.order is not None)
+
+    monkeypatch.setattr(lora_layers.LoRAStepState, "set_rows", counting)
+    llm = engine(tiny_llama_dir, max_num_batched_tokens=budget, attention_backend=backend)
     pairs = [(a, p) for a in (None, 0, 1, 2) for p in range(len(PROMPTS))]
     outputs = llm.generate([{"prompt_token_ids": PROMPTS[p]} for _, p in pairs], params(), use_tqdm=False,
                            lora_request=[None if a is None else adapters[a] for a, _ in pairs])
@@ -61,6 +77,8 @@ def test_mixed_adapters_in_one_batch_match_hf_and_peft(tiny_llama_dir, adapters,
         assert out.outputs[0].token_ids == expected[(a, p)], f"adapter {a}, prompt {p}"
     slots = llm.llm_engine.core.core.runner.lora
     assert slots.num_slot_loads >= 3 and len(slots.slots) == 2
+    assert (slots.state.kernel is not None) == (backend == "cpu")
+    assert any(grouped) == (backend == "torch" and budget > lora_layers.GROUPED_MIN_ROWS) and not all(grouped)
 
 
 def test_the_prefix_cache_keeps_adapters_apart(tiny_llama_dir, adapters, expected):

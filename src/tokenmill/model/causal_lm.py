@@ -85,7 +85,7 @@ class DecoderForCausalLM(nn.Module):
         rows = input_ids.numel()
         if (self._int8_decode is not None and metas[0].num_decodes == rows <= BLOCK_KERNEL_MAX_ROWS
                 and metas[0].decode_block_tables is not None and self._fused_decode_fits(kv_caches)
-                and (self.lora_state is None or self.lora_state.onehot is None)):  # the stack has no LoRA
+                and (self.lora_state is None or not self.lora_state.active)):  # the stack has no LoRA
             return self._forward_int8_decode(input_ids, positions, kv_caches, metas)
         x, residual = self.embed(input_ids), None
         for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas):

@@ -21,13 +21,16 @@ from tokenmill.model.layers.lora import PROJECTIONS, LoRALinear, LoRAStepState, 
 logger = logging.getLogger("tokenmill")
 
 
-def add_lora_projections(model: torch.nn.Module, num_slots: int, max_rank: int, tp=None) -> LoRAStepState:
+def add_lora_projections(model: torch.nn.Module, num_slots: int, max_rank: int, tp=None,
+                         kernels=None) -> LoRAStepState:
     """Puts every decoder layer's q/k/v, o, gate/up and down projections behind a LoRALinear with `num_slots`
     empty slots; returns the state they share (the model reads it to leave the fused decode stack to steps
-    without adapters)."""
-    state = LoRAStepState()
+    without adapters). kernels: tokenmill's C++ CPU kernels, whose lora_add then computes float32 deltas."""
     # The activations' dtype and device (the final norm's: embeddings and projections may be kept quantized).
     dtype, device = model.norm.weight.dtype, model.norm.weight.device
+    use_kernel = kernels is not None and hasattr(kernels, "lora_add") and dtype == torch.float32 and \
+        device.type == "cpu"
+    state = LoRAStepState(kernel=kernels.lora_add if use_kernel else None)
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not hasattr(mlp, "gate_up_proj"):
@@ -57,12 +60,12 @@ class LoRASlots:
         return config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras, config.max_num_seqs
 
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int,
-                 max_num_seqs: int, tp=None) -> None:
+                 max_num_seqs: int, tp=None, kernels=None) -> None:
         self.model = model
         self.max_loras = max_loras
         self.max_rank = max_rank
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
-        self.state = add_lora_projections(model, max_loras, max_rank, tp)
+        self.state = add_lora_projections(model, max_loras, max_rank, tp, kernels)
         self.device = model.norm.weight.device
         self.requests: dict[str, LoRARequest] = {}  # request id -> its adapter (requests with one)
         self.slots: OrderedDict[LoRARequest, int] = OrderedDict()  # loaded adapters, least recently used first
@@ -84,7 +87,7 @@ class LoRASlots:
         """The step's one-hot of each token's slot (None: no adapter in the step), loading adapters into slots."""
         needed = {self.requests[item.request_id] for item in scheduled if item.request_id in self.requests}
         if not needed:
-            self.state.onehot = None
+            self.state.clear()
             return
         if len(needed) > self.max_loras:
             raise RuntimeError(f"a step with {len(needed)} adapters; --max-loras is {self.max_loras}")
@@ -96,10 +99,7 @@ class LoRASlots:
             lora = self.requests.get(item.request_id)
             if lora is not None:
                 rows[state.row] = self.slots[lora]
-        token_slots = torch.from_numpy(rows[token_rows])
-        onehot = torch.zeros(len(token_rows), self.max_loras + 1)
-        onehot[torch.arange(len(token_rows)), token_slots] = 1.0  # -1 (no adapter) lands in the extra column
-        self.state.onehot = onehot[:, :self.max_loras].to(self.device)
+        self.state.set_rows(torch.from_numpy(rows[token_rows]), self.max_loras, self.device)
 
     def _ensure_slot(self, lora: LoRARequest, needed: set) -> None:
         if lora in self.slots:
@@ -135,5 +135,3 @@ class LoRASlots:
         self.read.move_to_end(lora)
         return adapter
 
-    def loaded(self) -> Optional[list[str]]:
-        return [lora.lora_name for lora in self.slots]

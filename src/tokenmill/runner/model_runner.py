@@ -93,9 +93,8 @@ class ModelRunner:
         self.input_batch = InputBatch(max_model_len, block_size, len(self.kv_layout.groups), config.max_num_seqs)
         self.packed_linear_rows = min(config.max_num_seqs, 256) if config.packed_linear else None
         # Each linear layer's method is chosen once, by the model's LinearMethods, when the weights are in.
-        self.linear_methods = LinearMethods(self.model, kernels, device, self.dtype,
-                                            config.quantization, config.block_matmul, self.packed_linear_rows,
-                                            self.tp)
+        self.linear_methods = LinearMethods(self.model, kernels, device, self.dtype, config.quantization,
+                                            config.block_matmul, self.packed_linear_rows, self.tp)
         self.linear_layers = ""  # how the projections run, once loaded (logged; reported by benchmarks)
         self.lora: Optional[LoRASlots] = None  # --enable-lora: the adapters' slots, added once the weights are in
         self._lora_slots = LoRASlots.settings(config)
@@ -133,7 +132,8 @@ class ModelRunner:
                 shard_int8_blocks(int8_blocks, self.tp, qkv_rows)
         self.linear_layers = self.linear_methods.apply(int8_blocks)
         logger.info("linear layers: %s", self.linear_layers)
-        self.lora = LoRASlots(self.model, *self._lora_slots, tp=self.tp) if self._lora_slots else None
+        self.lora = LoRASlots(self.model, *self._lora_slots, tp=self.tp, kernels=self.attention_backend.kernels) \
+            if self._lora_slots else None
 
     # What the linear layers' methods decided (tests and benchmark reports read these off the runner).
     @property

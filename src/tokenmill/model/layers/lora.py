@@ -8,9 +8,11 @@ of qkv_proj; gate, up of gate_up_proj) adds (x·Aᵀ)·Bᵀ into that part's col
 
     x [T, in] -> x·Aᵀ [T, slots, parts, rank] * onehot(slot)[T, slots] -> per part: [T, slots * rank]·B_partᵀ
 
-(B holds each slot's rank columns side by side and carries PEFT's scaling, alpha / rank, or alpha / √rank
-with rsLoRA). Two small matmuls per part for any number of adapters in the step, in place of a pass per
-adapter; rows of the base model add exact zeros. The base projection runs as before (dense, packed or kept
+(B carries PEFT's scaling, alpha / rank, or alpha / √rank with rsLoRA). One matmul for A and one per part for
+B, whatever the number of adapters in the step, in place of a pass per adapter; rows of the base model add
+exact zeros. A step of many rows (prompt chunks) would waste too much on
+the other slots' products, so there each slot's rows are gathered and take two matmuls of their own, and
+rows of the base model take none. The base projection runs as before (dense, packed or kept
 quantized blocks): the adapter's delta is added on top. Under tensor parallelism a column-parallel
 projection holds its rows of B, a row-parallel one its columns of A (its partial delta is summed with
 the base's partial output by the same all-reduce).
@@ -20,7 +22,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -79,12 +81,51 @@ def read_peft_adapter(path: str, num_layers: int, max_rank: int) -> PeftAdapter:
     return adapter
 
 
+# Steps of more rows than this take the grouped path (each slot's rows gathered, their own matmuls), fewer
+# the masked one (every slot's product for every row, 1 + parts matmuls in all): the masked path's waste grows
+# with the rows, the grouped path's extra operations do not.
+GROUPED_MIN_ROWS = 64
+
+
 @dataclass
 class LoRAStepState:
-    """The step's rows' adapters, shared by every LoRA projection of a model: None when no row has one
-    (the projections then add nothing and the fused decode stack may run); else [T, slots], one-hot."""
+    """The step's rows' adapters, shared by every LoRA projection of a model. `active` is False when no row
+    has one (the projections then add nothing and the fused decode stack may run). `token_slots` holds each
+    row's slot (-1: the base model), which the C++ kernel reads; without it, a step of at most
+    GROUPED_MIN_ROWS rows carries `onehot` [T, slots] (zero rows for the base model's), a larger one `order`
+    (the rows with an adapter, grouped by slot) and `segments` ((slot, start, end) of each group in it)."""
 
+    kernel: Any = None  # tokenmill's C++ lora_add, where the projections run float32 on the CPU
+    active: bool = False
+    token_slots: Optional[torch.Tensor] = None
     onehot: Optional[torch.Tensor] = None
+    order: Optional[torch.Tensor] = None
+    segments: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def set_rows(self, token_slots: torch.Tensor, num_slots: int, device: torch.device) -> None:
+        """token_slots: each row's slot, -1 for the base model."""
+        rows = token_slots.numel()
+        self.clear()
+        self.active = True
+        if self.kernel is not None:
+            self.token_slots = token_slots.to(device)
+            return
+        if rows <= GROUPED_MIN_ROWS:
+            onehot = torch.zeros(rows, num_slots + 1)
+            onehot[torch.arange(rows), token_slots] = 1.0  # -1 (no adapter) lands in the extra column
+            self.onehot = onehot[:, :num_slots].to(device)
+            return
+        order = torch.argsort(token_slots, stable=True)
+        sorted_slots = token_slots[order]
+        first = int(torch.searchsorted(sorted_slots, 0))  # the base model's rows (-1) come first: skipped
+        self.order = order[first:].to(device)
+        start = 0
+        for slot, count in zip(*torch.unique_consecutive(sorted_slots[first:], return_counts=True)):
+            self.segments.append((int(slot), start, start + int(count)))
+            start += int(count)
+
+    def clear(self) -> None:
+        self.active, self.token_slots, self.onehot, self.order, self.segments = False, None, None, None, []
 
 
 class LoRALinear(nn.Module):
@@ -92,7 +133,8 @@ class LoRALinear(nn.Module):
 
     parts: the output sizes of the fused parts, in order (q, k, v; gate, up; or one). shard: under tensor
     parallelism, (rank, size, "column" | "row") as the base projection is split; A and B are sliced to match
-    when an adapter is loaded into a slot."""
+    when an adapter is loaded into a slot. A is [slots * parts * rank, in] (slot-major); B is kept transposed,
+    [slots * rank, out], part p's columns reading only that part's ranks."""
 
     def __init__(self, base: nn.Module, in_features: int, parts: list[int], num_slots: int, max_rank: int,
                  state: LoRAStepState, dtype: torch.dtype, device: torch.device,
@@ -104,37 +146,53 @@ class LoRALinear(nn.Module):
         self.max_rank = max_rank
         self.state = state
         self.shard = shard
-        self.offsets = [sum(parts[:i]) for i in range(len(parts))]
+        self.offsets = [sum(parts[:i]) for i in range(len(parts) + 1)]  # and the end
         self.register_buffer("lora_a", torch.zeros(num_slots * len(parts) * max_rank, in_features, dtype=dtype,
                                                    device=device), persistent=False)
-        self.lora_b = [torch.zeros(size, num_slots * max_rank, dtype=dtype, device=device) for size in parts]
+        self.register_buffer("lora_bt", torch.zeros(num_slots * max_rank, sum(parts), dtype=dtype, device=device),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
-        onehot = self.state.onehot
-        if onehot is None:
+        state = self.state
+        if not state.active:
             return y
-        rows = x.shape[0]
-        xa = F.linear(x, self.lora_a).view(rows, self.num_slots, len(self.parts), self.max_rank)
-        xa = xa * onehot.to(xa.dtype)[:, :, None, None]
-        for part, (offset, size) in enumerate(zip(self.offsets, self.parts)):
-            delta = F.linear(xa[:, :, part].reshape(rows, -1), self.lora_b[part])
-            y[:, offset:offset + size] += delta.to(y.dtype)
-        return y
+        if state.token_slots is not None:
+            state.kernel(y, x.contiguous(), state.token_slots, self.lora_a, self.lora_bt, self.offsets, self.max_rank)
+            return y
+        rank, num_parts, spans = self.max_rank, len(self.parts), list(zip(self.offsets, self.offsets[1:]))
+        if state.onehot is not None:
+            rows = x.shape[0]
+            xa = F.linear(x, self.lora_a).view(rows, self.num_slots, num_parts, rank)
+            xa = xa.mul_(state.onehot.to(xa.dtype)[:, :, None, None])
+            for part, (first, end) in enumerate(spans):
+                y[:, first:end] += torch.mm(xa[:, :, part].reshape(rows, -1), self.lora_bt[:, first:end]).to(y.dtype)
+            return y
+        if not state.segments:
+            return y
+        rows = x.index_select(0, state.order)
+        delta = torch.empty(rows.shape[0], y.shape[1], dtype=rows.dtype, device=rows.device)
+        width = num_parts * rank
+        for slot, start, end in state.segments:
+            xa = F.linear(rows[start:end], self.lora_a[slot * width:(slot + 1) * width])
+            for part, (first, last) in enumerate(spans):
+                delta[start:end, first:last] = torch.mm(xa[:, part * rank:(part + 1) * rank],
+                                                        self.lora_bt[slot * rank:(slot + 1) * rank, first:last])
+        return y.index_add_(0, state.order, delta.to(y.dtype))
 
     def load_slot(self, slot: int, weights: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The slot's A and B from an adapter's {part: (A, B)} (parts it lacks left zero)."""
-        num_parts, rank = len(self.parts), self.max_rank
-        start = slot * num_parts * rank
-        self.lora_a[start:start + num_parts * rank].zero_()
-        for part, b_all in enumerate(self.lora_b):
-            b_all[:, slot * rank:(slot + 1) * rank].zero_()
+        rank, num_parts = self.max_rank, len(self.parts)
+        self.lora_a[slot * num_parts * rank:(slot + 1) * num_parts * rank].zero_()
+        self.lora_bt[slot * rank:(slot + 1) * rank].zero_()
+        for part, (first, end) in enumerate(zip(self.offsets, self.offsets[1:])):
             if part not in weights:
                 continue
             a, b = self._slice(*weights[part])
             r = a.shape[0]
-            self.lora_a[start + part * rank:start + part * rank + r] = a.to(self.lora_a.dtype)
-            b_all[:, slot * rank:slot * rank + r] = b.to(b_all.dtype)
+            start = (slot * num_parts + part) * rank
+            self.lora_a[start:start + r] = a.to(self.lora_a.dtype)
+            self.lora_bt[slot * rank:slot * rank + r, first:end] = b.t().to(self.lora_bt.dtype)
 
     def _slice(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's share: B's rows of a column-parallel part, A's columns of a row-parallel projection."""

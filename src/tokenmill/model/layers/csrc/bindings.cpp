@@ -22,6 +22,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every kernel runs without the GIL (arguments are converted before, results after), so the
   // server's HTTP thread can stream and tokenize while the engine thread is inside one.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("lora_add", &lora_add,
+        "y[t] += B_s (A_s x[t]) for each row t of slot s >= 0 (LoRA deltas; a slot-major A, B transposed)",
+        py::arg("y"), py::arg("x"), py::arg("slots"), py::arg("a"), py::arg("bt"), py::arg("offsets"),
+        py::arg("rank"), nogil);
   m.def("block_linear", &block_linear,
         "x @ dequant(block-quantized weights)^T + bias for float32 x (weights in pack_blocks's layout)",
         py::arg("x"), py::arg("q"), py::arg("scales"), py::arg("mins"), py::arg("bias"), py::arg("out_features"),

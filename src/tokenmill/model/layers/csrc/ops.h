@@ -32,6 +32,9 @@ torch::Tensor block_linear_bf16(torch::Tensor x, torch::Tensor q, torch::Tensor 
 // int8_dot.cpp
 torch::Tensor block_linear_q8(torch::Tensor x, torch::Tensor q, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                               c10::optional<torch::Tensor> bias, int64_t out_features);
+// lora.cpp
+void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor slots, torch::Tensor a, torch::Tensor bt,
+              std::vector<int64_t> offsets, int64_t rank);
 // decoder_stack.cpp
 torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions, std::vector<torch::Tensor> slot_mappings,
                                   std::vector<torch::Tensor> block_tables, std::vector<torch::Tensor> context_lens,

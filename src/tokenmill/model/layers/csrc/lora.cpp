@@ -1,0 +1,125 @@
+#include "common.h"
+
+// ---- LoRA deltas of a step's rows, each row through its own adapter ---------------------------------
+// y[t, :] += B_s · (A_s · x[t, :]) for each row t whose slot s is not -1 (the base model's rows are left as
+// they are). Only each row's own adapter is multiplied: the work is the rows' useful products, whatever the
+// number of adapters in the step, where batched matmuls over every slot would multiply the others too.
+//
+//   a:  [slots * parts * rank, in]      slot-major; part p of slot s at rows (s * parts + p) * rank
+//   bt: [slots * rank, out]             B transposed: slot s's rank r at row s * rank + r, every part's
+//                                       columns (part p at columns offsets[p] .. offsets[p + 1])
+// Each row's delta is summed apart (rank by rank, in order) and then added to y once, as y + (x·Aᵀ)·Bᵀ is.
+// Rows are taken in groups of up to four of the same slot, so each element of A and B is loaded once per group,
+// and each row's delta of 16 columns is summed over the ranks in registers.
+
+namespace {
+
+constexpr int64_t kGroupRows = 4;  // rows of one slot multiplied together: each A and B element loaded once for them
+
+// The deltas of up to kGroupRows rows of slot s (rows[i] for i < n; missing ones repeat row 0, unused).
+void lora_group(const int64_t* rows, int64_t n, int64_t s, const float* xp, int64_t in, const float* ap,
+                const float* bp, const std::vector<int64_t>& offsets, int64_t rank, float* yp, int64_t y_stride,
+                int64_t out, float* xa) {
+  const int64_t parts = offsets.size() - 1, width = parts * rank;
+  const float* x[kGroupRows];
+  for (int64_t i = 0; i < kGroupRows; ++i) x[i] = xp + rows[i < n ? i : 0] * in;
+  for (int64_t j = 0; j < width; ++j) {
+    const float* arow = ap + (s * width + j) * in;
+    float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;
+#pragma omp simd reduction(+ : acc0, acc1, acc2, acc3)
+    for (int64_t k = 0; k < in; ++k) {
+      const float av = arow[k];
+      acc0 += x[0][k] * av;
+      acc1 += x[1][k] * av;
+      acc2 += x[2][k] * av;
+      acc3 += x[3][k] * av;
+    }
+    xa[j] = acc0;
+    xa[width + j] = acc1;
+    xa[2 * width + j] = acc2;
+    xa[3 * width + j] = acc3;
+  }
+  // 16 columns at a time, every rank summed in registers for the group's rows, then added to y once.
+  constexpr int64_t kLanes = 16;
+  for (int64_t p = 0; p < parts; ++p) {
+    const float* c = xa + p * rank;
+    for (int64_t first = offsets[p]; first < offsets[p + 1]; first += kLanes) {
+      const int64_t size = std::min(kLanes, offsets[p + 1] - first);
+      float acc0[kLanes] = {}, acc1[kLanes] = {}, acc2[kLanes] = {}, acc3[kLanes] = {};
+      for (int64_t r = 0; r < rank; ++r) {
+        const float* brow = bp + (s * rank + r) * out + first;
+        const float c0 = c[r], c1 = c[width + r], c2 = c[2 * width + r], c3 = c[3 * width + r];
+        if (size == kLanes) {
+#pragma omp simd
+          for (int64_t o = 0; o < kLanes; ++o) {
+            const float b = brow[o];
+            acc0[o] += c0 * b;
+            acc1[o] += c1 * b;
+            acc2[o] += c2 * b;
+            acc3[o] += c3 * b;
+          }
+        } else {
+          for (int64_t o = 0; o < size; ++o) {
+            const float b = brow[o];
+            acc0[o] += c0 * b;
+            acc1[o] += c1 * b;
+            acc2[o] += c2 * b;
+            acc3[o] += c3 * b;
+          }
+        }
+      }
+      const float* accs[kGroupRows] = {acc0, acc1, acc2, acc3};
+      for (int64_t i = 0; i < n; ++i) {
+        float* yt = yp + rows[i] * y_stride + first;
+        for (int64_t o = 0; o < size; ++o) yt[o] += accs[i][o];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor slots, torch::Tensor a, torch::Tensor bt,
+              std::vector<int64_t> offsets, int64_t rank) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && y.scalar_type() == torch::kFloat &&
+              a.scalar_type() == torch::kFloat && bt.scalar_type() == torch::kFloat, "lora_add runs float32");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && y.dim() == 2 && y.stride(1) == 1 && a.is_contiguous() &&
+              bt.is_contiguous(), "x, a and bt contiguous, y rows contiguous");
+  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == x.size(0) &&
+              y.size(0) == x.size(0), "one int64 slot per row");
+  const int64_t rows = x.size(0), in = x.size(1), out = y.size(1), parts = offsets.size() - 1;
+  const int64_t width = parts * rank;
+  TORCH_CHECK(parts >= 1 && offsets.back() == out && a.size(1) == in && a.size(0) % width == 0 &&
+              bt.size(1) == out && bt.size(0) == a.size(0) / parts, "shape mismatch");
+  const int64_t num_slots = a.size(0) / width;
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  // Rows by slot (in order), then cut into groups of kGroupRows: (slot, first index into `order`, count).
+  std::vector<std::vector<int64_t>> by_slot(num_slots);
+  for (int64_t t = 0; t < rows; ++t) {
+    TORCH_CHECK(sp[t] < num_slots, "slot out of range");
+    if (sp[t] >= 0) by_slot[sp[t]].push_back(t);
+  }
+  std::vector<int64_t> order;
+  std::vector<std::array<int64_t, 3>> groups;
+  for (int64_t s = 0; s < num_slots; ++s) {
+    for (size_t i = 0; i < by_slot[s].size(); i += kGroupRows) {
+      groups.push_back({s, static_cast<int64_t>(order.size()),
+                        std::min<int64_t>(kGroupRows, by_slot[s].size() - i)});
+      order.insert(order.end(), by_slot[s].begin() + i,
+                   by_slot[s].begin() + std::min(by_slot[s].size(), i + kGroupRows));
+    }
+  }
+  const float* xp = x.data_ptr<float>();
+  const float* ap = a.data_ptr<float>();
+  const float* bp = bt.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t y_stride = y.stride(0);
+  at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> xa(kGroupRows * width);
+    for (int64_t g = begin; g < end; ++g) {
+      const auto& group = groups[g];
+      lora_group(order.data() + group[1], group[2], group[0], xp, in, ap, bp, offsets, rank, yp, y_stride, out,
+                 xa.data());
+    }
+  });
+}
