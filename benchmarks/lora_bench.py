@@ -27,9 +27,7 @@ def build_adapters(model_path: str, count: int, rank: int, directory: Path) -> l
     from transformers import AutoModelForCausalLM
 
     source = load_model_source(model_path)
-    if source.is_gguf:
-        from transformers import AutoConfig  # noqa: F401  (transformers reads the GGUF itself)
-
+    if source.is_gguf:  # transformers dequantizes the GGUF itself: the base PEFT sees
         base = AutoModelForCausalLM.from_pretrained(str(source.path.parent), gguf_file=source.path.name,
                                                     dtype=torch.float32)
     else:
