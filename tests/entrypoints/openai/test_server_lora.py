@@ -36,6 +36,8 @@ def test_adapters_by_model_name_listed_loaded_and_unloaded(start_server, tiny_ll
                       json={"model": "second", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert chat.status_code == 200 and chat.json()["model"] == "second"
 
+    tokenized = httpx.post(server.url + "/tokenize", json={"model": "second", "prompt": "hi"}, timeout=10)
+    assert tokenized.status_code == 200 and tokenized.json()["tokens"]
     missing = complete(server, "third")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     third = build_peft_adapter(tmp_path / "third", tiny_llama_dir, seed=13)

@@ -107,8 +107,8 @@ def build_app(engine: "AsyncLLM", server: Optional[ServerConfig] = None,
     app.state.engine = engine
     app.state.lifecycle = lifecycle
     install_exception_handlers(app)
-    _add_openai_routes(app, engine, server)
-    _add_server_routes(app, engine, lifecycle)
+    models = _add_openai_routes(app, engine, server)
+    _add_server_routes(app, engine, lifecycle, models)
     if relay_path is None:
         _add_observability(app, engine, server)
     else:
@@ -132,7 +132,8 @@ def build_app(engine: "AsyncLLM", server: Optional[ServerConfig] = None,
     return app
 
 
-def _add_openai_routes(app: FastAPI, engine: "AsyncLLM", server: ServerConfig) -> None:
+def _add_openai_routes(app: FastAPI, engine: "AsyncLLM", server: ServerConfig) -> OpenAIServingModels:
+    """The /v1 routes; returns the server's models (and LoRA adapters), which /tokenize also accepts."""
     name = engine.served_model_name
     lora_checks = engine.frontend.lora_checks
     models = OpenAIServingModels(name, engine.max_model_len, check_lora=None if lora_checks is None else
@@ -169,10 +170,12 @@ def _add_openai_routes(app: FastAPI, engine: "AsyncLLM", server: ServerConfig) -
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
             models.unload_lora(body.lora_name)
             return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+    return models
 
 
-def _add_server_routes(app: FastAPI, engine: "AsyncLLM", lifecycle: ServerLifecycle) -> None:
-    tokenization = OpenAIServingTokenization(engine, engine.served_model_name)
+def _add_server_routes(app: FastAPI, engine: "AsyncLLM", lifecycle: ServerLifecycle,
+                       models: Optional[OpenAIServingModels] = None) -> None:
+    tokenization = OpenAIServingTokenization(engine, engine.served_model_name, models)
     version = _version()
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
