@@ -93,6 +93,13 @@ def test_the_prefix_cache_keeps_adapters_apart(tiny_llama_dir, adapters, expecte
     assert other.num_cached_tokens == 0 and other.outputs[0].token_ids == expected[(1, 0)]
     again = run(adapters[0])
     assert again.num_cached_tokens == 32 and again.outputs[0].token_ids == expected[(0, 0)]
+    # LLM.chat takes an adapter as generate does.
+    messages = [{"role": "user", "content": "Name three rivers."}]
+    chat = llm.chat(messages, params(), use_tqdm=False, lora_request=adapters[1])[0]
+    same = llm.generate([{"prompt_token_ids": chat.prompt_token_ids}], params(), use_tqdm=False,
+                        lora_request=adapters[1])[0]
+    assert chat.outputs[0].token_ids == same.outputs[0].token_ids
+    assert chat.outputs[0].token_ids != llm.chat(messages, params(), use_tqdm=False)[0].outputs[0].token_ids
 
 
 def test_an_adapter_on_the_embedded_gguf_matches_peft(smollm2_path, smollm2_hf, tmp_path):

@@ -59,13 +59,14 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, use_tqdm: bool = True,
-             chat_template: Optional[str] = None, add_generation_prompt: bool = True) -> list[RequestOutput]:
+             chat_template: Optional[str] = None, add_generation_prompt: bool = True,
+             lora_request: Optional[LoRARequest] = None) -> list[RequestOutput]:
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         processor = self.llm_engine.input_processor
         processed = [processor.apply_chat_template(conv, add_generation_prompt, chat_template)
                      for conv in conversations]
         params_list = self._params_for(sampling_params, len(processed))
-        return self._run(list(zip(processed, params_list)), use_tqdm, None)
+        return self._run(list(zip(processed, params_list)), use_tqdm, None, [lora_request] * len(processed))
 
     def beam_search(self, prompts: PromptType | Sequence[PromptType], params: BeamSearchParams,
                     use_tqdm: bool = False) -> list[BeamSearchOutput]:
