@@ -162,3 +162,25 @@ def test_two_tensor_parallel_ranks_apply_their_shards_of_each_adapter(tiny_llama
     finally:
         llm.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == [expected[pair] for pair in pairs]
+
+
+def test_a_second_adapter_waits_for_the_first_under_max_loras_1(tiny_llama_dir, adapters, expected):
+    """--max-loras 1: requests of a second adapter wait (they are not admitted) while the first one's run,
+    as /stats and the scheduler's stats count them; then they run, with their own tokens."""
+    llm = engine(tiny_llama_dir, max_loras=1, max_num_batched_tokens=256)
+    core = llm.llm_engine.core.core
+    processor = llm.llm_engine.input_processor
+    for i, lora in enumerate([adapters[0], adapters[0], adapters[1], None]):
+        llm.llm_engine.add_request(f"r{i}", processor.process_prompt({"prompt_token_ids": PROMPTS[0]}), params(),
+                                   lora_request=lora)
+    llm.llm_engine.step()
+    stats = core.scheduler.get_stats()
+    assert stats.lora_running == {"a0": 2} and stats.lora_waiting == {"a1": 1}
+    assert stats.num_running == 3  # the base model's request is not held back
+    finished = {}
+    while llm.llm_engine.has_unfinished_requests():
+        for output in llm.llm_engine.step():
+            if output.finished:
+                finished[output.request_id] = output.outputs[0].token_ids
+    assert finished == {"r0": expected[(0, 0)], "r1": expected[(0, 0)], "r2": expected[(1, 0)],
+                        "r3": expected[(None, 0)]}

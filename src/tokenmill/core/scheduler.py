@@ -25,7 +25,7 @@ from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.policy import SchedulingPolicy, make_policy
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
-from tokenmill.core.scheduler_stats import SchedulerStats, tier_stats
+from tokenmill.core.scheduler_stats import SchedulerStats, lora_counts, tier_stats
 
 QUEUE_TIMEOUT = "queue_timeout"
 # stop_reason of a request refused at admission because max_num_queued_requests were waiting.
@@ -503,5 +503,7 @@ class Scheduler:
             num_pinned_blocks=len(self.kv_cache.pins),
             num_pins_refused=self.kv_cache.pins.num_refused,
             kv_offload=tier_stats(self.kv_cache),
+            lora_running=lora_counts(self.running) if self.config.enable_lora else None,
+            lora_waiting=lora_counts(self.waiting) if self.config.enable_lora else None,
         )
 

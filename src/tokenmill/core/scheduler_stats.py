@@ -33,6 +33,18 @@ class SchedulerStats:
     # cache lacked: vLLM's external prefix cache queries), "hits" (of those, tokens read back) and the tier's
     # KVTierStats counters by name (cumulative; stored_blocks and stored_bytes are gauges).
     kv_offload: Optional[dict[str, float]] = None
+    # --enable-lora: LoRA adapter name -> its running / waiting requests (None without --enable-lora).
+    lora_running: Optional[dict[str, float]] = None
+    lora_waiting: Optional[dict[str, float]] = None
+
+
+def lora_counts(requests) -> dict[str, float]:
+    """LoRA adapter name -> how many of these requests use it."""
+    counts: dict[str, float] = {}
+    for request in requests:
+        if request.lora is not None:
+            counts[request.lora.lora_name] = counts.get(request.lora.lora_name, 0) + 1
+    return counts
 
 
 def tier_stats(kv_cache: KVCacheManager) -> Optional[dict[str, float]]:

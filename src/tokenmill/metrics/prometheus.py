@@ -78,7 +78,7 @@ KV_OFFLOAD_GAUGES = (
 
 class PrometheusStatLogger:
     def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None,
-                 device_memory: bool = False, kv_offload: bool = False) -> None:
+                 device_memory: bool = False, kv_offload: bool = False, max_loras: Optional[int] = None) -> None:
         # A registry per engine keeps several engines in one process (tests) from colliding.
         self.registry = registry or CollectorRegistry()
         ProcessCollector(registry=self.registry)
@@ -160,6 +160,13 @@ class PrometheusStatLogger:
                                         for field, name, doc in KV_OFFLOAD_COUNTERS}
             self.kv_offload_gauges = {field: Gauge(p + name, doc, labels, registry=r)
                                       for field, name, doc in KV_OFFLOAD_GAUGES}
+        # --enable-lora: vLLM's lora_requests_info, one series whose labels name the adapters in use.
+        self.max_loras = max_loras
+        self.lora_info: Optional[Gauge] = None
+        if max_loras is not None:
+            self.lora_info = Gauge(p + "lora_requests_info", "Running stats on LoRA requests (the labels name the "
+                                   "adapters of running and waiting requests; the value is the time)",
+                                   ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
         self._last = SchedulerSnapshot()
         self._rejected_seen: dict[str, int] = {}
         self._responses_seen: dict[str, int] = {}
@@ -179,6 +186,13 @@ class PrometheusStatLogger:
             self.success.labels(m, reason)
         for reason in REJECTION_REASONS:
             self.rejected.labels(m, reason)
+
+    def _record_loras(self, scheduler: SchedulerSnapshot) -> None:
+        """One series (the previous one cleared): the adapters of waiting and running requests, comma-joined."""
+        waiting, running = (",".join(sorted(name for name, count in (counts or {}).items() if count))
+                            for counts in (scheduler.lora_waiting, scheduler.lora_running))
+        self.lora_info.clear()
+        self.lora_info.labels(str(self.max_loras), waiting, running).set_to_current_time()
 
     def _histogram(self, name: str, doc: str, buckets) -> Histogram:
         return Histogram("tokenmill:" + name, doc, ["model_name"], buckets=buckets, registry=self.registry)
@@ -211,6 +225,8 @@ class PrometheusStatLogger:
             counter.labels(m).inc(max(0, now.get(key, 0) - before.get(key, 0)))
         for key, gauge in self.kv_offload_gauges.items():
             gauge.labels(m).set(now.get(key, 0))
+        if self.lora_info is not None:
+            self._record_loras(scheduler)
         self._last = scheduler
         if iteration.num_tokens:
             self.prompt_tokens.labels(m).inc(iteration.num_prompt_tokens)

@@ -33,6 +33,9 @@ class SchedulerSnapshot:
     # The prefix cache's second tier (--kv-offload-dir), None without one: counters by name (queries, hits,
     # blocks/bytes written and read, restore_seconds, ...; stored_blocks and stored_bytes are gauges).
     kv_offload: Optional[dict[str, float]] = None
+    # --enable-lora: adapter name -> its running / waiting requests (gauges; None without --enable-lora).
+    lora_running: Optional[dict[str, float]] = None
+    lora_waiting: Optional[dict[str, float]] = None
 
 
 @dataclass(slots=True)
@@ -247,6 +250,10 @@ class WindowStatLogger:
                     "step_draft_limit": sched.spec_step_draft_limit,
                 },
                 "kv_offload": _kv_offload_summary(sched),
+                # --enable-lora: adapter name -> requests (None without it)
+                "lora": None if sched.lora_running is None else {
+                    "running": {name: int(n) for name, n in sched.lora_running.items() if n},
+                    "waiting": {name: int(n) for name, n in (sched.lora_waiting or {}).items() if n}},
                 "num_finished_requests": self.num_finished,
                 "finish_reasons": dict(self.finish_reasons),
                 "output_tokens_per_s": self.generation_tokens.total(now) / span,

@@ -36,6 +36,10 @@ def test_adapters_by_model_name_listed_loaded_and_unloaded(start_server, tiny_ll
                       json={"model": "second", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
     assert chat.status_code == 200 and chat.json()["model"] == "second"
 
+    stats = server.stats()["lora"]
+    assert stats == {"running": {}, "waiting": {}}  # nothing in flight now
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    assert 'tokenmill:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""}' in metrics
     tokenized = httpx.post(server.url + "/tokenize", json={"model": "second", "prompt": "hi"}, timeout=10)
     assert tokenized.status_code == 200 and tokenized.json()["tokens"]
     missing = complete(server, "third")

@@ -204,7 +204,8 @@ def _add_observability(app: FastAPI, engine: "AsyncLLM", server: ServerConfig) -
     """Attaches the stat loggers to the engine (they see every step) and serves what they collect."""
     on_cuda = engine.ready.device.startswith("cuda")
     prometheus = PrometheusStatLogger(engine.served_model_name, device_memory=on_cuda,
-                                      kv_offload=engine.ready.kv_offload_root is not None)
+                                      kv_offload=engine.ready.kv_offload_root is not None,
+                                      max_loras=engine.config.max_loras if engine.config.enable_lora else None)
     window = WindowStatLogger()
     engine.stat_loggers.extend([prometheus, window])
     if not server.disable_log_stats:
