@@ -325,12 +325,12 @@ class AsyncLLM:
             if isinstance(values[0], list):  # per-position counts: summed position by position
                 setattr(total, name, [sum(column) for column in itertools.zip_longest(*values, fillvalue=0)])
             elif all(value is None or isinstance(value, dict) for value in values):
-                # named counts (kv_offload), None where a core has none: key by key
+                # named counts (kv_offload, lora_running), None where a core has none: key by key
                 merged: dict[str, float] = {}
                 for value in values:
                     for key, count in (value or {}).items():
                         merged[key] = merged.get(key, 0) + count
-                setattr(total, name, merged or None)
+                setattr(total, name, None if all(value is None for value in values) else merged)
             else:
                 setattr(total, name, sum(values))
         total.kv_cache_usage = sum(s.kv_cache_usage for s in self._snapshots if s is not None) / len(self.clients)

@@ -1,6 +1,7 @@
-"""`tokenmill serve --enable-lora --lora-modules NAME=PATH`: a request's `model` picks an adapter (its text is
-HF transformers + PEFT's greedy text), /v1/models lists the adapters as vLLM does, adapters are loaded and
-unloaded at run time, and unknown names or bad adapters get OpenAI-style errors."""
+"""`tokenmill serve --enable-lora --lora-modules NAME=PATH` (with two engine cores, each loading the adapters
+its requests use): a request's `model` picks an adapter (its text is HF transformers + PEFT's greedy text),
+/v1/models lists the adapters as vLLM does, adapters are loaded and unloaded at run time, and unknown names or
+bad adapters get OpenAI-style errors."""
 from __future__ import annotations
 
 import httpx
@@ -20,7 +21,8 @@ def test_adapters_by_model_name_listed_loaded_and_unloaded(start_server, tiny_ll
     first = build_peft_adapter(tmp_path / "first", tiny_llama_dir, seed=11)
     second = build_peft_adapter(tmp_path / "second", tiny_llama_dir, seed=12, rank=4, targets=("q_proj", "v_proj"))
     server = start_server(["--model", str(tiny_llama_dir), "--served-model-name", "base", "--numerics", "exact",
-                           "--enable-lora", "--max-loras", "2", "--lora-modules", f"first={first}",
+                           "--enable-lora", "--max-loras", "2", "--data-parallel-size", "2",
+                           "--lora-modules", f"first={first}",
                            '{"name": "second", "path": "%s"}' % second])
     cards = httpx.get(server.url + "/v1/models", timeout=10).json()["data"]
     assert [(c["id"], c["parent"], c["root"]) for c in cards] == [
