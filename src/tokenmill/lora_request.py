@@ -13,6 +13,7 @@ import re
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import msgspec
 
@@ -31,7 +32,8 @@ class LoRARequest(msgspec.Struct, frozen=True):
 
 
 # The projections an adapter may target (HF module names) and where its tensors' names say so.
-TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                  "qkv_proj", "gate_up_proj")  # the last two: checkpoints that fuse them (Phi-3)
 _TENSOR = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
 
 
@@ -53,10 +55,12 @@ def _bad(path: str, problem: str) -> InvalidRequestError:
     return InvalidRequestError(f"the LoRA adapter at {path} {problem}", "lora_path")
 
 
-def check_adapter(path: str, num_layers: int, max_rank: int) -> AdapterLayout:
+def check_adapter(path: str, num_layers: int, max_rank: int,
+                  model_shapes: Optional[dict[str, list[int]]] = None) -> AdapterLayout:
     """Reads a PEFT LoRA directory's adapter_config.json and its safetensors header (no tensors, no torch), and
     refuses, naming the problem, anything tokenmill cannot apply exactly: DoRA, trained biases, saved
-    modules, targets other than the decoder's projections, layers the model lacks, ranks above `max_rank`."""
+    modules, targets other than the decoder's projections, layers the model lacks, ranks above `max_rank`,
+    and (with `model_shapes`, module -> [in, out] of the model's projections) an adapter of another model."""
     directory = Path(path).expanduser()
     try:
         config = json.loads((directory / "adapter_config.json").read_text())
@@ -96,6 +100,13 @@ def check_adapter(path: str, num_layers: int, max_rank: int) -> AdapterLayout:
             raise _bad(path, f"has no matching lora_A / lora_B pair for layer {layer}'s {module}")
         if a[0] > max_rank:
             raise _bad(path, f"has rank {a[0]}, above --max-lora-rank {max_rank}")
+        if model_shapes is not None:
+            if module not in model_shapes:
+                raise _bad(path, f"targets {module}, which this model does not have as a separate projection")
+            if [a[1], b[0]] != list(model_shapes[module]):
+                raise _bad(path, f"has layer {layer}'s {module} for {a[1]} inputs and {b[0]} outputs; this model's has "
+                                 f"{model_shapes[module][0]} and {model_shapes[module][1]} (an adapter of another "
+                                 "model?)")
         ranks[(layer, module)] = a[0]
     if not ranks:
         raise _bad(path, "holds no LoRA weights")

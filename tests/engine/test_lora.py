@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from model_factory import build_peft_adapter, hf_greedy, hf_with_adapter
 from tokenmill import LLM, LoRARequest, SamplingParams
@@ -184,3 +185,51 @@ def test_a_second_adapter_waits_for_the_first_under_max_loras_1(tiny_llama_dir, 
                 finished[output.request_id] = output.outputs[0].token_ids
     assert finished == {"r0": expected[(0, 0)], "r1": expected[(0, 0)], "r2": expected[(1, 0)],
                         "r3": expected[(None, 0)]}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "phi3"])
+def test_adapters_on_other_families_match_hf_and_peft(tmp_path_factory, smollm2_tokenizer, family):
+    """Qwen3 (q/k norms), Gemma 3 (sandwich norms, sliding windows) and Phi-3, whose checkpoints fuse q/k/v and
+    gate/up (its adapters target qkv_proj and gate_up_proj: one A, B's rows split by part)."""
+    from model_factory import build_tiny_family
+
+    base = build_tiny_family(tmp_path_factory.mktemp(f"lora-{family}"), smollm2_tokenizer, family)
+    targets = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") if family == "phi3" else \
+        ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    adapter = build_peft_adapter(tmp_path_factory.mktemp(f"lora-{family}-adapter"), base, seed=21, rank=8,
+                                 targets=targets)
+    want = hf_greedy(hf_with_adapter(base, adapter), PROMPTS[0], MAX_TOKENS)
+    llm = engine(base, max_model_len=192)
+    got = llm.generate([{"prompt_token_ids": PROMPTS[0]}], params(), use_tqdm=False,
+                       lora_request=LoRARequest("x", 1, str(adapter)))[0]
+    assert got.outputs[0].token_ids == want
+
+
+def test_an_adapter_of_another_model_and_moe_models_are_refused(tiny_llama_dir, adapters, tmp_path_factory,
+                                                                 smollm2_tokenizer):
+    """A projection of other dimensions (an adapter made for a wider model) and fused targets on a model whose
+    checkpoints name q/k/v apart are 400s before any step; mixture-of-experts models refuse --enable-lora."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from model_factory import build_tiny_family
+    from tokenmill.errors import ModelLoadError
+
+    foreign = tmp_path_factory.mktemp("lora-foreign")
+    shutil.copy(f"{adapters[0].lora_path}/adapter_config.json", foreign)
+    tensors = load_file(f"{adapters[0].lora_path}/adapter_model.safetensors")
+    name = next(n for n in tensors if n.endswith("q_proj.lora_A.weight"))
+    tensors[name] = torch.randn(tensors[name].shape[0], 96)  # the inputs of a model with hidden size 96
+    save_file(tensors, str(foreign / "adapter_model.safetensors"))
+    llm = engine(tiny_llama_dir)
+    with pytest.raises(InvalidRequestError, match="an adapter of another model"):
+        llm.generate("hi", params(), lora_request=LoRARequest("foreign", 1, str(foreign)))
+    phi3 = build_tiny_family(tmp_path_factory.mktemp("lora-phi3"), smollm2_tokenizer, "phi3")
+    fused = build_peft_adapter(tmp_path_factory.mktemp("lora-fused"), phi3, seed=5, targets=("qkv_proj",))
+    with pytest.raises(InvalidRequestError, match="does not have as a separate projection"):
+        llm.generate("hi", params(), lora_request=LoRARequest("fused", 2, str(fused)))
+    assert llm.generate("hi", params())[0].outputs[0].token_ids  # the engine serves on
+    moe = build_tiny_family(tmp_path_factory.mktemp("lora-moe"), smollm2_tokenizer, "qwen3moe")
+    with pytest.raises(ModelLoadError, match="mixture-of-experts"):
+        engine(moe)

@@ -25,7 +25,8 @@ from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFork, EngineCo
 from tokenmill.engine.tokenizer_handover import tokenizer_files
 from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.model.loader import load_model_source
-from tokenmill.model.registry import SLIDING_WINDOW_ARCHITECTURES
+from tokenmill.model.layers.lora import target_shapes
+from tokenmill.model.registry import SLIDING_WINDOW_ARCHITECTURES, get_model_class
 from tokenmill.engine.executor import make_executor
 from tokenmill.engine.kv_offload import open_kv_tier
 from tokenmill.runner.model_runner import resolve_device
@@ -105,7 +106,9 @@ class EngineCore:
         # What a frontend needs of the model (the ready message carries it).
         self.model_info = FrontendModelInfo(served_model_name=source.served_model_name, vocab_size=self.vocab_size,
                                             eos_token_ids=eos_token_ids(source.tokenizer, hf_config),
-                                            num_hidden_layers=hf_config.num_hidden_layers)
+                                            num_hidden_layers=hf_config.num_hidden_layers,
+                                            lora_shapes=target_shapes(hf_config,
+                                                                      not get_model_class(source.architecture)._FUSED))
         # Device- and model-dependent defaults resolved once, into a new config (the caller's is never written
         # to), before anything is built from it.
         budget_was_given = config.max_num_batched_tokens is not None

@@ -44,7 +44,8 @@ class Frontend:
                    InputProcessor(tokenizer, max_model_len, info.vocab_size, config.max_prompt_tokens, backend,
                                   config.max_logprobs),
                    OutputProcessor(tokenizer, eos_ids),
-                   LoRAChecks(info.num_hidden_layers, config.max_lora_rank) if config.enable_lora else None)
+                   LoRAChecks(info.num_hidden_layers, config.max_lora_rank, info.lora_shapes or None)
+                   if config.enable_lora else None)
 
     def check_lora(self, lora: Optional[LoRARequest]) -> None:
         """InvalidRequestError for an adapter this engine cannot serve (no --enable-lora, unreadable, too big)."""
@@ -103,14 +104,15 @@ class LoRAChecks:
     """Each adapter's files checked once (config and safetensors header, no tensors read) before its first
     request reaches the core, so a bad adapter is a clear 400 and never a failed engine step."""
 
-    def __init__(self, num_layers: int, max_rank: int) -> None:
+    def __init__(self, num_layers: int, max_rank: int, shapes: Optional[dict[str, list[int]]] = None) -> None:
         self.num_layers = num_layers
         self.max_rank = max_rank
+        self.shapes = shapes
         self.checked: dict[LoRARequest, int] = {}  # -> its rank
 
     def check(self, lora: LoRARequest) -> int:
         if lora not in self.checked:
-            self.checked[lora] = check_adapter(lora.lora_path, self.num_layers, self.max_rank).rank
+            self.checked[lora] = check_adapter(lora.lora_path, self.num_layers, self.max_rank, self.shapes).rank
         return self.checked[lora]
 
 

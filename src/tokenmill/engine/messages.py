@@ -105,6 +105,7 @@ class FrontendModelInfo(msgspec.Struct, omit_defaults=True):
     # process and takes the tokenizer object itself.
     tokenizer_files: dict[str, bytes] = {}
     num_hidden_layers: int = 0  # the layers a LoRA adapter may target
+    lora_shapes: dict[str, list[int]] = {}  # HF projection name -> [in, out]: what a LoRA adapter must fit
 
 
 class EngineCoreReady(msgspec.Struct, tag=True, omit_defaults=True):

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tokenmill.core.sched_output import SchedulerOutput
+from tokenmill.errors import ModelLoadError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.model.layers.lora import PROJECTIONS, LoRALinear, LoRAStepState, PeftAdapter, read_peft_adapter
 
@@ -34,7 +35,8 @@ def add_lora_projections(model: torch.nn.Module, num_slots: int, max_rank: int, 
     for layer in model.layers:
         attn, mlp = layer.self_attn, layer.mlp
         if not hasattr(mlp, "gate_up_proj"):
-            raise ValueError("LoRA on mixture-of-experts layers is not supported")
+            raise ModelLoadError(f"--enable-lora: {type(model).__name__} has mixture-of-experts layers, which "
+                                 "tokenmill's LoRA does not cover yet")
         spec = model.spec
         shapes = {"self_attn.qkv_proj": (spec.hidden_size, [attn.q_size, attn.kv_size, attn.kv_size], "column"),
                   "self_attn.o_proj": (attn.q_size, [spec.hidden_size], "row"),
@@ -113,14 +115,11 @@ class LoRASlots:
             victim = next(key for key in self.slots if key not in needed)
             slot = self.slots.pop(victim)
         adapter = self._adapter(lora)
-        by_projection: dict[tuple[int, str], dict[int, tuple]] = {}
-        for (layer, projection, part), pair in adapter.weights.items():
-            by_projection.setdefault((layer, projection), {})[part] = pair
         for index, layer in enumerate(self.model.layers):
             for projection in PROJECTIONS:
                 owner_name, attr = projection.split(".")
                 linear: LoRALinear = getattr(getattr(layer, owner_name), attr)
-                linear.load_slot(slot, by_projection.get((index, projection), {}))
+                linear.load_slot(slot, adapter.parts_of(index, projection, linear.full_parts))
         self.slots[lora] = slot
         self.num_slot_loads += 1
         logger.info("LoRA adapter %r in slot %d (%s)", lora.lora_name, slot, lora.lora_path)

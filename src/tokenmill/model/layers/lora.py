@@ -34,6 +34,8 @@ from tokenmill.lora_request import check_adapter
 TARGETS = {"q_proj": ("self_attn.qkv_proj", 0), "k_proj": ("self_attn.qkv_proj", 1),
            "v_proj": ("self_attn.qkv_proj", 2), "o_proj": ("self_attn.o_proj", 0),
            "gate_proj": ("mlp.gate_up_proj", 0), "up_proj": ("mlp.gate_up_proj", 1), "down_proj": ("mlp.down_proj", 0)}
+# Checkpoints that fuse the projections themselves (Phi-3): one A for every part, B's rows split by part.
+FUSED_TARGETS = {"qkv_proj": "self_attn.qkv_proj", "gate_up_proj": "mlp.gate_up_proj"}
 PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
 
 
@@ -45,10 +47,19 @@ class PeftAdapter:
     path: str
     rank: int
     weights: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    # (layer, projection) -> (A, B) of a fused checkpoint projection, split into parts by LoRALinear.parts
+    fused: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.weights.values())
+    def parts_of(self, layer: int, projection: str, sizes: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """{part: (A, B)} of one projection whose parts have these output sizes."""
+        parts = {part: pair for (l, p, part), pair in self.weights.items() if l == layer and p == projection}
+        if (layer, projection) in self.fused:
+            a, b = self.fused[(layer, projection)]
+            if b.shape[0] != sum(sizes):
+                raise ValueError(f"the adapter's {projection} of layer {layer} has {b.shape[0]} outputs, "
+                                 f"the model's {sum(sizes)}")
+            parts.update({part: (a, rows) for part, rows in enumerate(b.split(sizes))})
+        return parts
 
 
 def _pattern_value(patterns: dict, module: str, default):
@@ -76,8 +87,12 @@ def read_peft_adapter(path: str, num_layers: int, max_rank: int) -> PeftAdapter:
             module_alpha = float(_pattern_value(config.get("alpha_pattern") or {}, f"model.layers.{layer}.{module}",
                                                 alpha))
             scaling = module_alpha / (math.sqrt(rank) if rslora else rank)
+            b = b * scaling
+            if module in FUSED_TARGETS:  # each part: the shared A, its rows of B (sizes known to the model)
+                adapter.fused[(layer, FUSED_TARGETS[module])] = (a.contiguous(), b.contiguous())
+                continue
             projection, part = TARGETS[module]
-            adapter.weights[(layer, projection, part)] = (a.contiguous(), (b * scaling).contiguous())
+            adapter.weights[(layer, projection, part)] = (a.contiguous(), b.contiguous())
     return adapter
 
 
@@ -152,6 +167,13 @@ class LoRALinear(nn.Module):
         self.register_buffer("lora_bt", torch.zeros(num_slots * max_rank, sum(parts), dtype=dtype, device=device),
                              persistent=False)
 
+    @property
+    def full_parts(self) -> list[int]:
+        """The parts' output sizes in the whole (unsharded) projection."""
+        if self.shard is not None and self.shard[2] == "column":
+            return [size * self.shard[1] for size in self.parts]
+        return list(self.parts)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)
         state = self.state
@@ -202,3 +224,20 @@ class LoRALinear(nn.Module):
         if kind == "column":
             return a, b.chunk(size, dim=0)[rank]
         return a.chunk(size, dim=1)[rank], b
+
+
+def target_shapes(config, fused_checkpoint: bool) -> dict[str, list[int]]:
+    """The [in, out] of each projection an adapter of this model may target, by its HF module name (a
+    checkpoint that fuses q/k/v and gate/up, as Phi-3's does, names them qkv_proj and gate_up_proj)."""
+    hidden, heads = config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    q, kv = heads * head_dim, getattr(config, "num_key_value_heads", None) or heads
+    kv *= head_dim
+    inter = config.intermediate_size
+    shapes = {"o_proj": [q, hidden], "down_proj": [inter, hidden]}
+    if fused_checkpoint:
+        shapes.update(qkv_proj=[hidden, q + 2 * kv], gate_up_proj=[hidden, 2 * inter])
+    else:
+        shapes.update(q_proj=[hidden, q], k_proj=[hidden, kv], v_proj=[hidden, kv], gate_proj=[hidden, inter],
+                      up_proj=[hidden, inter])
+    return shapes
