@@ -79,6 +79,9 @@ def test_mixed_adapters_in_one_batch_match_hf_and_peft(request, tiny_llama_dir, 
     slots = llm.llm_engine.core.core.runner.lora
     assert slots.num_slot_loads >= 3 and len(slots.slots) == 2
     assert (slots.state.kernel is not None) == (backend == "cpu")
+    # A slot: A [in, 3 parts * rank 16] and B [rank 16, out] of every projection of both layers, float32.
+    per_layer = (64 * 3 * 16 + 16 * 128) + (64 * 16 + 16 * 64) + (64 * 2 * 16 + 16 * 256) + (128 * 16 + 16 * 64)
+    assert slots.slot_bytes == 2 * per_layer * 4
     assert any(grouped) == (backend == "torch" and budget > lora_layers.GROUPED_MIN_ROWS) and not all(grouped)
 
 

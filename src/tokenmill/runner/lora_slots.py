@@ -69,6 +69,11 @@ class LoRASlots:
         self.max_cpu_loras = max(max_cpu_loras, max_loras)
         self.state = add_lora_projections(model, max_loras, max_rank, tp, kernels)
         self.device = model.norm.weight.device
+        self.slot_bytes = sum(buffer.numel() * buffer.element_size() for name, buffer in model.named_buffers()
+                              if ".lora_" in name) // max_loras
+        logger.info("LoRA: %d slots of rank %d on %d projections, %.1f MiB each (%s)", max_loras, max_rank,
+                    4 * len(model.layers), self.slot_bytes / 2**20,
+                    "C++ kernel" if self.state.kernel is not None else "torch matmuls")
         self.requests: dict[str, LoRARequest] = {}  # request id -> its adapter (requests with one)
         self.slots: OrderedDict[LoRARequest, int] = OrderedDict()  # loaded adapters, least recently used first
         self.read: OrderedDict[LoRARequest, PeftAdapter] = OrderedDict()  # adapters held in host memory
