@@ -46,10 +46,6 @@ class AdapterLayout:
     ranks: dict[tuple[int, str], int]
     names: dict[tuple[int, str, str], str]  # (layer, module, "A" | "B") -> tensor name in the file
 
-    @property
-    def rank(self) -> int:
-        return max(self.ranks.values())
-
 
 def _bad(path: str, problem: str) -> InvalidRequestError:
     return InvalidRequestError(f"the LoRA adapter at {path} {problem}", "lora_path")

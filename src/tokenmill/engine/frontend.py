@@ -108,12 +108,12 @@ class LoRAChecks:
         self.num_layers = num_layers
         self.max_rank = max_rank
         self.shapes = shapes
-        self.checked: dict[LoRARequest, int] = {}  # -> its rank
+        self.checked: set[LoRARequest] = set()
 
-    def check(self, lora: LoRARequest) -> int:
+    def check(self, lora: LoRARequest) -> None:
         if lora not in self.checked:
-            self.checked[lora] = check_adapter(lora.lora_path, self.num_layers, self.max_rank, self.shapes).rank
-        return self.checked[lora]
+            check_adapter(lora.lora_path, self.num_layers, self.max_rank, self.shapes)
+            self.checked.add(lora)
 
 
 def rejection(state: RequestState, max_queue_time: Optional[float]) -> Optional[RequestRejectedError]:

@@ -12,12 +12,18 @@ from tokenmill.model.causal_lm import DecoderForCausalLM
 from tokenmill.model.layers.decoder import DecoderSpec
 
 
+def _silu(config) -> str:
+    """The config's activation, which must be SiLU (ValueError otherwise: the model is refused)."""
+    activation = getattr(config, "hidden_act", "silu")
+    if activation != "silu":
+        raise ValueError(f"unsupported activation {activation!r}")
+    return activation
+
+
 class LlamaForCausalLM(DecoderForCausalLM):
     @classmethod
     def build_spec(cls, config) -> DecoderSpec:
-        activation = getattr(config, "hidden_act", "silu")
-        if activation != "silu":
-            raise ValueError(f"unsupported activation {activation!r}")
+        _silu(config)
         bias = bool(getattr(config, "attention_bias", False))
         return DecoderSpec.from_config(config, qkv_bias=bias, o_bias=bias,
                                        mlp_bias=bool(getattr(config, "mlp_bias", False)))
@@ -26,10 +32,7 @@ class LlamaForCausalLM(DecoderForCausalLM):
 class MixtralForCausalLM(DecoderForCausalLM):
     @classmethod
     def build_spec(cls, config) -> DecoderSpec:
-        activation = getattr(config, "hidden_act", "silu")
-        if activation != "silu":
-            raise ValueError(f"unsupported activation {activation!r}")
         return DecoderSpec.from_config(
-            config, activation=activation, layer_sparse=(True,) * config.num_hidden_layers,
+            config, activation=_silu(config), layer_sparse=(True,) * config.num_hidden_layers,
             num_experts=config.num_local_experts, num_experts_per_tok=config.num_experts_per_tok,
             moe_intermediate_size=config.intermediate_size, norm_topk_prob=True)

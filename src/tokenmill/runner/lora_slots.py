@@ -23,16 +23,18 @@ logger = logging.getLogger("tokenmill")
 
 
 def add_lora_projections(model: torch.nn.Module, num_slots: int, max_rank: int, tp=None,
-                         kernels=None) -> LoRAStepState:
+                         kernels=None) -> tuple[LoRAStepState, dict[tuple[int, str], LoRALinear]]:
     """Puts every decoder layer's q/k/v, o, gate/up and down projections behind a LoRALinear with `num_slots`
     empty slots; returns the state they share (the model reads it to leave the fused decode stack to steps
-    without adapters). kernels: tokenmill's C++ CPU kernels, whose lora_add then computes float32 deltas."""
+    without adapters) and the LoRALinears by (layer index, projection). kernels: tokenmill's C++ CPU kernels,
+    whose lora_add then computes float32 deltas."""
     # The activations' dtype and device (the final norm's: embeddings and projections may be kept quantized).
     dtype, device = model.norm.weight.dtype, model.norm.weight.device
     use_kernel = kernels is not None and hasattr(kernels, "lora_add") and dtype == torch.float32 and \
         device.type == "cpu"
     state = LoRAStepState(kernel=kernels.lora_add if use_kernel else None)
-    for layer in model.layers:
+    linears: dict[tuple[int, str], LoRALinear] = {}
+    for index, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
         if not hasattr(mlp, "gate_up_proj"):
             raise ModelLoadError(f"--enable-lora: {type(model).__name__} has mixture-of-experts layers, which "
@@ -47,32 +49,34 @@ def add_lora_projections(model: torch.nn.Module, num_slots: int, max_rank: int, 
             owner = getattr(layer, owner_name)
             in_features, parts, kind = shapes[name]
             shard = None if tp is None else (tp.rank, tp.size, kind)
-            setattr(owner, attr, LoRALinear(getattr(owner, attr), in_features, parts, num_slots, max_rank, state,
-                                            dtype, device, shard))
+            linears[(index, name)] = LoRALinear(getattr(owner, attr), in_features, parts, num_slots, max_rank,
+                                                state, dtype, device, shard)
+            setattr(owner, attr, linears[(index, name)])
     model.lora_state = state
-    return state
+    return state, linears
 
 
 class LoRASlots:
     @staticmethod
-    def settings(config) -> Optional[tuple[int, int, int, int]]:
+    def settings(config) -> Optional[tuple[int, int, Optional[int], int]]:
         """The constructor's sizes from an EngineConfig; None without --enable-lora."""
         if not config.enable_lora:
             return None
-        return config.max_loras, config.max_lora_rank, config.max_cpu_loras or config.max_loras, config.max_num_seqs
+        return config.max_loras, config.max_lora_rank, config.max_cpu_loras, config.max_num_seqs
 
-    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_cpu_loras: int,
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_cpu_loras: Optional[int],
                  max_num_seqs: int, tp=None, kernels=None) -> None:
+        """max_cpu_loras: adapters kept read in host memory, at least max_loras (None: max_loras)."""
         self.model = model
         self.max_loras = max_loras
         self.max_rank = max_rank
-        self.max_cpu_loras = max(max_cpu_loras, max_loras)
-        self.state = add_lora_projections(model, max_loras, max_rank, tp, kernels)
+        self.max_cpu_loras = max(max_cpu_loras or max_loras, max_loras)
+        self.state, self.linears = add_lora_projections(model, max_loras, max_rank, tp, kernels)
         self.device = model.norm.weight.device
-        self.slot_bytes = sum(buffer.numel() * buffer.element_size() for name, buffer in model.named_buffers()
-                              if ".lora_" in name) // max_loras
+        self.slot_bytes = sum(buffer.numel() * buffer.element_size() for linear in self.linears.values()
+                              for buffer in linear.buffers(recurse=False)) // max_loras
         logger.info("LoRA: %d slots of rank %d on %d projections, %.1f MiB each (%s)", max_loras, max_rank,
-                    4 * len(model.layers), self.slot_bytes / 2**20,
+                    len(self.linears), self.slot_bytes / 2**20,
                     "C++ kernel" if self.state.kernel is not None else "torch matmuls")
         self.requests: dict[str, LoRARequest] = {}  # request id -> its adapter (requests with one)
         self.slots: OrderedDict[LoRARequest, int] = OrderedDict()  # loaded adapters, least recently used first
@@ -120,11 +124,8 @@ class LoRASlots:
             victim = next(key for key in self.slots if key not in needed)
             slot = self.slots.pop(victim)
         adapter = self._adapter(lora)
-        for index, layer in enumerate(self.model.layers):
-            for projection in PROJECTIONS:
-                owner_name, attr = projection.split(".")
-                linear: LoRALinear = getattr(getattr(layer, owner_name), attr)
-                linear.load_slot(slot, adapter.parts_of(index, projection, linear.full_parts))
+        for (index, projection), linear in self.linears.items():
+            linear.load_slot(slot, adapter.parts_of(index, projection, linear.full_parts))
         self.slots[lora] = slot
         self.num_slot_loads += 1
         logger.info("LoRA adapter %r in slot %d (%s)", lora.lora_name, slot, lora.lora_path)

@@ -10,9 +10,9 @@ of qkv_proj; gate, up of gate_up_proj) adds (x·Aᵀ)·Bᵀ into that part's col
 
 (B carries PEFT's scaling, alpha / rank, or alpha / √rank with rsLoRA). One matmul for A and one per part for
 B, whatever the number of adapters in the step, in place of a pass per adapter; rows of the base model add
-exact zeros. A step of many rows (prompt chunks) would waste too much on
-the other slots' products, so there each slot's rows are gathered and take two matmuls of their own, and
-rows of the base model take none. The base projection runs as before (dense, packed or kept
+exact zeros. A step of many rows (prompt chunks) would waste too much on the other slots' products, so there
+each slot's rows are gathered and take matmuls of their own, and rows of the base model take none. Where the
+projections run float32 on the CPU, tokenmill's C++ `lora_add` replaces both: each row by its own adapter only. The base projection runs as before (dense, packed or kept
 quantized blocks): the adapter's delta is added on top. Under tensor parallelism a column-parallel
 projection holds its rows of B, a row-parallel one its columns of A (its partial delta is summed with
 the base's partial output by the same all-reduce).
@@ -44,8 +44,6 @@ class PeftAdapter:
     """One PEFT LoRA adapter as tokenmill applies it: per (layer, projection, part), A [r, in] and B [out, r]
     with the scaling folded into B."""
 
-    path: str
-    rank: int
     weights: dict[tuple[int, str, int], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     # (layer, projection) -> (A, B) of a fused checkpoint projection, split into parts by LoRALinear.parts
     fused: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
@@ -79,7 +77,7 @@ def read_peft_adapter(path: str, num_layers: int, max_rank: int) -> PeftAdapter:
     config = layout.config
     alpha = float(config.get("lora_alpha", 8))
     rslora = bool(config.get("use_rslora"))
-    adapter = PeftAdapter(str(layout.directory), layout.rank)
+    adapter = PeftAdapter()
     with safe_open(str(layout.directory / "adapter_model.safetensors"), framework="pt") as handle:
         for (layer, module), rank in layout.ranks.items():
             a = handle.get_tensor(layout.names[(layer, module, "A")]).float()
@@ -111,7 +109,6 @@ class LoRAStepState:
     (the rows with an adapter, grouped by slot) and `segments` ((slot, start, end) of each group in it)."""
 
     kernel: Any = None  # tokenmill's C++ lora_add, where the projections run float32 on the CPU
-    active: bool = False
     token_slots: Optional[torch.Tensor] = None
     onehot: Optional[torch.Tensor] = None
     order: Optional[torch.Tensor] = None
@@ -121,7 +118,6 @@ class LoRAStepState:
         """token_slots: each row's slot, -1 for the base model."""
         rows = token_slots.numel()
         self.clear()
-        self.active = True
         if self.kernel is not None:
             self.token_slots = token_slots.to(device)
             return
@@ -139,8 +135,12 @@ class LoRAStepState:
             self.segments.append((int(slot), start, start + int(count)))
             start += int(count)
 
+    @property
+    def active(self) -> bool:
+        return self.token_slots is not None or self.onehot is not None or self.order is not None
+
     def clear(self) -> None:
-        self.active, self.token_slots, self.onehot, self.order, self.segments = False, None, None, None, []
+        self.token_slots, self.onehot, self.order, self.segments = None, None, None, []
 
 
 class LoRALinear(nn.Module):
@@ -190,8 +190,6 @@ class LoRALinear(nn.Module):
             for part, (first, end) in enumerate(spans):
                 y[:, first:end] += torch.mm(xa[:, :, part].reshape(rows, -1), self.lora_bt[:, first:end]).to(y.dtype)
             return y
-        if not state.segments:
-            return y
         rows = x.index_select(0, state.order)
         delta = torch.empty(rows.shape[0], y.shape[1], dtype=rows.dtype, device=rows.device)
         width = num_parts * rank
@@ -231,8 +229,8 @@ def target_shapes(config, fused_checkpoint: bool) -> dict[str, list[int]]:
     checkpoint that fuses q/k/v and gate/up, as Phi-3's does, names them qkv_proj and gate_up_proj)."""
     hidden, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    q, kv = heads * head_dim, getattr(config, "num_key_value_heads", None) or heads
-    kv *= head_dim
+    q = heads * head_dim
+    kv = (getattr(config, "num_key_value_heads", None) or heads) * head_dim
     inter = config.intermediate_size
     shapes = {"o_proj": [q, hidden], "down_proj": [inter, hidden]}
     if fused_checkpoint:

@@ -16,6 +16,24 @@ namespace {
 
 constexpr int64_t kGroupRows = 4;  // rows of one slot multiplied together: each A and B element loaded once for them
 
+constexpr int64_t kLanes = 16;
+
+// acc_i[o] += c_i * brow[o] for the group's four rows, o < size (kFull: size is kLanes, a count the compiler
+// knows, so the loop becomes one vector operation per row).
+template <bool kFull>
+inline void add_rank(const float* brow, int64_t size, float c0, float c1, float c2, float c3, float* acc0,
+                     float* acc1, float* acc2, float* acc3) {
+  const int64_t count = kFull ? kLanes : size;
+#pragma omp simd
+  for (int64_t o = 0; o < count; ++o) {
+    const float b = brow[o];
+    acc0[o] += c0 * b;
+    acc1[o] += c1 * b;
+    acc2[o] += c2 * b;
+    acc3[o] += c3 * b;
+  }
+}
+
 // The deltas of up to kGroupRows rows of slot s (rows[i] for i < n; missing ones repeat row 0, unused).
 void lora_group(const int64_t* rows, int64_t n, int64_t s, const float* xp, int64_t in, const float* ap,
                 const float* bp, const std::vector<int64_t>& offsets, int64_t rank, float* yp, int64_t y_stride,
@@ -40,7 +58,6 @@ void lora_group(const int64_t* rows, int64_t n, int64_t s, const float* xp, int6
     xa[3 * width + j] = acc3;
   }
   // 16 columns at a time, every rank summed in registers for the group's rows, then added to y once.
-  constexpr int64_t kLanes = 16;
   for (int64_t p = 0; p < parts; ++p) {
     const float* c = xa + p * rank;
     for (int64_t first = offsets[p]; first < offsets[p + 1]; first += kLanes) {
@@ -50,22 +67,9 @@ void lora_group(const int64_t* rows, int64_t n, int64_t s, const float* xp, int6
         const float* brow = bp + (s * rank + r) * out + first;
         const float c0 = c[r], c1 = c[width + r], c2 = c[2 * width + r], c3 = c[3 * width + r];
         if (size == kLanes) {
-#pragma omp simd
-          for (int64_t o = 0; o < kLanes; ++o) {
-            const float b = brow[o];
-            acc0[o] += c0 * b;
-            acc1[o] += c1 * b;
-            acc2[o] += c2 * b;
-            acc3[o] += c3 * b;
-          }
+          add_rank<true>(brow, size, c0, c1, c2, c3, acc0, acc1, acc2, acc3);
         } else {
-          for (int64_t o = 0; o < size; ++o) {
-            const float b = brow[o];
-            acc0[o] += c0 * b;
-            acc1[o] += c1 * b;
-            acc2[o] += c2 * b;
-            acc3[o] += c3 * b;
-          }
+          add_rank<false>(brow, size, c0, c1, c2, c3, acc0, acc1, acc2, acc3);
         }
       }
       const float* accs[kGroupRows] = {acc0, acc1, acc2, acc3};
