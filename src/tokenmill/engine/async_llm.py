@@ -124,6 +124,11 @@ class AsyncLLM:
         return self._dead is None
 
     @property
+    def num_in_flight(self) -> int:
+        """Requests submitted and not yet finished or aborted (beam search's core requests included)."""
+        return len(self.output_processor.requests) + len(self._listeners)
+
+    @property
     def is_running(self) -> bool:
         return not self.errored and not self._stopped
 

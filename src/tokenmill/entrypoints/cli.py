@@ -49,7 +49,7 @@ def _add_serve(subparsers) -> None:
     parser = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     from tokenmill.entrypoints.openai.cli_args import add_serve_args
 
-    add_engine_args(parser)
+    add_engine_args(parser, repeatable=("model",))  # several models: --model A --model B
     add_serve_args(parser)
     parser.set_defaults(handler=_run_server)
 

@@ -64,14 +64,17 @@ def _flag_reader(f: dataclasses.Field, base: Any) -> Optional[Callable[[str], An
     return read
 
 
-def add_engine_args(parser: argparse.ArgumentParser, names: Optional[Sequence[str]] = None) -> None:
-    """Every engine option as a flag (`names`: only those, e.g. for a benchmark tool's command line)."""
-    add_option_args(parser, EngineConfig, "engine", names)
+def add_engine_args(parser: argparse.ArgumentParser, names: Optional[Sequence[str]] = None,
+                    repeatable: Sequence[str] = ()) -> None:
+    """Every engine option as a flag (`names`: only those, e.g. for a benchmark tool's command line;
+    `repeatable`: options whose every use is kept, as a list, e.g. `tokenmill serve`'s --model)."""
+    add_option_args(parser, EngineConfig, "engine", names, repeatable)
 
 
 def add_option_args(parser: argparse.ArgumentParser, options_class: type, title: str,
-                    names: Optional[Sequence[str]] = None) -> None:
-    """Every `option` field of options_class as a flag in an argument group `title` (`names`: only those)."""
+                    names: Optional[Sequence[str]] = None, repeatable: Sequence[str] = ()) -> None:
+    """Every `option` field of options_class as a flag in an argument group `title` (`names`: only those;
+    `repeatable`: string options collected into a list)."""
     group = parser.add_argument_group(title)
     types = option_types(options_class)
     for f in dataclasses.fields(options_class):
@@ -80,7 +83,9 @@ def add_option_args(parser: argparse.ArgumentParser, options_class: type, title:
         flags = ["--" + f.name.replace("_", "-"), *f.metadata.get("aliases", ())]
         kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata["help"]}
         base = _base_type(types[f.name])
-        if f.metadata.get("repeat"):
+        if f.name in repeatable:
+            kwargs["action"] = "append"
+        elif f.metadata.get("repeat"):
             kwargs["action"] = "append"
             if f.metadata["repeat"] == "many":
                 kwargs.update(action="extend", nargs="+")

@@ -10,8 +10,10 @@ logger = logging.getLogger("tokenmill.stats")
 
 
 class LoggingStatLogger:
-    def __init__(self, interval_s: float = 10.0) -> None:
+    def __init__(self, interval_s: float = 10.0, model_name: str | None = None) -> None:
+        """model_name: prefixes each line (a server of several models logs one line per model)."""
         self.interval_s = interval_s
+        self._prefix = f"{model_name}: " if model_name else ""
         self._last_log = time.monotonic()
         self._prompt_tokens = 0
         self._generation_tokens = 0
@@ -28,8 +30,8 @@ class LoggingStatLogger:
         queries = scheduler.prefix_cache_queries - self._last_queries
         hits = scheduler.prefix_cache_hits - self._last_hits
         logger.info(
-            "throughput: prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d | "
-            "KV cache %.1f%% | prefix cache hit rate %.1f%% | preemptions %d",
+            "%sthroughput: prompt %.1f tok/s, generation %.1f tok/s | running %d, waiting %d | "
+            "KV cache %.1f%% | prefix cache hit rate %.1f%% | preemptions %d", self._prefix,
             self._prompt_tokens / elapsed, self._generation_tokens / elapsed, scheduler.num_running,
             scheduler.num_waiting, 100 * scheduler.kv_cache_usage, 100 * hits / queries if queries else 0.0,
             scheduler.num_preemptions)

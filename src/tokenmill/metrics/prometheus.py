@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from prometheus_client import (CollectorRegistry, Counter, GCCollector, Gauge, Histogram, PlatformCollector,
+from prometheus_client import (CollectorRegistry, Metric, Counter, GCCollector, Gauge, Histogram, PlatformCollector,
                                ProcessCollector, generate_latest)
 
 from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot
@@ -76,14 +76,35 @@ KV_OFFLOAD_GAUGES = (
 )
 
 
-class PrometheusStatLogger:
-    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None,
-                 device_memory: bool = False, kv_offload: bool = False, max_loras: Optional[int] = None) -> None:
-        # A registry per engine keeps several engines in one process (tests) from colliding.
+class ServerMetrics:
+    """What belongs to the server rather than to one of its models: the process's own metrics and the HTTP
+    answers, in `registry` (a model's registry on a one-model server)."""
+
+    def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
         self.registry = registry or CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
+        # vLLM's name and labels (prometheus-fastapi-instrumentator's): every HTTP answer, by route, method and
+        # status class, for error-rate alerts (a 5xx rate, a 429 rate).
+        self.http_responses = Counter("http_requests", "HTTP responses by route, method and status class",
+                                      ["handler", "method", "status"], registry=self.registry)
+        self._responses_seen: dict[str, int] = {}
+
+    def record_responses(self, totals: dict[str, int]) -> None:
+        """HTTP responses (cumulative per http_response_key), passed before each scrape."""
+        _count_new(totals, self._responses_seen, lambda key: self.http_responses.labels(*key.split(" ", 2)))
+
+
+class PrometheusStatLogger:
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None,
+                 device_memory: bool = False, kv_offload: bool = False, max_loras: Optional[int] = None,
+                 server_metrics: bool = True) -> None:
+        """server_metrics: the registry also holds the server's metrics (ServerMetrics), as on a one-model server;
+        a server of several models keeps those apart and renders every registry with render_together."""
+        # A registry per engine keeps several engines in one process (tests) from colliding.
+        self.registry = registry or CollectorRegistry()
+        self.server = ServerMetrics(self.registry) if server_metrics else None
         labels = ["model_name"]
         r = self.registry
         p = "tokenmill:"
@@ -118,8 +139,6 @@ class PrometheusStatLogger:
                                      registry=r)
         self.rejected = Counter(p + "request_rejected", "Requests refused by admission control",
                                 labels + ["reason"], registry=r)
-        # vLLM's name and labels (prometheus-fastapi-instrumentator's): every HTTP answer, by route, method and
-        # status class, for error-rate alerts (a 5xx rate, a 429 rate).
         # Tokens per tenant (the request's user, or its API key's tenant), so a machine's cost can be split by
         # customer; the first MAX_TENANT_SERIES tenants get series of their own, later ones count as "other".
         self.tenant_prompt_tokens = Counter(p + "tenant_prompt_tokens", "Prompt tokens of finished requests, per tenant",
@@ -128,8 +147,6 @@ class PrometheusStatLogger:
                                                 "Generated tokens of finished requests, per tenant",
                                                 labels + ["tenant"], registry=r)
         self._tenants: set[str] = set()
-        self.http_responses = Counter("http_requests", "HTTP responses by route, method and status class",
-                                      ["handler", "method", "status"], registry=r)
         self.ttft = self._histogram("time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
         self.itl = self._histogram("inter_token_latency_seconds", "Time between consecutive tokens",
                                    LATENCY_BUCKETS)
@@ -169,7 +186,6 @@ class PrometheusStatLogger:
                                    ["max_lora", "waiting_lora_adapters", "running_lora_adapters"], registry=r)
         self._last = SchedulerSnapshot()
         self._rejected_seen: dict[str, int] = {}
-        self._responses_seen: dict[str, int] = {}
         self._create_series()
 
     def _create_series(self) -> None:
@@ -278,10 +294,34 @@ class PrometheusStatLogger:
 
     def record_responses(self, totals: dict[str, int]) -> None:
         """HTTP responses (cumulative per http_response_key), passed before each scrape like the refusals."""
-        _count_new(totals, self._responses_seen, lambda key: self.http_responses.labels(*key.split(" ", 2)))
+        self.server.record_responses(totals)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Together:
+    """Several registries as one: families of the same name (one per model) merged into one family, since an
+    exposition may name each family once."""
+
+    def __init__(self, registries: list[CollectorRegistry]) -> None:
+        self.registries = registries
+
+    def collect(self):
+        families: dict[str, Metric] = {}
+        for registry in self.registries:
+            for family in registry.collect():
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation, family.type,
+                                                            family.unit)
+                merged.samples.extend(family.samples)
+        return list(families.values())
+
+
+def render_together(registries: list[CollectorRegistry]) -> bytes:
+    """One exposition of several registries: the server's, and each model's (its series labelled model_name)."""
+    return generate_latest(_Together(registries))
 
 
 def _count_new(totals: dict[str, int], seen: dict[str, int], counter) -> None:

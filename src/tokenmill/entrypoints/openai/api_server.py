@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import logging
 import math
 import os
@@ -30,13 +31,12 @@ from fastapi import FastAPI, Request
 from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, Response
 from starlette.staticfiles import StaticFiles
 
-from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+from tokenmill.entrypoints.engine_args import add_engine_args
 from tokenmill.entrypoints.openai.rate_limit import RateLimiter
 from tokenmill.entrypoints.openai.cli_args import (
     ServerConfig,
     add_serve_args,
     configure_logging,
-    parse_lora_modules,
     resolve_rate_limiter,
     server_config_from_args,
 )
@@ -51,6 +51,7 @@ from tokenmill.entrypoints.openai.protocol import (
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
+    AdminUnloadModelRequest,
     ErrorResponse,
     LoadLoRAAdapterRequest,
     ModelCard,
@@ -60,14 +61,10 @@ from tokenmill.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
-from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
-from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
-from tokenmill.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
-from tokenmill.errors import ServiceUnavailableError, TokenmillError
-from tokenmill.metrics.loggers import LoggingStatLogger
-from tokenmill.metrics.prometheus import PrometheusStatLogger, http_response_key
-from tokenmill.metrics.stats import WindowStatLogger
+from tokenmill.entrypoints.openai.model_pool import AdminAuthError, ModelPool
+from tokenmill.entrypoints.openai.model_specs import SpecReader, model_specs, with_lora_modules
+from tokenmill.errors import InvalidRequestError, ModelLoadError, ServiceUnavailableError, TokenmillError
+from tokenmill.metrics.prometheus import ServerMetrics, http_response_key, render_together
 from tokenmill.runner.host_memory import freeze_startup_heap
 
 if TYPE_CHECKING:
@@ -94,30 +91,37 @@ def _version() -> str:
         return "0.0.0+unknown"
 
 
-def build_app(engine: "AsyncLLM", server: Optional[ServerConfig] = None,
+def build_app(engine: "AsyncLLM | ModelPool", server: Optional[ServerConfig] = None,
               relay_path: Optional[str] = None, limiter: Optional[RateLimiter] = None) -> FastAPI:
-    """server: the server's flags (default: every default). relay_path: API server i > 0 of --api-server-count, whose /metrics and /stats are server 0's, fetched
-    over this unix socket (its own request statistics are forwarded there, api_servers.StatsForwarder).
-    limiter: the API keys and their buckets (default: read from the flags; with several API servers, the
-    buckets they share)."""
+    """engine: the server's models (a ModelPool), or one engine already started. server: the server's flags
+    (default: every default). relay_path: API server i > 0 of --api-server-count, whose /metrics and /stats are
+    server 0's, fetched over this unix socket (its own request statistics are forwarded there,
+    api_servers.StatsForwarder). limiter: the API keys and their buckets (default: read from the flags; with
+    several API servers, the buckets they share)."""
     server = server if server is not None else ServerConfig()
+    pool = engine if isinstance(engine, ModelPool) else ModelPool.of_engine(server, engine)
     lifecycle = ServerLifecycle()
     app = FastAPI(title="tokenmill", version=_version(),
                   description="OpenAI-compatible API of the tokenmill inference engine")
-    app.state.engine = engine
+    app.state.engine = pool  # the draining server polls its engine cores and fails what is left at shutdown
     app.state.lifecycle = lifecycle
     install_exception_handlers(app)
-    models = _add_openai_routes(app, engine, server)
-    _add_server_routes(app, engine, lifecycle, models)
+    _add_openai_routes(app, pool)
+    _add_server_routes(app, pool, lifecycle)
+    if server.admin_key and pool.spec_reader is not None:
+        _add_admin_routes(app, pool, server.admin_key)
     if relay_path is None:
-        _add_observability(app, engine, server)
+        _add_observability(app, pool)
     else:
         _add_relayed_observability(app, relay_path)
     limiter = limiter if limiter is not None else resolve_rate_limiter(server)
     app.state.rate_limiter = limiter  # the token limits are charged by the serving layer
 
     def rejected(reason: str) -> None:
-        engine.num_rejected[reason] = engine.num_rejected.get(reason, 0) + 1
+        # Refused before a model is chosen: counted under the default model.
+        served = pool.default
+        if served is not None:
+            served.engine.num_rejected[reason] = served.engine.num_rejected.get(reason, 0) + 1
 
     # Responses counted per route, method and status class (vLLM's http_requests_total); paths that are no
     # route of this app count as one handler, so a scan of random URLs cannot grow the series.
@@ -125,70 +129,63 @@ def build_app(engine: "AsyncLLM", server: Optional[ServerConfig] = None,
 
     def responded(path: str, method: str, status: int) -> None:
         key = http_response_key(path if path in handlers else "other", method, status)
-        engine.num_responses[key] = engine.num_responses.get(key, 0) + 1
+        pool.num_responses[key] = pool.num_responses.get(key, 0) + 1
 
     app.add_middleware(GatewayMiddleware, lifecycle=lifecycle, limiter=limiter, max_body_bytes=server.max_request_body_bytes,
                        on_rejected=rejected, on_response=responded)
     return app
 
 
-def _add_openai_routes(app: FastAPI, engine: "AsyncLLM", server: ServerConfig) -> OpenAIServingModels:
-    """The /v1 routes; returns the server's models (and LoRA adapters), which /tokenize also accepts."""
-    name = engine.served_model_name
-    lora_checks = engine.frontend.lora_checks
-    models = OpenAIServingModels(name, engine.max_model_len, check_lora=None if lora_checks is None else
-                                 engine.frontend.check_lora)
-    for lora_name, lora_path in parse_lora_modules(server):
-        models.load_lora(lora_name, lora_path)
-    completions = OpenAIServingCompletion(engine, name, models)
-    chat = OpenAIServingChat(engine, name, tool_call_parser=server.auto_tool_call_parser, models=models)
+def _add_openai_routes(app: FastAPI, pool: ModelPool) -> None:
+    """The /v1 routes: each request goes to the model (or adapter) its `model` names."""
 
     @app.post("/v1/completions", response_model=CompletionResponse, responses={**_STREAMING, **_ERRORS})
     async def create_completion(body: CompletionRequest, raw_request: Request) -> Response:
-        return await completions.create_completion(body, raw_request)
+        async with pool.use(body.model) as served:
+            return await served.completions.create_completion(body, raw_request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletionResponse, responses={**_STREAMING, **_ERRORS})
     async def create_chat_completion(body: ChatCompletionRequest, raw_request: Request) -> Response:
-        return await chat.create_chat_completion(body, raw_request)
+        async with pool.use(body.model) as served:
+            return await served.chat.create_chat_completion(body, raw_request)
 
     @app.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def list_models() -> ModelList:
-        return models.list_models()
+        return ModelList(data=pool.cards())
 
     @app.get("/v1/models/{model_id:path}", response_model=ModelCard, responses=_ERRORS)
     async def get_model(model_id: str) -> ModelCard:
-        return models.get_model(model_id)
+        return pool.card(model_id)
 
-    if lora_checks is not None:
+    if any(spec.config.enable_lora for spec in pool.specs.values()):
         # vLLM's endpoints and answers (plain text); with --api-key they need a key, like every /v1 route.
         @app.post("/v1/load_lora_adapter", responses=_ERRORS)
         async def load_lora_adapter(body: LoadLoRAAdapterRequest) -> Response:
-            models.load_lora(body.lora_name, body.lora_path)
+            pool.load_lora(body.lora_name, body.lora_path, body.base_model_name)
             return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
         @app.post("/v1/unload_lora_adapter", responses=_ERRORS)
         async def unload_lora_adapter(body: UnloadLoRAAdapterRequest) -> Response:
-            models.unload_lora(body.lora_name)
+            pool.unload_lora(body.lora_name)
             return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
-    return models
 
 
-def _add_server_routes(app: FastAPI, engine: "AsyncLLM", lifecycle: ServerLifecycle,
-                       models: Optional[OpenAIServingModels] = None) -> None:
-    tokenization = OpenAIServingTokenization(engine, engine.served_model_name, models)
+def _add_server_routes(app: FastAPI, pool: ModelPool, lifecycle: ServerLifecycle) -> None:
     version = _version()
 
     @app.post("/tokenize", response_model=TokenizeResponse, responses=_ERRORS)
     async def tokenize(body: TokenizeRequest) -> TokenizeResponse:
-        return tokenization.tokenize(body)
+        async with pool.use(body.model) as served:
+            return served.tokenization.tokenize(body)
 
     @app.post("/detokenize", response_model=DetokenizeResponse, responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
-        return tokenization.detokenize(body)
+        async with pool.use(body.model) as served:
+            return served.tokenization.detokenize(body)
 
     @app.get("/health", responses={200: {"description": "the engine can serve"}, 503: {"model": ErrorResponse}})
     async def health() -> Response:
-        if not engine.poll_cores():
+        if not pool.poll_cores():
             return error_response(503, "the engine has stopped", "service_unavailable", code="engine_dead")
         if lifecycle.draining:
             return error_response(503, "the server is shutting down", "service_unavailable", code="shutting_down")
@@ -199,39 +196,82 @@ def _add_server_routes(app: FastAPI, engine: "AsyncLLM", lifecycle: ServerLifecy
         return VersionResponse(version=version)
 
 
+def _add_admin_routes(app: FastAPI, pool: ModelPool, admin_key: str) -> None:
+    """/admin/models: list, load and unload models at run time, for 'Authorization: Bearer <admin key>' only."""
 
-def _add_observability(app: FastAPI, engine: "AsyncLLM", server: ServerConfig) -> None:
-    """Attaches the stat loggers to the engine (they see every step) and serves what they collect."""
-    on_cuda = engine.ready.device.startswith("cuda")
-    prometheus = PrometheusStatLogger(engine.served_model_name, device_memory=on_cuda,
-                                      kv_offload=engine.ready.kv_offload_root is not None,
-                                      max_loras=engine.config.max_loras if engine.config.enable_lora else None)
-    window = WindowStatLogger()
-    engine.stat_loggers.extend([prometheus, window])
-    if not server.disable_log_stats:
-        engine.stat_loggers.append(LoggingStatLogger())
-    app.state.prometheus = prometheus
-    app.state.window_stats = window
+    def authorize(request: Request) -> None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_key.encode()):
+            raise AdminAuthError("Incorrect or missing admin key; send 'Authorization: Bearer <admin key>'.",
+                                 code="invalid_admin_key")
+
+    @app.get("/admin/models", responses=_ERRORS)
+    async def list_all_models(request: Request) -> JSONResponse:
+        authorize(request)
+        return JSONResponse(_jsonable({"models": pool.status(), "memory": pool.memory_budget()}))
+
+    @app.post("/admin/models/load", responses=_ERRORS)
+    async def load_model(request: Request) -> JSONResponse:
+        """Body: {"model": a known model's name} loads it again; {"model": PATH, "served_model_name": ...,
+        any engine option...} adds a model (the command line's engine flags are its defaults)."""
+        authorize(request)
+        try:
+            body = await request.json()
+        except ValueError:
+            raise InvalidRequestError("the body must be a JSON object", "model") from None
+        if not isinstance(body, dict) or not isinstance(body.get("model"), str) or not body["model"]:
+            raise InvalidRequestError("the body must be a JSON object with a \"model\" (a path or a known "
+                                      "model's name)", "model")
+        try:
+            if set(body) == {"model"} and body["model"] in pool.specs:
+                served = await pool.load(body["model"])
+            else:
+                served = await pool.add(pool.spec_reader.spec(body))
+        except ModelLoadError as exc:  # a bad path or an unsupported model: the admin's input, said plainly
+            raise InvalidRequestError(exc.message, "model") from None
+        return JSONResponse(_jsonable({"model": served.name, "load_seconds": round(served.load_seconds, 3),
+                                       "memory_bytes": served.memory_bytes()}))
+
+    @app.post("/admin/models/unload", responses=_ERRORS)
+    async def unload_model(request: Request, body: AdminUnloadModelRequest) -> JSONResponse:
+        """Drains the model (new requests for it: 503 with Retry-After) and stops it; then requests for it get 404."""
+        authorize(request)
+        started = time.monotonic()
+        await pool.unload(pool.name_of(body.model), timeout_s=body.timeout)
+        return JSONResponse({"model": body.model, "unloaded": True,
+                             "unload_seconds": round(time.monotonic() - started, 3)})
+
+
+def _add_observability(app: FastAPI, pool: ModelPool) -> None:
+    """Serves what each model's stat loggers (attached by the pool) collect."""
+    server_metrics = ServerMetrics()
 
     @app.get("/metrics", response_class=Response,
              responses={200: {"content": {"text/plain": {}}, "description": "Prometheus text format"}})
     async def metrics() -> Response:
-        prometheus.record_rejections(engine.num_rejected)
-        prometheus.record_responses(engine.num_responses)
-        if engine.router is not None:
-            prometheus.record_replicas(engine.replica_stats())
-        return Response(prometheus.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        server_metrics.record_responses(pool.num_responses)
+        registries = [server_metrics.registry]
+        for served in list(pool.loaded.values()):
+            served.prometheus.record_rejections(served.engine.num_rejected)
+            if served.engine.router is not None:
+                served.prometheus.record_replicas(served.engine.replica_stats())
+            registries.append(served.prometheus.registry)
+        return Response(render_together(registries), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/stats", responses={200: {"description": "engine statistics (running, waiting, kv_cache_usage, "
-                                                       "latency percentiles over a sliding window, history)"}})
-    async def stats() -> JSONResponse:
-        body = window.snapshot()
-        live = engine.get_stats()  # read now, not at the last step
+    @app.get("/stats", responses={200: {"description": "engine statistics of one model (?model=NAME, default: the "
+                                                       "first): running, waiting, kv_cache_usage, latency "
+                                                       "percentiles over a sliding window, history; and `models`, "
+                                                       "every model the server knows"}})
+    async def stats(model: Optional[str] = None) -> JSONResponse:
+        served = pool.stats_model(model)
+        body = served.window.snapshot()
+        live = served.engine.get_stats()  # read now, not at the last step
         body.update(live)
         queries, hits = live["prefix_cache_queries"], live["prefix_cache_hits"]
         body["prefix_cache_hit_rate"] = hits / queries if queries else None
-        body["model"] = engine.served_model_name
-        body["max_model_len"] = engine.max_model_len
+        body["model"] = served.name
+        body["max_model_len"] = served.engine.max_model_len
+        body["models"] = pool.status()
         return JSONResponse(_jsonable(body), headers=_NO_CACHE)
 
     _add_dashboard(app)
@@ -389,7 +429,7 @@ async def serve_app(app: FastAPI, server: ServerConfig, sockets: Optional[list[s
 
 
 def run_server(args: argparse.Namespace) -> int:
-    """Loads the model, serves until SIGTERM/SIGINT, drains, shuts the engine down. Returns the exit code."""
+    """Loads the models, serves until SIGTERM/SIGINT, drains, shuts the engines down. Returns the exit code."""
     # --log-level belongs to the `tokenmill` command, not to `serve`'s flags.
     log_level = getattr(args, "log_level", None) or "INFO"
     try:
@@ -405,28 +445,39 @@ def run_server(args: argparse.Namespace) -> int:
         logger.error("%s", exc)
         return 2
     try:
-        config = engine_config_from_args(args)
+        reader = SpecReader(args)
+        specs = with_lora_modules(model_specs(args, server.models_config, reader), server.lora_modules)
+        if len(specs) > 1 and server.api_server_count > 1:
+            raise InvalidRequestError("--api-server-count > 1 serves one model", "api_server_count")
     except TokenmillError as exc:
         logger.error("invalid engine settings: %s", exc.message)
         return 2
     try:
-        return event_loop.run(_serve(server, config, log_level))
+        return event_loop.run(_serve(server, specs, reader, log_level))
     except KeyboardInterrupt:  # Ctrl-C while the model was still loading
         return 130
 
 
-async def _serve(server: ServerConfig, config, log_level: str) -> int:
+async def _serve(server: ServerConfig, specs: list, reader: SpecReader, log_level: str) -> int:
     from tokenmill.engine.async_llm import AsyncLLM
 
     count = server.api_server_count
-    try:
+
+    def start_engine(config) -> AsyncLLM:
         # The engine core starts in its own process; this returns once it has loaded the model.
-        engine = AsyncLLM.from_config(config, log_level, request_timeout=server.request_timeout,
-                                      stall_timeout=server.engine_stall_timeout,
-                                      api_server_count=count)
+        return AsyncLLM.from_config(config, log_level, request_timeout=server.request_timeout,
+                                    stall_timeout=server.engine_stall_timeout, api_server_count=count)
+
+    pool = ModelPool(server, specs, start_engine, spec_reader=reader)
+    try:
+        for spec in specs:
+            if spec.load_at_start:
+                await pool.load(spec.name, blocking=True)
     except TokenmillError as exc:
         logger.error("cannot start the engine: %s", exc.message)
+        await pool.shutdown()
         return 1
+    engine = pool.default.engine
     servers: Optional[ApiServers] = None
     collector = None
     failed = False
@@ -435,7 +486,9 @@ async def _serve(server: ServerConfig, config, log_level: str) -> int:
         limiter = resolve_rate_limiter(server)
         if count > 1:  # one set of buckets for every API server: a key's limit holds for the whole server
             limiter.share(os.path.join(engine.client.run_directory, "rate-limits"))
-        app = build_app(engine, server, limiter=limiter)
+        if count > 1:  # API servers 1..N-1 forward their HTTP answers into the engine's counts
+            pool.num_responses = engine.num_responses
+        app = build_app(pool, server, limiter=limiter)
         freeze_startup_heap()
         if count > 1:
             # Bound once the model is loaded, as uvicorn binds for a single server: until then connections
@@ -454,7 +507,7 @@ async def _serve(server: ServerConfig, config, log_level: str) -> int:
             sockets = [sock, relay]
             collector = StatsCollector(directory, engine)
             collector.start(asyncio.get_running_loop())
-            servers = ApiServers(server, config, engine, sock, collector.address, relay_path, log_level, limiter)
+            servers = ApiServers(server, specs[0].config, engine, sock, collector.address, relay_path, log_level, limiter)
             engine.ready_for_api_servers = None
             logger.info("%d API servers on port %s (pids %s and this one)", count, server.port,
                         ", ".join(str(pid) for pid in servers.pids))
@@ -467,11 +520,11 @@ async def _serve(server: ServerConfig, config, log_level: str) -> int:
         if collector is not None:
             collector.close()
         try:
-            await asyncio.wait_for(engine.shutdown(), ENGINE_SHUTDOWN_TIMEOUT_S)
+            await asyncio.wait_for(pool.shutdown(), ENGINE_SHUTDOWN_TIMEOUT_S)
         except Exception:
             logger.exception("engine shutdown failed")
     # A dead engine core (or API server) ends the server with a failure, so a supervisor restarts it.
-    return 1 if engine.errored or failed else 0
+    return 1 if pool.errored or failed else 0
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -479,7 +532,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                      description="Serve a model over an OpenAI-compatible HTTP API.")
     parser.add_argument("--log-level", default="INFO", type=str.upper,
                         choices=["DEBUG", "INFO", "WARNING", "ERROR"], help="tokenmill's own log level")
-    add_engine_args(parser)
+    add_engine_args(parser, repeatable=("model",))
     add_serve_args(parser)
     return run_server(parser.parse_args(argv))
 

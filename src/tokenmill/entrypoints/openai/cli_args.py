@@ -84,8 +84,24 @@ class ServerConfig:
 
     lora_modules: Optional[tuple[str, ...]] = option(
         None, "with --enable-lora: adapters served from the start, each as name=path or vLLM's JSON "
-        "'{\"name\": ..., \"path\": ...}'; a request names one in its `model`", repeat="many", convert=_tuple,
-        metavar="NAME=PATH")
+        "'{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' (default base: the first model); a request "
+        "names one in its `model`", repeat="many", convert=_tuple, metavar="NAME=PATH")
+
+    # Several models: repeat --model, or list them in a models file.
+    models_config: Optional[str] = option(
+        None, "YAML or JSON file listing models to serve, each with its own engine options (model, "
+        "served_model_name (a name or a list: the first answers, the others are aliases), aliases, load: false to "
+        "load only on demand, lora_modules, any engine flag by its field name); the command line's engine flags "
+        "are every model's defaults", metavar="PATH")
+    admin_key: Optional[str] = option(
+        None, "enable /admin/models (load, unload, list models at run time) for 'Authorization: Bearer KEY'; "
+        "without it those routes do not exist", metavar="KEY")
+    models_memory_budget: Optional[int] = option(
+        None, "memory the loaded models may hold together (e.g. 8GiB); a load that does not fit first unloads "
+        "the least recently used idle models", convert=parse_memory_size, metavar="SIZE")
+    load_on_demand: bool = option(
+        False, "a request for a known model that is not loaded (load: false, or unloaded for the memory budget) "
+        "waits while it loads instead of getting 404")
 
     def __post_init__(self) -> None:
         validate_options(self)
@@ -99,23 +115,21 @@ class ServerConfig:
         return self.tool_call_parser if self.enable_auto_tool_choice else None
 
 
-def parse_lora_modules(server: ServerConfig) -> list[tuple[str, str]]:
-    """(name, path) of each --lora-modules entry (name=path, or vLLM's JSON object)."""
-    modules = []
-    for entry in server.lora_modules or ():
-        if entry.lstrip().startswith("{"):
-            try:
-                value = json.loads(entry)
-                modules.append((str(value["name"]), str(value["path"])))
-            except (ValueError, KeyError, TypeError):
-                raise InvalidRequestError(f"--lora-modules {entry!r}: a JSON entry needs \"name\" and \"path\"",
-                                          "lora_modules") from None
-            continue
-        name, sep, path = entry.partition("=")
-        if not sep or not name or not path:
-            raise InvalidRequestError(f"--lora-modules {entry!r}: expected name=path", "lora_modules")
-        modules.append((name, path))
-    return modules
+def parse_lora_module(entry: str) -> tuple[str, str, Optional[str]]:
+    """(name, path, base model or None) of a --lora-modules entry: name=path, or vLLM's JSON object
+    {"name", "path", "base_model_name"}."""
+    if entry.lstrip().startswith("{"):
+        try:
+            value = json.loads(entry)
+            base = value.get("base_model_name")
+            return str(value["name"]), str(value["path"]), None if base is None else str(base)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise InvalidRequestError(f"--lora-modules {entry!r}: a JSON entry needs \"name\" and \"path\"",
+                                      "lora_modules") from None
+    name, sep, path = entry.partition("=")
+    if not sep or not name or not path:
+        raise InvalidRequestError(f"--lora-modules {entry!r}: expected name=path", "lora_modules")
+    return name, path, None
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:

@@ -530,10 +530,20 @@ class ModelCard(OpenAIModel):
 
 
 class LoadLoRAAdapterRequest(OpenAIModel):
-    """vLLM's /v1/load_lora_adapter body."""
+    """vLLM's /v1/load_lora_adapter body; base_model_name (as in vLLM's --lora-modules JSON) picks the model on a
+    server of several (default: the first)."""
 
     lora_name: str
     lora_path: str
+    base_model_name: Optional[str] = None
+
+
+class AdminUnloadModelRequest(OpenAIModel):
+    """POST /admin/models/unload: the model to drain and stop; timeout: seconds its requests in flight may
+    take (default: --shutdown-timeout), after which they end with 503."""
+
+    model: str
+    timeout: Optional[float] = Field(default=None, ge=0)
 
 
 class UnloadLoRAAdapterRequest(OpenAIModel):

@@ -14,10 +14,11 @@ from tokenmill.lora_request import LoRARequest
 
 class OpenAIServingModels:
     def __init__(self, served_model_name: str, max_model_len: int, root: Optional[str] = None,
-                 check_lora: Optional[Callable[[LoRARequest], None]] = None) -> None:
+                 check_lora: Optional[Callable[[LoRARequest], None]] = None, aliases: tuple[str, ...] = ()) -> None:
         """check_lora: raises for an adapter the engine cannot serve (the frontend's check); None: the engine
-        serves no adapters."""
+        serves no adapters. aliases: other names of the model (vLLM's further --served-model-name values)."""
         self.served_model_name = served_model_name
+        self.aliases = aliases
         self.max_model_len = max_model_len
         self.root = root or served_model_name
         self.created = int(time.time())  # fixed, so repeated listings agree
@@ -25,27 +26,38 @@ class OpenAIServingModels:
         self.loras: dict[str, LoRARequest] = {}
         self._ids = itertools.count(1)
 
-    def card(self) -> ModelCard:
-        return ModelCard(id=self.served_model_name, created=self.created, root=self.root,
+    def card(self, name: Optional[str] = None) -> ModelCard:
+        return ModelCard(id=name or self.served_model_name, created=self.created, root=self.root,
                          max_model_len=self.max_model_len)
 
     def _lora_card(self, lora: LoRARequest) -> ModelCard:
         return ModelCard(id=lora.lora_name, created=self.created, root=lora.lora_path,
                          parent=self.served_model_name, max_model_len=self.max_model_len)
 
-    def list_models(self) -> ModelList:
-        return ModelList(data=[self.card(), *(self._lora_card(lora) for lora in self.loras.values())])
+    def cards(self) -> list[ModelCard]:
+        """The model under each of its names, then its adapters."""
+        return [*(self.card(name) for name in (self.served_model_name, *self.aliases)),
+                *(self._lora_card(lora) for lora in self.loras.values())]
 
-    def get_model(self, model_id: str) -> ModelCard:
+    def list_models(self) -> ModelList:
+        return ModelList(data=self.cards())
+
+    def find_card(self, model_id: str) -> Optional[ModelCard]:
         if model_id in self.loras:
             return self._lora_card(self.loras[model_id])
-        if model_id != self.served_model_name:
+        if model_id == self.served_model_name or model_id in self.aliases:
+            return self.card(model_id)
+        return None
+
+    def get_model(self, model_id: str) -> ModelCard:
+        card = self.find_card(model_id)
+        if card is None:
             raise ModelNotFoundError(f"The model `{model_id}` does not exist.", "model", "model_not_found")
-        return self.card()
+        return card
 
     def resolve(self, model: Optional[str]) -> Optional[LoRARequest]:
         """The adapter a request's `model` names (None: the base model); 404 for a name the server lacks."""
-        if model in (None, "", self.served_model_name):
+        if model in (None, "", self.served_model_name) or model in self.aliases:
             return None
         lora = self.loras.get(model)
         if lora is None:
@@ -59,7 +71,7 @@ class OpenAIServingModels:
         if not name or not path:
             raise InvalidRequestError("both lora_name and lora_path are required", "lora_name" if not name else
                                       "lora_path")
-        if name == self.served_model_name or name in self.loras:
+        if name == self.served_model_name or name in self.aliases or name in self.loras:
             raise InvalidRequestError(f"The lora adapter '{name}' has already been loaded.", "lora_name")
         lora = LoRARequest(name, next(self._ids), path)
         self.check_lora(lora)

@@ -34,10 +34,29 @@
 
   // ---- dashboard --------------------------------------------------------------------------
   let lastStats = null;
+  let pickedModel = "";  // the model the dashboard shows and the playground talks to ("" = the default)
+
+  // A server of several models: a picker of the loaded ones (stats.models lists every model it knows).
+  function renderModelPicker(stats) {
+    const picker = $("model-picker");
+    const loaded = (stats.models || []).filter((m) => m.state === "loaded").map((m) => m.name);
+    picker.hidden = loaded.length < 2;
+    $("model-name").hidden = !picker.hidden;
+    const current = Array.from(picker.options).map((o) => o.value);
+    if (current.join("\n") !== loaded.join("\n")) {
+      picker.replaceChildren(...loaded.map((name) => new Option(name, name)));
+    }
+    picker.value = stats.model;
+  }
+  $("model-picker").addEventListener("change", (event) => {
+    pickedModel = event.target.value;
+    poll(false);
+  });
 
   function render(stats) {
     lastStats = stats;
     $("model-name").textContent = stats.model || "";
+    renderModelPicker(stats);
     $("window-hint").textContent = "percentiles over the last " + Math.round(stats.window_s) + " s";
     $("stat-output-tps").textContent = fmtRate(stats.output_tokens_per_s);
     $("stat-prompt-tps").textContent = fmtRate(stats.prompt_tokens_per_s);
@@ -104,16 +123,21 @@
     $("health-text").textContent = text;
   }
 
-  async function poll() {
+  async function poll(again = true) {
     try {
-      const response = await fetch("/stats", { cache: "no-store" });
+      const query = pickedModel ? "?model=" + encodeURIComponent(pickedModel) : "";
+      const response = await fetch("/stats" + query, { cache: "no-store" });
+      if (response.status === 404 && pickedModel) {
+        pickedModel = "";  // the picked model was unloaded: back to the default one
+        throw new Error("model unloaded");
+      }
       if (!response.ok) throw new Error("HTTP " + response.status);
       render(await response.json());
       setHealth(true, "serving");
     } catch (err) {
       setHealth(false, "unreachable (" + err.message + ")");
     } finally {
-      setTimeout(poll, POLL_MS);
+      if (again) setTimeout(poll, POLL_MS);
     }
   }
 
