@@ -83,7 +83,8 @@ async def _phase(url: str, prompts: list[list[int]], concurrency: int, seconds: 
             answer = await http.post("/v1/completions", json={"model": "gemma", "prompt": "Hello", "max_tokens": 8})
             result["gemma_answer"] = answer.status_code
             started = time.monotonic()
-            unloaded = await http.post("/admin/models/unload", json={"model": "gemma"}, headers=ADMIN)
+            unloaded = await http.post("/admin/models/unload", json={"model": "gemma", "forget": False},
+                                       headers=ADMIN)
             result["unload_s"] = round(time.monotonic() - started, 2)
             result["unload_status"] = unloaded.status_code
         await asyncio.gather(*clients)
@@ -136,7 +137,9 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.5)
         # A first load of Gemma 3 outside the timed phases converts and caches its tokenizer.
         httpx.post(url + "/admin/models/load", json={"model": "gemma"}, headers=ADMIN, timeout=600)
-        httpx.post(url + "/admin/models/unload", json={"model": "gemma"}, headers=ADMIN, timeout=600)
+        httpx.post(url + "/admin/models/unload", json={"model": "gemma", "forget": False}, headers=ADMIN,
+                   timeout=600)
+        asyncio.run(_phase(url, prompts, args.concurrency, 20.0, args.max_tokens, False, gemma))  # SmolLM2 warm
         for _ in range(args.rounds):
             for swap in (False, True):
                 result = asyncio.run(_phase(url, prompts, args.concurrency, args.seconds, args.max_tokens, swap,

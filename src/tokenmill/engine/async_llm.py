@@ -28,6 +28,7 @@ import msgspec
 from tokenmill.config import EngineConfig
 from tokenmill.core.kv_tier import TierView
 from tokenmill.engine.core_client import MPClient
+from tokenmill.engine.core_proc import LOAD_QUIETLY_ENV
 from tokenmill.engine.dp_router import DataParallelRouter
 from tokenmill.engine.frontend import Frontend, rejection, scheduler_snapshot
 from tokenmill.engine.input_processor import ProcessedPrompt
@@ -51,10 +52,11 @@ class AsyncLLM:
 
     def __init__(self, config: EngineConfig, log_level: str = "INFO", *, request_timeout: Optional[float] = None,
                  stall_timeout: Optional[float] = None, api_server_count: int = 1,
-                 clients: Optional[list[MPClient]] = None) -> None:
+                 clients: Optional[list[MPClient]] = None, load_quietly: bool = False) -> None:
         """api_server_count: API servers (this one and api_server_count - 1 started by the caller with
         `ready_for_api_servers` and the core client's frontend_addresses) that share one engine core.
-        clients: an API server i > 0's AttachedClient, instead of starting cores."""
+        clients: an API server i > 0's AttachedClient, instead of starting cores. load_quietly: the cores load
+        at the lowest CPU priority (other models serve meanwhile; core_proc._load_quietly)."""
         self.config = config
         self.request_timeout = request_timeout
         self.stall_timeout = stall_timeout
@@ -63,7 +65,8 @@ class AsyncLLM:
                                       "--data-parallel-size > 1", "api_server_count")
         # The core loads the model in its process (a bad model path fails there, as a ModelLoadError
         # here); the tokenizer and the model's values come with its ready message (core 0's).
-        self.clients = clients if clients is not None else _start_cores(config, log_level, api_server_count)
+        self.clients = clients if clients is not None else _start_cores(config, log_level, api_server_count,
+                                                                         load_quietly)
         # The ready message with the tokenizer's files, for the other API servers (dropped once they start).
         self.ready_for_api_servers = self.clients[0].ready if api_server_count > 1 else None
         try:
@@ -423,14 +426,18 @@ def _core_environment(config: EngineConfig, index: int) -> Optional[dict[str, st
     return {**os.environ, "CUDA_VISIBLE_DEVICES": ",".join(devices[index * per_core:(index + 1) * per_core])}
 
 
-def _start_cores(config: EngineConfig, log_level: str, api_server_count: int = 1) -> list[MPClient]:
+def _start_cores(config: EngineConfig, log_level: str, api_server_count: int = 1,
+                 load_quietly: bool = False) -> list[MPClient]:
     """Start every engine core (they load their models at the same time), then wait for each."""
     size = config.data_parallel_size
     clients: list[MPClient] = []
     try:
         for index in range(size):
             core_config = config.for_data_parallel_core(index, os.cpu_count() or 1) if size > 1 else config
-            clients.append(MPClient(core_config, log_level, wait=False, env=_core_environment(config, index),
+            env = _core_environment(config, index)
+            if load_quietly:
+                env = {**(env or os.environ), LOAD_QUIETLY_ENV: "1"}
+            clients.append(MPClient(core_config, log_level, wait=False, env=env,
                                     api_server_count=api_server_count))
         for client in clients:
             client.wait_until_ready()

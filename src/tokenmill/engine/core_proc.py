@@ -21,7 +21,7 @@ from collections.abc import Sequence
 import msgspec
 import zmq
 
-from tokenmill.child_process import lower_priority, start_child_process
+from tokenmill.child_process import lower_priority, may_raise_priority, set_niceness, start_child_process
 from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFailure, EngineCoreFork, EngineCoreOutputs,
                                        EngineCoreRequest, EngineCoreShutdown, decode_input, encode)
 from tokenmill.runner.host_memory import freeze_startup_heap
@@ -29,6 +29,8 @@ from tokenmill.runner.host_memory import freeze_startup_heap
 logger = logging.getLogger("tokenmill")
 
 IDLE_POLL_MS = 1000
+# Set in an engine core's environment when it loads beside models that serve (see _load_quietly).
+LOAD_QUIETLY_ENV = "TOKENMILL_LOAD_QUIETLY"
 
 
 def run_engine_core(config, input_address: str, output_address: str, log_level: str = "INFO",
@@ -46,7 +48,10 @@ def run_engine_core(config, input_address: str, output_address: str, log_level: 
 
         try:
             _lower_priority(config)
+            serving_niceness = _load_quietly(config)
             core = EngineCore(config)
+            if serving_niceness is not None:
+                logger.info("loaded; engine core niceness back to %d", set_niceness(serving_niceness))
         except BaseException as exc:
             outputs.send(EngineCoreFailure(getattr(exc, "message", None) or str(exc), type(exc).__name__))
             code = 1
@@ -84,6 +89,21 @@ def _lower_priority(config) -> None:
         increment = default_engine_core_nice(resolve_device(config.device).type)
     if increment:
         logger.info("engine core niceness %d", lower_priority(increment))
+
+
+def _load_quietly(config) -> "int | None":
+    """A model loaded while others serve (LOAD_QUIETLY_ENV set by the server): the load runs at the lowest CPU
+    priority (SCHED_IDLE: only on cycles the serving models leave), when the process may come back to its
+    niceness afterwards (CAP_SYS_NICE, or RLIMIT_NICE). Returns that niceness, or None when the load runs at
+    it."""
+    if not os.environ.get(LOAD_QUIETLY_ENV) or config.tensor_parallel_size > 1:
+        return None  # tensor-parallel workers started meanwhile would keep the lowest priority
+    serving = os.getpriority(os.PRIO_PROCESS, 0)
+    if serving >= 19 or not may_raise_priority(serving):
+        return None
+    logger.info("loading at the lowest CPU priority (SCHED_IDLE, niceness 19) while the server's other models serve")
+    set_niceness(19, idle=True)
+    return serving
 
 
 class FrontendOutputs:

@@ -84,7 +84,7 @@ def add_option_args(parser: argparse.ArgumentParser, options_class: type, title:
         kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": f.metadata["help"]}
         base = _base_type(types[f.name])
         if f.name in repeatable:
-            kwargs["action"] = "append"
+            kwargs.update(action="append", help=kwargs["help"] + " (repeatable)")
         elif f.metadata.get("repeat"):
             kwargs["action"] = "append"
             if f.metadata["repeat"] == "many":

@@ -12,6 +12,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from model_factory import build_peft_adapter, build_tiny_llama, hf_greedy, hf_with_adapter
+from tokenmill.child_process import may_raise_priority
 
 PROMPT = list(range(300, 340))
 ADMIN = {"Authorization": "Bearer tm-admin"}
@@ -92,6 +93,9 @@ def test_two_models_answer_by_name_and_load_and_unload_at_run_time(start_server,
                       headers={"Authorization": "Bearer wrong"}).status_code == 401
     loaded = httpx.post(server.url + "/admin/models/load", json={"model": "gamma"}, headers=ADMIN, timeout=120)
     assert loaded.status_code == 200 and loaded.json()["memory_bytes"] > 0
+    if may_raise_priority(10):  # a load beside serving models runs at the lowest priority, then serves at 10
+        log = server.log_text()
+        assert "loading at the lowest CPU priority" in log and "loaded; engine core niceness back to 10" in log
     assert text_of(complete(server, "gamma")) == alpha_text
     added = httpx.post(server.url + "/admin/models/load", headers=ADMIN, timeout=120,
                        json={"model": str(other_dir), "served_model_name": "delta", "max_num_seqs": 4})
@@ -168,6 +172,13 @@ def test_memory_budget_unloads_the_least_recently_used_idle_model_and_loads_on_d
     listing = httpx.get(server.url + "/admin/models", headers=ADMIN).json()
     assert [(m["name"], m["state"]) for m in listing["models"]] == [("alpha", "loaded"), ("beta", "unloaded")]
     assert listing["memory"]["loads"] == 3 and listing["memory"]["unloads"] == 2
+    assert listing["models"][0]["memory_bytes"] <= listing["memory"]["budget_bytes"]
+
+    # An admin unload that keeps the model known: the next request for it loads it again.
+    kept = httpx.post(server.url + "/admin/models/unload", json={"model": "alpha", "forget": False}, headers=ADMIN,
+                      timeout=60)
+    assert kept.status_code == 200
+    assert text_of(complete(server, "alpha")) == alpha_text
 
     # A model that alone exceeds the budget is refused, naming it.
     too_big = httpx.post(server.url + "/admin/models/load", headers=ADMIN, timeout=60,

@@ -37,6 +37,7 @@ from tokenmill.entrypoints.openai.cli_args import (
     ServerConfig,
     add_serve_args,
     configure_logging,
+    resolve_admin_key,
     resolve_rate_limiter,
     server_config_from_args,
 )
@@ -108,8 +109,9 @@ def build_app(engine: "AsyncLLM | ModelPool", server: Optional[ServerConfig] = N
     install_exception_handlers(app)
     _add_openai_routes(app, pool)
     _add_server_routes(app, pool, lifecycle)
-    if server.admin_key and pool.spec_reader is not None:
-        _add_admin_routes(app, pool, server.admin_key)
+    admin_key = resolve_admin_key(server)
+    if admin_key and pool.spec_reader is not None:
+        _add_admin_routes(app, pool, admin_key)
     if relay_path is None:
         _add_observability(app, pool)
     else:
@@ -234,10 +236,11 @@ def _add_admin_routes(app: FastAPI, pool: ModelPool, admin_key: str) -> None:
 
     @app.post("/admin/models/unload", responses=_ERRORS)
     async def unload_model(request: Request, body: AdminUnloadModelRequest) -> JSONResponse:
-        """Drains the model (new requests for it: 503 with Retry-After) and stops it; then requests for it get 404."""
+        """Drains the model (new requests for it: 503 with Retry-After) and stops it; then requests for it get 404
+        (`model_not_found`, or `model_not_loaded` with "forget": false)."""
         authorize(request)
         started = time.monotonic()
-        await pool.unload(pool.name_of(body.model), timeout_s=body.timeout)
+        await pool.unload(pool.name_of(body.model), forget=body.forget, timeout_s=body.timeout)
         return JSONResponse({"model": body.model, "unloaded": True,
                              "unload_seconds": round(time.monotonic() - started, 3)})
 
@@ -463,10 +466,11 @@ async def _serve(server: ServerConfig, specs: list, reader: SpecReader, log_leve
 
     count = server.api_server_count
 
-    def start_engine(config) -> AsyncLLM:
+    def start_engine(config, load_quietly: bool) -> AsyncLLM:
         # The engine core starts in its own process; this returns once it has loaded the model.
         return AsyncLLM.from_config(config, log_level, request_timeout=server.request_timeout,
-                                    stall_timeout=server.engine_stall_timeout, api_server_count=count)
+                                    stall_timeout=server.engine_stall_timeout, api_server_count=count,
+                                    load_quietly=load_quietly)
 
     pool = ModelPool(server, specs, start_engine, spec_reader=reader)
     try:

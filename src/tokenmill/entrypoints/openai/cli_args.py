@@ -20,6 +20,7 @@ from tokenmill.entrypoints.openai.rate_limit import KeyPolicy, RateLimiter, load
 from tokenmill.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
+ADMIN_KEY_ENV = "TOKENMILL_ADMIN_KEY"
 DEFAULT_MAX_BODY_BYTES = 16 * 1024 * 1024
 DEFAULT_STALL_TIMEOUT_S = 60.0
 
@@ -94,8 +95,8 @@ class ServerConfig:
         "load only on demand, lora_modules, any engine flag by its field name); the command line's engine flags "
         "are every model's defaults", metavar="PATH")
     admin_key: Optional[str] = option(
-        None, "enable /admin/models (load, unload, list models at run time) for 'Authorization: Bearer KEY'; "
-        "without it those routes do not exist", metavar="KEY")
+        None, f"enable /admin/models (load, unload, list models at run time) for 'Authorization: Bearer KEY' "
+        f"(default: ${ADMIN_KEY_ENV}); without a key those routes do not exist", metavar="KEY")
     models_memory_budget: Optional[int] = option(
         None, "memory the loaded models may hold together (e.g. 8GiB); a load that does not fit first unloads "
         "the least recently used idle models", convert=parse_memory_size, metavar="SIZE")
@@ -146,6 +147,11 @@ def resolve_api_keys(server: ServerConfig) -> list[str]:
     if not keys and os.environ.get(API_KEY_ENV):
         keys = [os.environ[API_KEY_ENV]]
     return keys
+
+
+def resolve_admin_key(server: ServerConfig) -> Optional[str]:
+    """--admin-key, else $TOKENMILL_ADMIN_KEY, else none (no admin routes)."""
+    return server.admin_key or os.environ.get(ADMIN_KEY_ENV) or None
 
 
 def resolve_rate_limiter(server: ServerConfig) -> RateLimiter:

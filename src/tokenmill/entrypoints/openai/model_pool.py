@@ -109,10 +109,11 @@ def estimated_bytes(spec: ModelSpec) -> int:
 
 
 class ModelPool:
-    """start_engine(config) -> AsyncLLM: starts a model's engine cores (blocking; run in a worker thread).
+    """start_engine(config, load_quietly) -> AsyncLLM: starts a model's engine cores (blocking; run in a worker
+    thread; load_quietly: at the lowest CPU priority, while other models serve).
     spec_reader: reads an admin load request's options (None: models cannot be added at run time)."""
 
-    def __init__(self, server: ServerConfig, specs: list[ModelSpec], start_engine: Callable[[Any], "AsyncLLM"],
+    def __init__(self, server: ServerConfig, specs: list[ModelSpec], start_engine: Callable[[Any, bool], "AsyncLLM"],
                  spec_reader: Optional[SpecReader] = None) -> None:
         self.server = server
         self.start_engine = start_engine
@@ -134,7 +135,7 @@ class ModelPool:
     def of_engine(cls, server: ServerConfig, engine: "AsyncLLM") -> "ModelPool":
         """A pool of one engine already started (an API server of --api-server-count, a Ray Serve replica)."""
         spec = with_lora_modules([ModelSpec(engine.served_model_name, engine.config)], server.lora_modules)[0]
-        pool = cls(server, [spec], lambda config: engine)
+        pool = cls(server, [spec], lambda config, quietly: engine)
         pool.loaded[spec.name] = pool._attach(spec, engine, 0.0)
         pool.num_responses = engine.num_responses  # an API server i > 0 forwards these to server 0
         return pool
@@ -264,8 +265,9 @@ class ModelPool:
             await self._make_room(spec, self._measured.get(spec.name) or estimated_bytes(spec))
             started = time.monotonic()
             logger.info("loading model %s", spec.name)
-            engine = self.start_engine(spec.config) if blocking else \
-                await asyncio.to_thread(self.start_engine, spec.config)
+            # At start-up nothing else serves; later the new cores load at the lowest CPU priority.
+            engine = self.start_engine(spec.config, False) if blocking else \
+                await asyncio.to_thread(self.start_engine, spec.config, bool(self.loaded))
             try:
                 served = self._attach(spec, engine, time.monotonic() - started)
             except BaseException:  # e.g. a bad adapter in its lora_modules: the engine must not outlive it

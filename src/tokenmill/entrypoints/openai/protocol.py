@@ -540,10 +540,13 @@ class LoadLoRAAdapterRequest(OpenAIModel):
 
 class AdminUnloadModelRequest(OpenAIModel):
     """POST /admin/models/unload: the model to drain and stop; timeout: seconds its requests in flight may
-    take (default: --shutdown-timeout), after which they end with 503."""
+    take (default: --shutdown-timeout), after which they end with 503; forget: false keeps the model known
+    (a load by its name, or a request with --load-on-demand, brings it back), else requests for it are
+    404s."""
 
     model: str
     timeout: Optional[float] = Field(default=None, ge=0)
+    forget: bool = True
 
 
 class UnloadLoRAAdapterRequest(OpenAIModel):
