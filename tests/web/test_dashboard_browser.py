@@ -8,6 +8,7 @@ The WebDriver client is the few HTTP calls below (httpx), so no Python browser p
 """
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import tempfile
@@ -214,3 +215,44 @@ def test_playground_chat_and_live_dashboard(live_server, browser):
     # The refused request is the only thing the console may complain about.
     errors = [e for e in browser.console_errors() if "status of 401" not in e.get("message", "")]
     assert errors == [], errors
+
+
+@pytest.fixture
+def two_model_server(tiny_llama_dir, tmp_path):
+    models = tmp_path / "models.json"
+    models.write_text(json.dumps({"models": [
+        {"model": str(tiny_llama_dir), "served_model_name": "tiny-first"},
+        {"model": str(tiny_llama_dir), "served_model_name": "tiny-second"},
+    ]}))
+    server = ServerProcess(["--models-config", str(models), "--max-model-len", "512", "--num-kv-blocks", "64",
+                            "--disable-access-log", "--disable-log-stats"], tmp_path)
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+@pytest.mark.slow
+def test_a_server_of_several_models_lets_the_page_pick_one(two_model_server, browser):
+    url = two_model_server.url
+    browser.get(url + "/")
+    browser.wait_for("return document.getElementById('model-picker').options.length === 2", 15,
+                     "the model picker never listed both models")
+    assert browser.script("return document.getElementById('model-picker').hidden") is False
+    assert browser.script("return document.getElementById('model-picker').value") == "tiny-first"
+
+    # Picking the second model switches the dashboard to it, and the playground talks to it.
+    browser.script("const p = document.getElementById('model-picker'); p.value = 'tiny-second';"
+                   "p.dispatchEvent(new Event('change'));")
+    browser.type("#max-tokens", "8", clear=True)
+    browser.type("#chat-input", "Hello there!" + ENTER)
+    browser.wait_for(_REPLY_DONE, 60, "the reply never finished streaming", 1)
+    assert not browser.script("return document.querySelector('.msg.assistant').classList.contains('error')")
+    browser.wait_for("return document.getElementById('stat-finished').textContent === '1'", 10,
+                     "the dashboard never counted the request on the picked model")
+    assert browser.script("return document.getElementById('model-picker').value") == "tiny-second"
+    finished = {name: httpx.get(url + "/stats", params={"model": name}, timeout=10).json()["num_finished_requests"]
+                for name in ("tiny-first", "tiny-second")}
+    assert finished == {"tiny-first": 0, "tiny-second": 1}
+    browser.screenshot(ARTIFACTS / "03-two-models.png")
+    assert browser.console_errors() == []
