@@ -18,24 +18,32 @@ class DecodeStepBothWays:
     layered_hidden: torch.Tensor
     fused_caches: list[torch.Tensor]  # the KV caches after each path ran the step from the same state
     layered_caches: list[torch.Tensor]
+    args: tuple = ()  # the captured step's forward arguments (to run it once more)
+    kwargs: dict = None
 
 
-def decode_step_both_ways(llm: LLM, prompt_ids: list[list[int]], max_tokens: int) -> DecodeStepBothWays:
+def decode_step_both_ways(llm: LLM, prompt_ids: list[list[int]], max_tokens: int,
+                          lora_request=None) -> DecodeStepBothWays:
     """Generates greedily (counting the fused stack's calls), takes the last step whose batch holds one row per
-    prompt, and runs it again from the same caches through the fused stack and through the layers."""
+    prompt, and runs it again from the same caches through the fused stack and through the layers.
+    lora_request: as LLM.generate takes it (the step's adapters stay set in the model's LoRA state)."""
     model = llm.llm_engine.core.core.runner.model
     captured = []
     original = model.forward
 
     def capture(*args, **kwargs):
-        captured.append((args, kwargs))
+        state = model.lora_state
+        captured.append((args, kwargs, None if state is None or state.token_slots is None else state.token_slots))
         return original(*args, **kwargs)
 
     with mock.patch.object(model, "forward", capture), \
             mock.patch.object(model, "_forward_int8_decode", wraps=model._forward_int8_decode) as fused:
         llm.generate([{"prompt_token_ids": ids} for ids in prompt_ids],
-                     SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
-    args, kwargs = next((a, k) for a, k in reversed(captured) if a[0].numel() == len(prompt_ids))
+                     SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False,
+                     lora_request=lora_request)
+    args, kwargs, lora_slots = next(c for c in reversed(captured) if c[0][0].numel() == len(prompt_ids))
+    if lora_slots is not None:  # that step's adapters, as the runner had set them
+        model.lora_state.token_slots = lora_slots
     caches = args[2]
     before = [cache.clone() for cache in caches]
     with torch.inference_mode():
@@ -50,4 +58,4 @@ def decode_step_both_ways(llm: LLM, prompt_ids: list[list[int]], max_tokens: int
             model._int8_decode = saved_path
     metas = args[3] if isinstance(args[3], list) else [args[3]]
     return DecodeStepBothWays(fused.call_count, metas, fused_hidden, layered_hidden, fused_caches,
-                              [cache.clone() for cache in caches])
+                              [cache.clone() for cache in caches], args, kwargs)

@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 
+from fused_decode import decode_step_both_ways
 from model_factory import build_peft_adapter, hf_greedy, hf_with_adapter
 from tokenmill import LLM, LoRARequest, SamplingParams
 from tokenmill.errors import InvalidRequestError
@@ -129,9 +130,33 @@ def test_an_adapter_on_the_embedded_gguf_matches_peft(smollm2_path, smollm2_hf, 
     runner = llm.llm_engine.core.core.runner
     assert runner.num_gguf_layers_kept > 0
     lora = LoRARequest("smol", 1, str(tmp_path / "smollm2-lora"))
+    fused = runner.model._forward_int8_decode
+    fused_with_adapter = []
+    runner.model._forward_int8_decode = lambda *args: fused_with_adapter.append(
+        runner.model.lora_state.token_slots is not None) or fused(*args)
     got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                        use_tqdm=False, lora_request=lora)[0]
     assert got.outputs[0].token_ids == want
+    assert fused_with_adapter.count(True) == 11  # every decode step ran the fused stack with the adapter's deltas
+
+
+def test_the_fused_decode_stack_adds_each_rows_adapter_as_the_layers_do(kernels, tiny_llama_dir, adapters,
+                                                                          smollm2_tokenizer):
+    """A decode step mixing two adapters and the base model through the one-call C++ decoder stack: the same
+    hidden states and KV writes as the layer-by-layer modules (the same lora_add after each projection)."""
+    llm = engine(tiny_llama_dir, quantization="q8_0", max_loras=2, dtype="float32", block_matmul="float32")
+    model = llm.llm_engine.core.core.runner.model
+    assert model._int8_decode is not None
+    step = decode_step_both_ways(llm, PROMPTS, max_tokens=6, lora_request=[adapters[0], None, adapters[2]])
+    slots = model.lora_state.token_slots.tolist()
+    assert step.fused_calls >= 5 and -1 in slots and len(set(slots)) == 3  # the base model's row and two adapters
+    assert torch.equal(step.fused_hidden, step.layered_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(step.fused_caches, step.layered_caches))
+    # The deltas are there: the same step without adapters differs.
+    model.lora_state.clear()
+    with torch.inference_mode():
+        plain = model(*step.args, **step.kwargs)
+    assert not torch.equal(plain, step.fused_hidden)
 
 
 def test_bad_adapters_are_clear_errors(tiny_llama_dir, adapters, tmp_path):

@@ -85,7 +85,8 @@ class DecoderForCausalLM(nn.Module):
         rows = input_ids.numel()
         if (self._int8_decode is not None and metas[0].num_decodes == rows <= BLOCK_KERNEL_MAX_ROWS
                 and metas[0].decode_block_tables is not None and self._fused_decode_fits(kv_caches)
-                and (self.lora_state is None or not self.lora_state.active)):  # the stack has no LoRA
+                and (self.lora_state is None or not self.lora_state.active
+                     or self.lora_state.token_slots is not None)):  # adapters: the stack runs lora_add too
             return self._forward_int8_decode(input_ids, positions, kv_caches, metas)
         x, residual = self.embed(input_ids), None
         for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas):
@@ -169,7 +170,18 @@ class DecoderForCausalLM(nn.Module):
             [layer.rotary.cos for layer in layers], [layer.rotary.sin for layer in layers],
             [layer.window or 0 for layer in layers], self.norm.weight, attn.num_heads, attn.num_kv_heads,
             attn.head_dim, self.norm.eps, attn.scale, attn.softcap or 0.0, self.spec.activation != "silu",
-            getattr(kernels, "int8_activations", False))
+            getattr(kernels, "int8_activations", False), *self._stack_lora())
+
+    def _stack_lora(self) -> tuple[list[torch.Tensor], list[list[int]], torch.Tensor, int]:
+        """The fused stack's LoRA arguments: every layer's (A, Bᵀ) of qkv, o, gate_up and down with their part
+        offsets, each row's slot and the rank, when the step has adapter rows (else empty)."""
+        state = self.lora_state
+        if state is None or state.token_slots is None:
+            return [], [], torch.empty(0, dtype=torch.long), 0
+        projections = [projection for layer in self.layers for projection in
+                       (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)]
+        weights = [tensor for projection in projections for tensor in (projection.lora_a, projection.lora_bt)]
+        return weights, [projection.offsets for projection in projections], state.token_slots, projections[0].max_rank
 
     # ---- runner hooks for linear layers ----------------------------------------------------
     def convert_linear_layers(self, make: LinearFactory) -> None:

@@ -13,9 +13,29 @@
 // and context lengths, its rotary table (cos[l], sin[l]) and sliding window (0: none); a windowed layer whose decode table reaches past its window attends through the prefill
 // kernel, each row a one-token chunk (decode_ranges), as the Python backend does. gelu: GELU-tanh instead of
 // SiLU. int8_activations: every projection through block_linear_q8 (--block-matmul int8) instead of
-// block_linear. Returns the final norm of the residual stream, [rows, hidden].
+// block_linear. LoRA (--enable-lora, a step with adapter rows): lora_weights holds kLoRAParams tensors per layer,
+// (A, Bᵀ) of qkv, o, gate_up and down as LoRALinear keeps them, lora_offsets each one's part offsets, lora_slots
+// each row's slot (-1: the base model); each delta is added by lora_add right after its projection, as the
+// Python layers add it. Empty lora_weights: no adapters. Returns the final norm of the residual stream,
+// [rows, hidden].
 namespace {
 constexpr size_t kDecoderLayerParams = 22;
+constexpr size_t kLoRAProjections = 4;  // qkv, o, gate_up, down
+constexpr size_t kLoRAParams = 2 * kLoRAProjections;
+
+// The projection's LoRA deltas added to y (its output for input x), when the step carries adapters.
+struct StackLoRA {
+  const std::vector<torch::Tensor>* weights;
+  const std::vector<std::vector<int64_t>>* offsets;
+  torch::Tensor slots;
+  int64_t rank;
+
+  void add(torch::Tensor& y, const torch::Tensor& x, size_t layer, size_t projection) const {
+    if (weights->empty()) return;
+    const size_t index = layer * kLoRAProjections + projection;
+    lora_add(y, x, slots, (*weights)[2 * index], (*weights)[2 * index + 1], (*offsets)[index], rank);
+  }
+};
 
 c10::optional<torch::Tensor> optional_tensor(const torch::Tensor& t) {
   return t.defined() && t.numel() > 0 ? c10::optional<torch::Tensor>(t) : c10::nullopt;
@@ -82,7 +102,9 @@ torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions,
                                   std::vector<torch::Tensor> cos, std::vector<torch::Tensor> sin,
                                   std::vector<int64_t> windows, torch::Tensor final_norm, int64_t num_heads,
                                   int64_t num_kv_heads, int64_t head_dim, double eps, double scale, double softcap,
-                                  bool gelu, bool int8_activations) {
+                                  bool gelu, bool int8_activations, std::vector<torch::Tensor> lora_weights,
+                                  std::vector<std::vector<int64_t>> lora_offsets, torch::Tensor lora_slots,
+                                  int64_t lora_rank) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == torch::kFloat,
               "hidden: contiguous float32 [rows, hidden]");
   const size_t layers = kv_caches.size();
@@ -90,6 +112,11 @@ torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions,
   TORCH_CHECK(cos.size() == layers && sin.size() == layers && windows.size() == layers &&
               slot_mappings.size() == layers && block_tables.size() == layers && context_lens.size() == layers,
               "one rotary table, window, slot mapping, block table and context lengths per layer");
+  TORCH_CHECK(lora_weights.empty() || (lora_weights.size() == layers * kLoRAParams &&
+                                       lora_offsets.size() == layers * kLoRAProjections &&
+                                       lora_slots.numel() == hidden.size(0)),
+              "LoRA: (A, Bt) of 4 projections per layer, their offsets, and one slot per row");
+  const StackLoRA lora{&lora_weights, &lora_offsets, lora_slots, lora_rank};
   const int64_t rows = hidden.size(0);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, hidden_size = hidden.size(1);
   const torch::Tensor none = torch::empty({0}, hidden.options());
@@ -113,6 +140,7 @@ torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions,
       h = rms_norm(x, residual, w[0], eps);  // residual += x, in place
     }
     torch::Tensor qkv = stack_linear(h, w + 1, q_size + 2 * kv_size, int8_activations);
+    lora.add(qkv, h, l, 0);
     if (present(w[18])) {  // q/k norms: one contiguous row of q, k, v again for the in-place rotary
       qkv = torch::cat({norm_heads(qkv, 0, num_heads, head_dim, w[18], eps),
                         norm_heads(qkv, q_size, num_kv_heads, head_dim, w[19], eps),
@@ -129,7 +157,9 @@ torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions,
     } else {
       attn = paged_decode_attention(query, cache, block_tables[l], context_lens[l], scale, softcap);
     }
-    h = stack_linear(attn.view({rows, q_size}), w + 5, hidden_size, int8_activations);
+    torch::Tensor attn_rows = attn.view({rows, q_size});
+    h = stack_linear(attn_rows, w + 5, hidden_size, int8_activations);
+    lora.add(h, attn_rows, l, 1);
     const bool sandwich = present(w[20]);
     if (sandwich) {
       h = rms_norm(h, none, w[9], eps);
@@ -139,8 +169,10 @@ torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions,
     }
     const int64_t intermediate_size = w[14].size(1) * kQ8Block;  // down's inputs ([panels, K / 32, 32, 16 or 8])
     torch::Tensor gate_up = stack_linear(h, w + 10, 2 * intermediate_size, int8_activations);
+    lora.add(gate_up, h, l, 2);
     h = gelu ? gelu_tanh_and_mul(gate_up) : silu_and_mul(gate_up);
     x = stack_linear(h, w + 14, hidden_size, int8_activations);
+    lora.add(x, h, l, 3);
     if (sandwich) x = rms_norm(x, none, w[21], eps);
   }
   return rms_norm(x, residual, final_norm, eps);

@@ -42,4 +42,6 @@ torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions,
                                   std::vector<torch::Tensor> layer_params, std::vector<torch::Tensor> cos,
                                   std::vector<torch::Tensor> sin, std::vector<int64_t> windows, torch::Tensor final_norm,
                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                                  double softcap, bool gelu, bool int8_activations);
+                                  double softcap, bool gelu, bool int8_activations,
+                                  std::vector<torch::Tensor> lora_weights, std::vector<std::vector<int64_t>> lora_offsets,
+                                  torch::Tensor lora_slots, int64_t lora_rank);
