@@ -115,5 +115,11 @@ def options_from_args(options_class: type[Options], args: argparse.Namespace) ->
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
-    """The EngineConfig of parsed flags."""
+    """The EngineConfig of parsed flags (of one model: `tokenmill serve`'s repeated --model reads through
+    entrypoints/openai/model_specs.py)."""
+    model = getattr(args, "model", None)
+    if isinstance(model, list):
+        if len(model) > 1:
+            raise InvalidRequestError("several --model flags describe several engines, not one", "model")
+        args = argparse.Namespace(**{**vars(args), "model": model[0]})
     return options_from_args(EngineConfig, args)

@@ -116,3 +116,11 @@ def test_metrics_of_several_models_render_as_one_exposition_with_each_family_onc
     assert {s.labels["model_name"]: s.value for s in running.samples} == {"alpha": 0.0, "beta": 3.0}
     assert 'http_requests_total{handler="/v1/completions",method="POST",status="2xx"} 2.0' in text
     assert [line.split()[0] for line in text.splitlines()].count("process_resident_memory_bytes") == 1
+
+
+def test_one_model_of_serve_reads_as_one_engine_config_and_several_do_not():
+    from tokenmill.entrypoints.engine_args import engine_config_from_args
+
+    assert engine_config_from_args(serve_args("--model", "/m/a.gguf")).model == "/m/a.gguf"
+    with pytest.raises(InvalidRequestError, match="several --model flags"):
+        engine_config_from_args(serve_args("--model", "/m/a", "--model", "/m/b"))
