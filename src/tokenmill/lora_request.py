@@ -99,6 +99,9 @@ def check_adapter(path: str, num_layers: int, max_rank: int,
         if model_shapes is not None:
             if module not in model_shapes:
                 raise _bad(path, f"targets {module}, which this model does not have as a separate projection")
+            if not model_shapes[module]:  # [] marks a mixture-of-experts MLP's projections (target_shapes)
+                raise _bad(path, f"targets {module}, inside this model's mixture-of-experts layers: adapters may "
+                                 "target its attention projections only")
             if [a[1], b[0]] != list(model_shapes[module]):
                 raise _bad(path, f"has layer {layer}'s {module} for {a[1]} inputs and {b[0]} outputs; this model's has "
                                  f"{model_shapes[module][0]} and {model_shapes[module][1]} (an adapter of another "

@@ -233,16 +233,15 @@ def test_adapters_on_other_families_match_hf_and_peft(tmp_path_factory, smollm2_
     assert got.outputs[0].token_ids == want
 
 
-def test_an_adapter_of_another_model_and_moe_models_are_refused(tiny_llama_dir, adapters, tmp_path_factory,
+def test_an_adapter_of_another_model_is_refused(tiny_llama_dir, adapters, tmp_path_factory,
                                                                  smollm2_tokenizer):
     """A projection of other dimensions (an adapter made for a wider model) and fused targets on a model whose
-    checkpoints name q/k/v apart are 400s before any step; mixture-of-experts models refuse --enable-lora."""
+    checkpoints name q/k/v apart are 400s before any step."""
     import shutil
 
     from safetensors.torch import load_file, save_file
 
     from model_factory import build_tiny_family
-    from tokenmill.errors import ModelLoadError
 
     foreign = tmp_path_factory.mktemp("lora-foreign")
     shutil.copy(f"{adapters[0].lora_path}/adapter_config.json", foreign)
@@ -258,6 +257,37 @@ def test_an_adapter_of_another_model_and_moe_models_are_refused(tiny_llama_dir, 
     with pytest.raises(InvalidRequestError, match="does not have as a separate projection"):
         llm.generate("hi", params(), lora_request=LoRARequest("fused", 2, str(fused)))
     assert llm.generate("hi", params())[0].outputs[0].token_ids  # the engine serves on
-    moe = build_tiny_family(tmp_path_factory.mktemp("lora-moe"), smollm2_tokenizer, "qwen3moe")
-    with pytest.raises(ModelLoadError, match="mixture-of-experts"):
-        engine(moe)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3moe"])
+def test_adapters_on_the_attention_of_moe_models_match_hf_and_peft(tmp_path_factory, smollm2_tokenizer, family):
+    """Mixture-of-experts models take adapters on their attention projections (the experts' MLP: a 400)."""
+    from model_factory import build_tiny_family
+
+    base = build_tiny_family(tmp_path_factory.mktemp(f"lora-{family}"), smollm2_tokenizer, family)
+    adapter = build_peft_adapter(tmp_path_factory.mktemp(f"lora-{family}-attn"), base, seed=23, rank=8,
+                                 targets=("q_proj", "k_proj", "v_proj", "o_proj"))
+    want = hf_greedy(hf_with_adapter(base, adapter), PROMPTS[0], MAX_TOKENS)
+    llm = engine(base, max_model_len=192)
+    lora = LoRARequest("attn", 1, str(adapter))
+    got = llm.generate([{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}], params(),
+                       use_tqdm=False, lora_request=[lora, None])
+    assert got[0].outputs[0].token_ids == want
+    assert got[0].outputs[0].token_ids != llm.generate([{"prompt_token_ids": PROMPTS[0]}], params(),
+                                                       use_tqdm=False)[0].outputs[0].token_ids
+    # PEFT cannot target transformers' fused experts, so the adapter of an MLP projection is written by hand.
+    from safetensors.torch import load_file, save_file
+
+    experts = tmp_path_factory.mktemp(f"lora-{family}-mlp")
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    config["target_modules"] = [*config["target_modules"], "gate_proj"]
+    (experts / "adapter_config.json").write_text(json.dumps(config))
+    tensors = load_file(str(adapter / "adapter_model.safetensors"))
+    hidden = json.loads((base / "config.json").read_text())["hidden_size"]
+    for layer in range(json.loads((base / "config.json").read_text())["num_hidden_layers"]):
+        prefix = f"base_model.model.model.layers.{layer}.mlp.gate_proj"
+        tensors[f"{prefix}.lora_A.weight"] = torch.randn(8, hidden)
+        tensors[f"{prefix}.lora_B.weight"] = torch.randn(32, 8)
+    save_file(tensors, str(experts / "adapter_model.safetensors"))
+    with pytest.raises(InvalidRequestError, match="inside this model's mixture-of-experts layers"):
+        llm.generate("hi", params(), lora_request=LoRARequest("experts", 2, str(experts)))

@@ -107,8 +107,10 @@ class EngineCore:
         self.model_info = FrontendModelInfo(served_model_name=source.served_model_name, vocab_size=self.vocab_size,
                                             eos_token_ids=eos_token_ids(source.tokenizer, hf_config),
                                             num_hidden_layers=hf_config.num_hidden_layers,
-                                            lora_shapes=target_shapes(hf_config,
-                                                                      not get_model_class(source.architecture)._FUSED))
+                                            lora_shapes=target_shapes(
+                                                hf_config, not get_model_class(source.architecture)._FUSED,
+                                                sparse_mlp=bool(getattr(hf_config, "num_local_experts", 0)
+                                                                or getattr(hf_config, "num_experts", 0))))
         # Device- and model-dependent defaults resolved once, into a new config (the caller's is never written
         # to), before anything is built from it.
         budget_was_given = config.max_num_batched_tokens is not None

@@ -15,7 +15,6 @@ import numpy as np
 import torch
 
 from tokenmill.core.sched_output import SchedulerOutput
-from tokenmill.errors import ModelLoadError
 from tokenmill.lora_request import LoRARequest
 from tokenmill.model.layers.lora import PROJECTIONS, LoRALinear, LoRAStepState, PeftAdapter, read_peft_adapter
 
@@ -36,15 +35,15 @@ def add_lora_projections(model: torch.nn.Module, num_slots: int, max_rank: int, 
     linears: dict[tuple[int, str], LoRALinear] = {}
     for index, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
-        if not hasattr(mlp, "gate_up_proj"):
-            raise ModelLoadError(f"--enable-lora: {type(model).__name__} has mixture-of-experts layers, which "
-                                 "tokenmill's LoRA does not cover yet")
         spec = model.spec
         shapes = {"self_attn.qkv_proj": (spec.hidden_size, [attn.q_size, attn.kv_size, attn.kv_size], "column"),
-                  "self_attn.o_proj": (attn.q_size, [spec.hidden_size], "row"),
-                  "mlp.gate_up_proj": (spec.hidden_size, [mlp.intermediate_size] * 2, "column"),
-                  "mlp.down_proj": (mlp.intermediate_size, [spec.hidden_size], "row")}
+                  "self_attn.o_proj": (attn.q_size, [spec.hidden_size], "row")}
+        if hasattr(mlp, "gate_up_proj"):  # a mixture-of-experts layer: adapters cover its attention only
+            shapes.update({"mlp.gate_up_proj": (spec.hidden_size, [mlp.intermediate_size] * 2, "column"),
+                           "mlp.down_proj": (mlp.intermediate_size, [spec.hidden_size], "row")})
         for name in PROJECTIONS:
+            if name not in shapes:
+                continue
             owner_name, attr = name.split(".")
             owner = getattr(layer, owner_name)
             in_features, parts, kind = shapes[name]

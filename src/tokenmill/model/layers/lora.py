@@ -224,9 +224,10 @@ class LoRALinear(nn.Module):
         return a.chunk(size, dim=1)[rank], b
 
 
-def target_shapes(config, fused_checkpoint: bool) -> dict[str, list[int]]:
+def target_shapes(config, fused_checkpoint: bool, sparse_mlp: bool = False) -> dict[str, list[int]]:
     """The [in, out] of each projection an adapter of this model may target, by its HF module name (a
-    checkpoint that fuses q/k/v and gate/up, as Phi-3's does, names them qkv_proj and gate_up_proj)."""
+    checkpoint that fuses q/k/v and gate/up, as Phi-3's does, names them qkv_proj and gate_up_proj).
+    sparse_mlp: a mixture-of-experts model, whose MLP projections are listed with [] (not adaptable)."""
     hidden, heads = config.hidden_size, config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
     q = heads * head_dim
@@ -238,4 +239,6 @@ def target_shapes(config, fused_checkpoint: bool) -> dict[str, list[int]]:
     else:
         shapes.update(q_proj=[hidden, q], k_proj=[hidden, kv], v_proj=[hidden, kv], gate_proj=[hidden, inter],
                       up_proj=[hidden, inter])
+    if sparse_mlp:
+        shapes.update({name: [] for name in ("gate_proj", "up_proj", "down_proj", "gate_up_proj")})
     return shapes
