@@ -1,13 +1,14 @@
-"""GET /v1/models and /v1/models/{id}: the model this server serves and, with --enable-lora, its LoRA
-adapters (vLLM's cards: an adapter's `root` is its path, its `parent` the base model); and vLLM's
-/v1/load_lora_adapter and /v1/unload_lora_adapter, which add and remove adapters at run time."""
+"""One model's names and LoRA adapters: its cards for GET /v1/models (vLLM's: an adapter's `root` is its path,
+its `parent` the base model; aliases as cards of their own), the adapter a request's `model` names, and the
+adapters vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter add and remove at run time. The server's
+ModelPool holds one per loaded model."""
 from __future__ import annotations
 
 import itertools
 import time
 from typing import Callable, Optional
 
-from tokenmill.entrypoints.openai.protocol import ModelCard, ModelList
+from tokenmill.entrypoints.openai.protocol import ModelCard
 from tokenmill.errors import InvalidRequestError, ModelNotFoundError
 from tokenmill.lora_request import LoRARequest
 
@@ -39,21 +40,12 @@ class OpenAIServingModels:
         return [*(self.card(name) for name in (self.served_model_name, *self.aliases)),
                 *(self._lora_card(lora) for lora in self.loras.values())]
 
-    def list_models(self) -> ModelList:
-        return ModelList(data=self.cards())
-
     def find_card(self, model_id: str) -> Optional[ModelCard]:
         if model_id in self.loras:
             return self._lora_card(self.loras[model_id])
         if model_id == self.served_model_name or model_id in self.aliases:
             return self.card(model_id)
         return None
-
-    def get_model(self, model_id: str) -> ModelCard:
-        card = self.find_card(model_id)
-        if card is None:
-            raise ModelNotFoundError(f"The model `{model_id}` does not exist.", "model", "model_not_found")
-        return card
 
     def resolve(self, model: Optional[str]) -> Optional[LoRARequest]:
         """The adapter a request's `model` names (None: the base model); 404 for a name the server lacks."""
