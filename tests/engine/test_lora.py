@@ -140,13 +140,17 @@ def test_an_adapter_on_the_embedded_gguf_matches_peft(smollm2_path, smollm2_hf, 
     assert fused_with_adapter.count(True) == 11  # every decode step ran the fused stack with the adapter's deltas
 
 
+@pytest.mark.parametrize("block_matmul, weights", [("float32", torch.float32), ("int8", torch.bfloat16)])
 def test_the_fused_decode_stack_adds_each_rows_adapter_as_the_layers_do(kernels, tiny_llama_dir, adapters,
-                                                                          smollm2_tokenizer):
+                                                                          smollm2_tokenizer, block_matmul, weights):
     """A decode step mixing two adapters and the base model through the one-call C++ decoder stack: the same
-    hidden states and KV writes as the layer-by-layer modules (the same lora_add after each projection)."""
-    llm = engine(tiny_llama_dir, quantization="q8_0", max_loras=2, dtype="float32", block_matmul="float32")
+    hidden states and KV writes as the layer-by-layer modules (the same lora_add after each projection). Where
+    the projections round activations to int8, the adapters' weights are kept in bfloat16."""
+    llm = engine(tiny_llama_dir, quantization="q8_0", max_loras=2, dtype="float32", block_matmul=block_matmul,
+                 numerics="auto", kv_cache_dtype="float32")
     model = llm.llm_engine.core.core.runner.model
     assert model._int8_decode is not None
+    assert model.layers[0].self_attn.qkv_proj.lora_a.dtype == weights
     step = decode_step_both_ways(llm, PROMPTS, max_tokens=6, lora_request=[adapters[0], None, adapters[2]])
     slots = model.lora_state.token_slots.tolist()
     assert step.fused_calls >= 5 and -1 in slots and len(set(slots)) == 3  # the base model's row and two adapters

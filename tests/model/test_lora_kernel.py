@@ -20,17 +20,20 @@ def reference(y, x, slots, a, bt, offsets, rank):
     return out
 
 
+@pytest.mark.parametrize("weights", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("parts, rows", [([40, 24, 24], 13), ([100], 1), ([37, 37], 64)])
-def test_lora_add_matches_torch_row_by_row(kernels, parts, rows):
+def test_lora_add_matches_torch_row_by_row(kernels, parts, rows, weights):
+    """bfloat16 weights (kept so where the projections round their activations) are read as their float32
+    values: the same deltas as float32 weights holding those values."""
     torch.manual_seed(rows)
     num_slots, rank, in_features = 3, 8, 72
     offsets = [sum(parts[:i]) for i in range(len(parts) + 1)]
-    a = torch.randn(num_slots * len(parts) * rank, in_features)
-    bt = torch.randn(num_slots * rank, offsets[-1])
+    a = torch.randn(num_slots * len(parts) * rank, in_features).to(weights)
+    bt = torch.randn(num_slots * rank, offsets[-1]).to(weights)
     x = torch.randn(rows, in_features)
     y = torch.randn(rows, offsets[-1])
     slots = torch.randint(-1, num_slots, (rows,))
-    expected = reference(y, x, slots, a, bt, offsets, rank)
+    expected = reference(y, x, slots, a.float(), bt.float(), offsets, rank)
     kernels.lora_add(y, x, slots, a, bt, offsets, rank)
     torch.testing.assert_close(y, expected, rtol=1e-5, atol=1e-4)
     untouched = slots < 0

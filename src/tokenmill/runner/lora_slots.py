@@ -26,12 +26,16 @@ def add_lora_projections(model: torch.nn.Module, num_slots: int, max_rank: int, 
     """Puts every decoder layer's q/k/v, o, gate/up and down projections behind a LoRALinear with `num_slots`
     empty slots; returns the state they share (the model reads it to leave the fused decode stack to steps
     without adapters) and the LoRALinears by (layer index, projection). kernels: tokenmill's C++ CPU kernels,
-    whose lora_add then computes float32 deltas."""
+    whose lora_add then computes float32 deltas; where the projections round their activations to 8 bits
+    (--block-matmul int8, the default on CPUs with integer dot products) the adapters' weights are kept in
+    bfloat16, which halves the bytes each decode step reads (the exact numerics keep float32)."""
     # The activations' dtype and device (the final norm's: embeddings and projections may be kept quantized).
     dtype, device = model.norm.weight.dtype, model.norm.weight.device
     use_kernel = kernels is not None and hasattr(kernels, "lora_add") and dtype == torch.float32 and \
         device.type == "cpu"
     state = LoRAStepState(kernel=kernels.lora_add if use_kernel else None)
+    if use_kernel and _rounds_activations(model):
+        dtype = torch.bfloat16
     linears: dict[tuple[int, str], LoRALinear] = {}
     for index, layer in enumerate(model.layers):
         attn, mlp = layer.self_attn, layer.mlp
@@ -53,6 +57,11 @@ def add_lora_projections(model: torch.nn.Module, num_slots: int, max_rank: int, 
             setattr(owner, attr, linears[(index, name)])
     model.lora_state = state
     return state, linears
+
+
+def _rounds_activations(model: torch.nn.Module) -> bool:
+    """Whether the model's projections round their activations to 8 bits (their kernels' int8_activations)."""
+    return any(getattr(getattr(module, "kernels", None), "int8_activations", False) for module in model.modules())
 
 
 class LoRASlots:

@@ -20,13 +20,13 @@ constexpr int64_t kLanes = 16;
 
 // acc_i[o] += c_i * brow[o] for the group's four rows, o < size (kFull: size is kLanes, a count the compiler
 // knows, so the loop becomes one vector operation per row).
-template <bool kFull>
-inline void add_rank(const float* brow, int64_t size, float c0, float c1, float c2, float c3, float* acc0,
+template <bool kFull, typename w_t>
+inline void add_rank(const w_t* brow, int64_t size, float c0, float c1, float c2, float c3, float* acc0,
                      float* acc1, float* acc2, float* acc3) {
   const int64_t count = kFull ? kLanes : size;
 #pragma omp simd
   for (int64_t o = 0; o < count; ++o) {
-    const float b = brow[o];
+    const float b = static_cast<float>(brow[o]);
     acc0[o] += c0 * b;
     acc1[o] += c1 * b;
     acc2[o] += c2 * b;
@@ -35,18 +35,19 @@ inline void add_rank(const float* brow, int64_t size, float c0, float c1, float 
 }
 
 // The deltas of up to kGroupRows rows of slot s (rows[i] for i < n; missing ones repeat row 0, unused).
-void lora_group(const int64_t* rows, int64_t n, int64_t s, const float* xp, int64_t in, const float* ap,
-                const float* bp, const std::vector<int64_t>& offsets, int64_t rank, float* yp, int64_t y_stride,
+template <typename w_t>
+void lora_group(const int64_t* rows, int64_t n, int64_t s, const float* xp, int64_t in, const w_t* ap,
+                const w_t* bp, const std::vector<int64_t>& offsets, int64_t rank, float* yp, int64_t y_stride,
                 int64_t out, float* xa) {
   const int64_t parts = offsets.size() - 1, width = parts * rank;
   const float* x[kGroupRows];
   for (int64_t i = 0; i < kGroupRows; ++i) x[i] = xp + rows[i < n ? i : 0] * in;
   for (int64_t j = 0; j < width; ++j) {
-    const float* arow = ap + (s * width + j) * in;
+    const w_t* arow = ap + (s * width + j) * in;
     float acc0 = 0.0f, acc1 = 0.0f, acc2 = 0.0f, acc3 = 0.0f;
 #pragma omp simd reduction(+ : acc0, acc1, acc2, acc3)
     for (int64_t k = 0; k < in; ++k) {
-      const float av = arow[k];
+      const float av = static_cast<float>(arow[k]);
       acc0 += x[0][k] * av;
       acc1 += x[1][k] * av;
       acc2 += x[2][k] * av;
@@ -64,7 +65,7 @@ void lora_group(const int64_t* rows, int64_t n, int64_t s, const float* xp, int6
       const int64_t size = std::min(kLanes, offsets[p + 1] - first);
       float acc0[kLanes] = {}, acc1[kLanes] = {}, acc2[kLanes] = {}, acc3[kLanes] = {};
       for (int64_t r = 0; r < rank; ++r) {
-        const float* brow = bp + (s * rank + r) * out + first;
+        const w_t* brow = bp + (s * rank + r) * out + first;
         const float c0 = c[r], c1 = c[width + r], c2 = c[2 * width + r], c3 = c[3 * width + r];
         if (size == kLanes) {
           add_rank<true>(brow, size, c0, c1, c2, c3, acc0, acc1, acc2, acc3);
@@ -86,7 +87,9 @@ void lora_group(const int64_t* rows, int64_t n, int64_t s, const float* xp, int6
 void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor slots, torch::Tensor a, torch::Tensor bt,
               std::vector<int64_t> offsets, int64_t rank) {
   TORCH_CHECK(x.scalar_type() == torch::kFloat && y.scalar_type() == torch::kFloat &&
-              a.scalar_type() == torch::kFloat && bt.scalar_type() == torch::kFloat, "lora_add runs float32");
+              (a.scalar_type() == torch::kFloat || a.scalar_type() == torch::kBFloat16) &&
+              bt.scalar_type() == a.scalar_type(),
+              "lora_add: float32 rows, float32 or bfloat16 adapter weights");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && y.dim() == 2 && y.stride(1) == 1 && a.is_contiguous() &&
               bt.is_contiguous(), "x, a and bt contiguous, y rows contiguous");
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == x.size(0) &&
@@ -114,16 +117,22 @@ void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor slots, torch::Tens
     }
   }
   const float* xp = x.data_ptr<float>();
-  const float* ap = a.data_ptr<float>();
-  const float* bp = bt.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t y_stride = y.stride(0);
-  at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> xa(kGroupRows * width);
-    for (int64_t g = begin; g < end; ++g) {
-      const auto& group = groups[g];
-      lora_group(order.data() + group[1], group[2], group[0], xp, in, ap, bp, offsets, rank, yp, y_stride, out,
-                 xa.data());
-    }
-  });
+  auto run = [&](auto* ap, auto* bp) {
+    at::parallel_for(0, static_cast<int64_t>(groups.size()), 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> xa(kGroupRows * width);
+      for (int64_t g = begin; g < end; ++g) {
+        const auto& group = groups[g];
+        lora_group(order.data() + group[1], group[2], group[0], xp, in, ap, bp, offsets, rank, yp, y_stride, out,
+                   xa.data());
+      }
+    });
+  };
+  // bfloat16 weights: half the bytes a decode step streams (the deltas are summed in float32 either way).
+  if (a.scalar_type() == torch::kBFloat16) {
+    run(a.data_ptr<at::BFloat16>(), bt.data_ptr<at::BFloat16>());
+  } else {
+    run(a.data_ptr<float>(), bt.data_ptr<float>());
+  }
 }
