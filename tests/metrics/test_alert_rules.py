@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenmill.metrics.prometheus import PrometheusStatLogger
+from tokenmill.metrics.prometheus import PrometheusStatLogger, ServerMetrics, render_together
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 RULES = EXAMPLES / "prometheus-alerts.yml"
@@ -43,10 +43,10 @@ def test_the_rules_read_only_series_tokenmill_exports():
     used = set(re.findall(r"tokenmill:[a-z0-9_]+|http_requests_total", exprs)) - {
         name for name in re.findall(r"record: (tokenmill:[a-z0-9_:]+)", text)}
     used = {name for name in used if not name.startswith("tokenmill:slo")}
-    exporter = PrometheusStatLogger("m", device_memory=False)
-    exporter.record_responses({"/v1/completions POST 2xx": 1})  # the HTTP counter's series appear when first seen
-    exported = {s.name for family in text_string_to_metric_families(exporter.render().decode())
-                for s in family.samples}
+    exporter, server = PrometheusStatLogger("m", device_memory=False), ServerMetrics()
+    server.record_responses({"/v1/completions POST 2xx": 1})  # the HTTP counter's series appear when first seen
+    rendered = render_together([server.registry, exporter.registry]).decode()  # as the server's /metrics
+    exported = {s.name for family in text_string_to_metric_families(rendered) for s in family.samples}
     assert used and used <= exported, used - exported
     # The test series use the exporter's names too.
     tests = (EXAMPLES / "prometheus-alerts.test.yml").read_text()

@@ -3,14 +3,16 @@ from __future__ import annotations
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tokenmill.metrics.prometheus import PrometheusStatLogger
+from tokenmill.metrics.prometheus import PrometheusStatLogger, ServerMetrics, render_together
 from tokenmill.metrics.stats import FinishedRequestStats, IterationStats, SchedulerSnapshot
 
 
-def samples(exporter: PrometheusStatLogger) -> dict[tuple[str, tuple], float]:
-    """{(sample name, sorted labels without model_name): value} of the rendered text."""
+def samples(exporter: PrometheusStatLogger, server: ServerMetrics | None = None) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels without model_name): value} of the rendered text (with the server's own
+    metrics, as /metrics renders them, when given)."""
     out = {}
-    for family in text_string_to_metric_families(exporter.render().decode()):
+    text = render_together([server.registry, exporter.registry]) if server is not None else exporter.render()
+    for family in text_string_to_metric_families(text.decode()):
         for sample in family.samples:
             labels = tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))
             out[(sample.name, labels)] = sample.value
@@ -29,7 +31,7 @@ def finished(reason: str, prompt: int, generated: int) -> FinishedRequestStats:
 
 def test_series_exist_with_zeros_before_any_request():
     exporter = PrometheusStatLogger("m")
-    data = samples(exporter)
+    data = samples(exporter, ServerMetrics())
     assert data[("tokenmill:num_requests_running", ())] == 0
     assert data[("tokenmill:kv_cache_usage_perc", ())] == 0
     assert data[("tokenmill:prompt_tokens_total", ())] == 0
@@ -97,13 +99,14 @@ def test_rejections_are_counted_from_running_totals():
 def test_http_responses_are_counted_by_route_method_and_status_class():
     from tokenmill.metrics.prometheus import http_response_key
 
-    exporter = PrometheusStatLogger("m")
+    server = ServerMetrics()
     totals = {http_response_key("/v1/completions", "POST", 200): 3, http_response_key("/v1/completions", "POST", 503): 1}
-    exporter.record_responses(totals)
+    server.record_responses(totals)
     totals[http_response_key("/v1/completions", "POST", 201)] = 4  # the same class: one series
-    exporter.record_responses(totals)
+    server.record_responses(totals)
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(exporter.render().decode()) for s in family.samples}
+               for family in text_string_to_metric_families(render_together([server.registry]).decode())
+               for s in family.samples}
     labels = (("handler", "/v1/completions"), ("method", "POST"))
     assert samples[("http_requests_total", tuple(sorted(labels + (("status", "2xx"),))))] == 4
     assert samples[("http_requests_total", tuple(sorted(labels + (("status", "5xx"),))))] == 1

@@ -78,10 +78,10 @@ KV_OFFLOAD_GAUGES = (
 
 class ServerMetrics:
     """What belongs to the server rather than to one of its models: the process's own metrics and the HTTP
-    answers, in `registry` (a model's registry on a one-model server)."""
+    answers (rendered with every model's registry by render_together)."""
 
-    def __init__(self, registry: Optional[CollectorRegistry] = None) -> None:
-        self.registry = registry or CollectorRegistry()
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
         ProcessCollector(registry=self.registry)
         PlatformCollector(registry=self.registry)
         GCCollector(registry=self.registry)
@@ -98,13 +98,10 @@ class ServerMetrics:
 
 class PrometheusStatLogger:
     def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None,
-                 device_memory: bool = False, kv_offload: bool = False, max_loras: Optional[int] = None,
-                 server_metrics: bool = True) -> None:
-        """server_metrics: the registry also holds the server's metrics (ServerMetrics), as on a one-model server;
-        a server of several models keeps those apart and renders every registry with render_together."""
+                 device_memory: bool = False, kv_offload: bool = False, max_loras: Optional[int] = None) -> None:
+        """One model's metrics (the server's own are ServerMetrics'; render_together shows both)."""
         # A registry per engine keeps several engines in one process (tests) from colliding.
         self.registry = registry or CollectorRegistry()
-        self.server = ServerMetrics(self.registry) if server_metrics else None
         labels = ["model_name"]
         r = self.registry
         p = "tokenmill:"
@@ -291,10 +288,6 @@ class PrometheusStatLogger:
         """Admission-control refusals (cumulative per reason) happen outside engine steps, so the server
         passes the engine's running totals before each scrape."""
         _count_new(totals, self._rejected_seen, lambda reason: self.rejected.labels(self.model_name, reason))
-
-    def record_responses(self, totals: dict[str, int]) -> None:
-        """HTTP responses (cumulative per http_response_key), passed before each scrape like the refusals."""
-        self.server.record_responses(totals)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -104,7 +104,7 @@ def test_an_admin_load_request_reads_like_a_models_file_entry():
 
 
 def test_metrics_of_several_models_render_as_one_exposition_with_each_family_once():
-    loggers = [PrometheusStatLogger(name, server_metrics=False) for name in ("alpha", "beta")]
+    loggers = [PrometheusStatLogger(name) for name in ("alpha", "beta")]
     loggers[1].record(SchedulerSnapshot(num_running=3), IterationStats())
     server = ServerMetrics()
     server.record_responses({"/v1/completions POST 2xx": 2})
