@@ -92,6 +92,13 @@ def check_tensor_parallel(config: EngineConfig, hf_config) -> None:
         raise ModelLoadError(str(exc)) from None
 
 
+def _lora_targets(hf_config, architecture: str) -> dict[str, list[int]]:
+    """What a LoRA adapter of this model may target: its family's projections, the experts' MLP excluded."""
+    model_class = get_model_class(architecture)
+    return target_shapes(hf_config, not model_class._FUSED,
+                         sparse_mlp=any(model_class.build_spec(hf_config).layer_sparse))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, source=None, message_roundtrip: bool = False) -> None:
         """source: the loaded model source (loaded here when None). message_roundtrip: encode and decode
@@ -107,10 +114,7 @@ class EngineCore:
         self.model_info = FrontendModelInfo(served_model_name=source.served_model_name, vocab_size=self.vocab_size,
                                             eos_token_ids=eos_token_ids(source.tokenizer, hf_config),
                                             num_hidden_layers=hf_config.num_hidden_layers,
-                                            lora_shapes=target_shapes(
-                                                hf_config, not get_model_class(source.architecture)._FUSED,
-                                                sparse_mlp=bool(getattr(hf_config, "num_local_experts", 0)
-                                                                or getattr(hf_config, "num_experts", 0))))
+                                            lora_shapes=_lora_targets(hf_config, source.architecture))
         # Device- and model-dependent defaults resolved once, into a new config (the caller's is never written
         # to), before anything is built from it.
         budget_was_given = config.max_num_batched_tokens is not None
