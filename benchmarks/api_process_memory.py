@@ -21,6 +21,8 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.server_ready import wait_until_serving
+
 
 def _status_kib(pid: int, field: str) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -43,15 +45,7 @@ def run_once(extra: list[str], requests: int = 8, concurrency: int = 4) -> dict:
                              "--disable-access-log", "--disable-log-requests", *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"the server exited with {proc.returncode}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.05)
+        wait_until_serving(proc, url, timeout_s=float("inf"), poll_s=0.05)
         ready_s = time.monotonic() - started
         maps = Path(f"/proc/{proc.pid}/maps").read_text()
         result = {"startup_to_health_s": round(ready_s, 2), "torch_mapped": "libtorch" in maps,

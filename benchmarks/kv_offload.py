@@ -25,6 +25,8 @@ from typing import Optional
 
 import httpx
 
+from benchmarks.server_ready import wait_until_serving
+
 from benchmarks.paths import default_workload_path
 from benchmarks.shared_prefix import MIN_TOKEN_ID
 
@@ -38,17 +40,7 @@ class Server:
         cmd = [sys.executable, "-m", "tokenmill.entrypoints.openai.api_server", "--host", "127.0.0.1", "--port",
                str(self.port), "--served-model-name", "m", "--disable-log-requests", *args]
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}; see {log}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.25)
-        raise RuntimeError("server not ready")
+        wait_until_serving(self.proc, self.url, log_hint=f"; see {log}")
 
     @property
     def url(self) -> str:

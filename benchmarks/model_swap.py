@@ -25,6 +25,7 @@ from pathlib import Path
 
 import httpx
 
+from benchmarks.server_ready import wait_until_serving
 from tokenmill.model.default_model import default_model_path
 
 ADMIN_KEY = "bench-admin"
@@ -128,13 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{args.port}"
     results = []
     try:
-        for _ in range(600):
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
+        wait_until_serving(server, url, log_hint=f"; see {workdir / 'server.log'}")
         # A first load of Gemma 3 outside the timed phases converts and caches its tokenizer.
         httpx.post(url + "/admin/models/load", json={"model": "gemma"}, headers=ADMIN, timeout=600)
         httpx.post(url + "/admin/models/unload", json={"model": "gemma", "forget": False}, headers=ADMIN,
