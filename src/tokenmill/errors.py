@@ -45,11 +45,25 @@ class RateLimitExceededError(RequestRejectedError):
     error_type = "rate_limit_exceeded"
 
 
+class ModelUnavailableError(RequestRejectedError):
+    """The requested model is loading or being unloaded (a server of several models): 503 with Retry-After."""
+
+    http_status = 503
+    error_type = "service_unavailable"
+
+
 class RequestTimeoutError(TokenmillError):
     """The request ran past the server's --request-timeout, or the engine stopped producing its output."""
 
     http_status = 504
     error_type = "timeout"
+
+
+class AdminAuthError(TokenmillError):
+    """An /admin request without the server's admin key."""
+
+    http_status = 401
+    error_type = "authentication_error"
 
 
 class ServiceUnavailableError(TokenmillError):

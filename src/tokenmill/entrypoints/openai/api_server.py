@@ -44,7 +44,7 @@ from tokenmill.entrypoints.openai.cli_args import (
 from tokenmill.entrypoints.openai.errors import error_response, install_exception_handlers
 from tokenmill.entrypoints.openai.api_servers import STOP_GRACE_S, ApiServers, StatsCollector, listening_socket
 from tokenmill.entrypoints.openai import event_loop
-from tokenmill.entrypoints.openai.middleware import GatewayMiddleware, ServerLifecycle
+from tokenmill.entrypoints.openai.middleware import GatewayMiddleware, ServerLifecycle, bearer_token
 from tokenmill.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -62,9 +62,10 @@ from tokenmill.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
-from tokenmill.entrypoints.openai.model_pool import AdminAuthError, ModelPool
+from tokenmill.entrypoints.openai.model_pool import ModelPool
 from tokenmill.entrypoints.openai.model_specs import SpecReader, model_specs, with_lora_modules
-from tokenmill.errors import InvalidRequestError, ModelLoadError, ServiceUnavailableError, TokenmillError
+from tokenmill.errors import (AdminAuthError, InvalidRequestError, ModelLoadError, ServiceUnavailableError,
+                              TokenmillError)
 from tokenmill.metrics.prometheus import ServerMetrics, http_response_key, render_together
 from tokenmill.runner.host_memory import freeze_startup_heap
 
@@ -202,8 +203,8 @@ def _add_admin_routes(app: FastAPI, pool: ModelPool, admin_key: str) -> None:
     """/admin/models: list, load and unload models at run time, for 'Authorization: Bearer <admin key>' only."""
 
     def authorize(request: Request) -> None:
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), admin_key.encode()):
+        token = bearer_token(request.headers.get("authorization", "").encode())
+        if token is None or not hmac.compare_digest(token, admin_key.encode()):
             raise AdminAuthError("Incorrect or missing admin key; send 'Authorization: Bearer <admin key>'.",
                                  code="invalid_admin_key")
 
@@ -488,9 +489,10 @@ async def _serve(server: ServerConfig, specs: list, reader: SpecReader, log_leve
     sockets = None
     try:
         limiter = resolve_rate_limiter(server)
-        if count > 1:  # one set of buckets for every API server: a key's limit holds for the whole server
+        if count > 1:
+            # One set of buckets for every API server: a key's limit holds for the whole server. API servers
+            # 1..N-1 forward their HTTP answers into the engine's counts.
             limiter.share(os.path.join(engine.client.run_directory, "rate-limits"))
-        if count > 1:  # API servers 1..N-1 forward their HTTP answers into the engine's counts
             pool.num_responses = engine.num_responses
         app = build_app(pool, server, limiter=limiter)
         freeze_startup_heap()

@@ -99,11 +99,8 @@ class GatewayMiddleware:
 
     def _authorized(self, scope: Scope) -> Optional[str]:
         """The key the request presents, if it is one of ours (compared in constant time)."""
-        value = _header(scope, b"authorization") or b""
-        scheme, _, token = value.partition(b" ")
-        if scheme.lower() != b"bearer":
-            return None
-        return self.limiter.match(token.strip())
+        token = bearer_token(_header(scope, b"authorization") or b"")
+        return None if token is None else self.limiter.match(token)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> tuple[bytes, bool, bool]:
         """(body, too large, client disconnected); an oversize body is read and dropped, up to a cap."""
@@ -123,6 +120,12 @@ class GatewayMiddleware:
                 chunks.append(data)
             if not message.get("more_body", False) or size > limit + _DRAIN_EXTRA_BYTES:
                 return b"".join(chunks), too_large, False
+
+
+def bearer_token(authorization: bytes) -> Optional[bytes]:
+    """The token of an 'Authorization: Bearer <token>' header value, or None for another scheme."""
+    scheme, _, token = authorization.partition(b" ")
+    return token.strip() if scheme.lower() == b"bearer" else None
 
 
 def _is_api_path(path: str) -> bool:

@@ -28,8 +28,8 @@ from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
-from tokenmill.errors import (InvalidRequestError, ModelNotFoundError, RequestRejectedError, ServiceUnavailableError,
-                              TokenmillError)
+from tokenmill.errors import (InvalidRequestError, ModelNotFoundError, ModelUnavailableError,
+                              ServiceUnavailableError, TokenmillError)
 from tokenmill.metrics.loggers import LoggingStatLogger
 from tokenmill.metrics.prometheus import PrometheusStatLogger
 from tokenmill.metrics.stats import WindowStatLogger
@@ -45,20 +45,6 @@ DRAIN_POLL_S = 0.05
 # An engine core's own memory beyond its weights and KV cache (the Python and torch runtime), for the
 # estimate of a model that has not been loaded yet.
 CORE_RUNTIME_BYTES = 400 * 1024**2
-
-
-class AdminAuthError(TokenmillError):
-    """An /admin request without the admin key."""
-
-    http_status = 401
-    error_type = "authentication_error"
-
-
-class ModelUnavailableError(RequestRejectedError):
-    """The model is draining or loading: 503 with Retry-After."""
-
-    http_status = 503
-    error_type = "service_unavailable"
 
 
 @dataclass
@@ -155,6 +141,14 @@ class ModelPool:
     def _adapter_names(self) -> tuple[str, ...]:
         return tuple(lora for served in self.loaded.values() for lora in served.models.loras)
 
+    def _adapter_owner(self, name: str) -> Optional[ServedModel]:
+        """The loaded model with a LoRA adapter of this name, if any."""
+        return next((served for served in self.loaded.values() if name in served.models.loras), None)
+
+    def used_bytes(self) -> int:
+        """The loaded models' memory, as the budget counts it."""
+        return sum(served.memory_bytes() for served in self.loaded.values())
+
     @property
     def default(self) -> Optional[ServedModel]:
         """The model a request without `model` goes to: the first one, else any loaded one."""
@@ -177,7 +171,7 @@ class ModelPool:
         else:
             name = self._aliases.get(model)
             if name is None:
-                served = next((s for s in self.loaded.values() if model in s.models.loras), None)
+                served = self._adapter_owner(model)
                 if served is None:
                     raise ModelNotFoundError(f"The model `{model}` does not exist.", "model", "model_not_found")
             else:
@@ -239,7 +233,7 @@ class ModelPool:
         served.models.load_lora(name, path)
 
     def unload_lora(self, name: str) -> None:
-        served = next((s for s in self.loaded.values() if name in s.models.loras), None)
+        served = self._adapter_owner(name)
         if served is None:
             raise ModelNotFoundError(f"The lora adapter '{name}' cannot be found.", "lora_name", "model_not_found")
         served.models.unload_lora(name)
@@ -297,8 +291,7 @@ class ModelPool:
         on_cuda = engine.ready.device.startswith("cuda")
         prometheus = PrometheusStatLogger(spec.name, device_memory=on_cuda,
                                           kv_offload=engine.ready.kv_offload_root is not None,
-                                          max_loras=engine.config.max_loras if lora else None,
-                                          server_metrics=False)
+                                          max_loras=engine.config.max_loras if lora else None)
         window = WindowStatLogger()
         engine.stat_loggers.extend([prometheus, window])
         if not self.server.disable_log_stats:
@@ -329,7 +322,7 @@ class ModelPool:
         if spec is not None and needed > budget:
             raise InvalidRequestError(f"the model {spec.name} needs about {needed / 2**20:.0f} MiB, more than "
                                       f"--models-memory-budget ({budget / 2**20:.0f} MiB)", "model")
-        while sum(served.memory_bytes() for served in self.loaded.values()) + needed > budget:
+        while self.used_bytes() + needed > budget:
             idle = [s for s in self.loaded.values() if s.in_flight == 0 and not s.draining]
             if not idle:
                 if spec is None:
@@ -418,6 +411,6 @@ class ModelPool:
 
     def memory_budget(self) -> dict[str, Any]:
         return {"budget_bytes": self.server.models_memory_budget,
-                "used_bytes": sum(served.memory_bytes() for served in self.loaded.values()),
+                "used_bytes": self.used_bytes(),
                 "loads": self.loads, "unloads": self.unloads}
 
