@@ -99,17 +99,28 @@ def _kv_cache_dtype(value: str) -> str:
     return KV_CACHE_DTYPE_ALIASES.get(value, value)
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip", "qspec")
+# Methods whose drafts come from a model (a second checkpoint, or the target's own weights) run by the runner.
+DRAFT_MODEL_METHODS = ("draft_model", "layer_skip", "qspec")
+DRAFT_NUMERICS = ("auto", "exact")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """--speculative-config, in vLLM's spelling: {"method": "ngram", "num_speculative_tokens": k,
-    "prompt_lookup_max": n_max, "prompt_lookup_min": n_min, "disable_by_batch_size": b}, plus tokenmill's
-    "adaptive" (default true: each request proposes fewer drafts while its recent ones are refused,
-    spec_decode/adaptive.py; false: always up to k). disable_by_batch_size: no drafts in a step while more
-    requests than this are running (default with the adaptive length: spec_decode.adaptive.MAX_BATCH,
-    where a verify row stopped paying on CPU; without it: never)."""
+    """--speculative-config, in vLLM's spelling: {"method": ..., "num_speculative_tokens": k,
+    "disable_by_batch_size": b}, plus tokenmill's "adaptive" (default true: each request proposes fewer drafts
+    while its recent ones are refused, spec_decode/adaptive.py; false: always up to k). disable_by_batch_size:
+    no drafts in a step while more requests than this are running (default with the adaptive length:
+    spec_decode.adaptive.MAX_BATCH, where a verify row stopped paying on CPU; without it: never).
+
+    Methods (docs/speculative_decoding.md):
+      ngram        prompt lookup: "prompt_lookup_max" / "prompt_lookup_min" tokens matched earlier in the sequence
+      draft_model  a smaller model sharing the target's vocabulary ("model": its path)
+      layer_skip   self-speculation: the target's first "num_layers" layers and its LM head (default: half)
+      qspec        self-speculation: the target's own weights through the fastest numerics (int8 dot products)
+                   drafting for a target at `--numerics exact`
+    A draft model runs at the fastest numerics of the machine ("numerics": "auto"), or "exact".
+    The draft_* fields are resolved by the engine at start-up (runner.numerics), never given by a user."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 4
@@ -117,6 +128,13 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1
     adaptive: bool = True
     disable_by_batch_size: Optional[int] = None
+    model: Optional[str] = None
+    num_layers: Optional[int] = None
+    numerics: str = "auto"
+    draft_dtype: Optional[str] = None
+    draft_block_matmul: Optional[str] = None
+    draft_kv_cache_dtype: Optional[str] = None
+    draft_quantization: Optional[str] = None
 
     def __post_init__(self) -> None:
         param = "speculative_config"
@@ -134,25 +152,46 @@ class SpeculativeConfig:
             raise InvalidRequestError(f"disable_by_batch_size must be a positive integer, got {limit!r}", param)
         if not isinstance(self.adaptive, bool):
             raise InvalidRequestError(f"adaptive must be true or false, got {self.adaptive!r}", param)
+        if self.method == "draft_model" and not (isinstance(self.model, str) and self.model):
+            raise InvalidRequestError('the draft_model method needs "model": the draft checkpoint\'s path', param)
+        if self.method != "draft_model" and self.model is not None:
+            raise InvalidRequestError(f'"model" is for the draft_model method, not {self.method}', param)
+        if self.num_layers is not None:
+            if self.method != "layer_skip":
+                raise InvalidRequestError(f'"num_layers" is for the layer_skip method, not {self.method}', param)
+            if not isinstance(self.num_layers, int) or isinstance(self.num_layers, bool) or self.num_layers < 1:
+                raise InvalidRequestError(f"num_layers must be a positive integer, got {self.num_layers!r}", param)
+        if self.numerics not in DRAFT_NUMERICS:
+            raise InvalidRequestError(f"numerics must be one of {', '.join(DRAFT_NUMERICS)}, got {self.numerics!r}",
+                                      param)
+        if self.method == "qspec" and self.numerics != "auto":
+            raise InvalidRequestError("qspec drafts at the fastest numerics; it takes no \"numerics\"", param)
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """Drafts come from a model the runner runs (not from the sequence itself)."""
+        return self.method in DRAFT_MODEL_METHODS
 
     @classmethod
     def from_dict(cls, value: Any) -> Optional["SpeculativeConfig"]:
-        """None, a SpeculativeConfig, or vLLM's dict (its `model` key is refused: no draft models)."""
+        """None, a SpeculativeConfig, or vLLM's dict (with "model" and no "method", the draft_model method)."""
         if value is None or isinstance(value, SpeculativeConfig):
             return value
         if not isinstance(value, dict):
             raise InvalidRequestError("speculative_config must be a JSON object", "speculative_config")
         known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "adaptive",
-                 "disable_by_batch_size"}
+                 "disable_by_batch_size", "model", "num_layers", "numerics"}
         unknown = sorted(set(value) - known)
         if unknown:
             raise InvalidRequestError(f"unsupported speculative_config keys: {', '.join(unknown)} "
-                                      "(only the ngram method, without a draft model)", "speculative_config")
+                                      f"(known: {', '.join(sorted(known))})", "speculative_config")
         lookup_min = value.get("prompt_lookup_min", 1)
         lookup_max = value.get("prompt_lookup_max", max(4, lookup_min) if isinstance(lookup_min, int) else 4)
-        return cls(method=value.get("method", "ngram"), num_speculative_tokens=value.get("num_speculative_tokens", 4),
+        method = value.get("method", "draft_model" if "model" in value else "ngram")
+        return cls(method=method, num_speculative_tokens=value.get("num_speculative_tokens", 4),
                    prompt_lookup_max=lookup_max, prompt_lookup_min=lookup_min, adaptive=value.get("adaptive", True),
-                   disable_by_batch_size=value.get("disable_by_batch_size"))
+                   disable_by_batch_size=value.get("disable_by_batch_size"), model=value.get("model"),
+                   num_layers=value.get("num_layers"), numerics=value.get("numerics", "auto"))
 
 
 def _speculative_config(value: Any) -> Optional[SpeculativeConfig]:
@@ -357,9 +396,10 @@ class EngineConfig:
         "keeps the server's priority). A CPU-bound process of default priority on the same machine then takes "
         "the cores first", bound="niceness")
     speculative_config: Optional[Any] = option(
-        None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": '
-        '4}\' (drafts from n-grams already in the sequence; greedy requests keep their exact output, sampled ones their '
-        'distribution, through speculative sampling)',
+        None, 'speculative decoding, e.g. \'{"method": "ngram", "num_speculative_tokens": 4}\' (drafts from n-grams '
+        'already in the sequence), \'{"method": "draft_model", "model": PATH}\' (a smaller model with the same '
+        'vocabulary), \'{"method": "layer_skip"}\' or \'{"method": "qspec"}\' (drafts from the model\'s own weights); '
+        'greedy requests keep their exact output, sampled ones their distribution, through speculative sampling',
         convert=_speculative_config, parse=_json_object, metavar="JSON")
     enable_lora: bool = option(
         False, "serve LoRA adapters (PEFT directories) on top of the model: a request picks one by its `model` "

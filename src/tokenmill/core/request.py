@@ -65,6 +65,8 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     num_spec_accepted_tokens: int = 0  # of this request's verified drafts, how many were kept
     spec_acceptance: Optional[float] = None  # adaptive draft length: recent share of drafts kept (None: none yet)
+    # A draft model's proposals after this request's next step: how many (the scheduler allocates their slots).
+    num_draft_lookahead: int = 0
     # Beam search: park after every sampled token (fork_children = []) until the search forks the
     # beams that continue from this one.
     park_after_sample: bool = False

@@ -53,6 +53,9 @@ class ScheduledRequest(msgspec.Struct, omit_defaults=True):
     # Models with several KV cache groups (core.kv_cache_groups): the same for groups 1, 2, ... (group 0's
     # are new_block_ids). Every group's table has one entry per block of tokens, so the lists are as long.
     more_group_block_ids: list[list[int]] = []
+    # Speculative decoding with a draft model: how many drafts the runner's draft model proposes once this
+    # step's token is sampled (the scheduler allocated slots for them past this step's tokens).
+    draft_tokens: int = 0
 
 
 class SchedulerOutput(msgspec.Struct, omit_defaults=True):
@@ -89,6 +92,8 @@ class ModelRunnerOutput(msgspec.Struct, omit_defaults=True):
     # for a request asking for logprobs, their entries (the sampled token's stay in `logprobs`).
     accepted: dict[str, list[int]] = {}
     accepted_logprobs: dict[str, list[dict[int, Logprob]]] = {}
+    # A draft model's proposals, for the requests whose item asked for draft_tokens (verified next step).
+    drafts: dict[str, list[int]] = {}
     # (key, payload) of each block in SchedulerOutput.kv_stores, for the tier's writer.
     kv_stored: list[tuple[bytes, bytes]] = []
 

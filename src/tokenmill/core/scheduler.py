@@ -40,6 +40,7 @@ class _Item:
     start_position: int
     num_new_tokens: int
     spec_token_ids: list[int] = field(default_factory=list)
+    draft_tokens: int = 0  # a draft model's proposals after this step (their slots are allocated)
 
 
 class Scheduler:
@@ -188,7 +189,7 @@ class Scheduler:
             token_ids=request.all_token_ids[start:start + count - len(spec)], new_block_ids=new_blocks,
             more_group_block_ids=more_groups,
             samples=start + count >= request.num_tokens and request.fork_children is None,
-            spec_token_ids=spec)
+            spec_token_ids=spec, draft_tokens=item.draft_tokens)
 
     def _fork_ready_parents(self) -> None:
         """n > 1: once a parent's prompt is computed, its samples take over its blocks.
@@ -251,9 +252,10 @@ class Scheduler:
         spec = self._spec_tokens(request, budget) if num_new == 1 else []
         num_new += len(spec)
         start = request.num_computed_tokens
-        if not self._make_room(index, num_new, output, can_wait):
+        lookahead = self._draft_lookahead(request, start + num_new)
+        if not self._make_room(index, num_new + lookahead, output, can_wait):
             return budget, False
-        scheduled.append(_Item(request, start, num_new, spec))
+        scheduled.append(_Item(request, start, num_new, spec, lookahead))
         if not spec and num_new > 1:
             self._prefill_left -= num_new
         return budget - num_new, True
@@ -268,6 +270,14 @@ class Scheduler:
         spec = request.spec_token_ids[:max(0, room)]
         request.spec_token_ids = []
         return spec
+
+    def _draft_lookahead(self, request: Request, end: int) -> int:
+        """A draft model's proposals after a step computing up to `end`: only when the step samples, and
+        no further than max_model_len. Their slots are allocated with the step's own (the draft model writes
+        its KV there while drafting); they are not in the step's token budget, which counts the target's."""
+        if not request.num_draft_lookahead or end < request.num_tokens or request.fork_children is not None:
+            return 0
+        return max(0, min(request.num_draft_lookahead, self.max_model_len - end))
 
     def _make_room(self, index: int, num_new: int, output: SchedulerOutput, can_wait: bool) -> bool:
         """Allocate num_new slots for running[index], preempting as needed. False when the request
@@ -381,10 +391,11 @@ class Scheduler:
             if remaining > budget and not self.config.enable_chunked_prefill:
                 break
             num_new = self._cap_prefill(request, remaining, budget)
-            allocated = self.kv_cache.allocate_slots(request, num_new, hits)
+            lookahead = self._draft_lookahead(request, num_cached + num_new)
+            allocated = self.kv_cache.allocate_slots(request, num_new + lookahead, hits)
             # With nothing running, no block will come free but from pins: they give way.
             while allocated is None and not self.running and self.kv_cache.release_pins():
-                allocated = self.kv_cache.allocate_slots(request, num_new, hits)
+                allocated = self.kv_cache.allocate_slots(request, num_new + lookahead, hits)
             if allocated is None:
                 self._preempt_for(request, output, scheduled)
                 break
@@ -398,7 +409,7 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             if num_new > 0:
-                scheduled.append(_Item(request, num_cached, num_new))
+                scheduled.append(_Item(request, num_cached, num_new, draft_tokens=lookahead))
                 budget -= num_new
                 self._prefill_left -= num_new
 

@@ -27,6 +27,7 @@ from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.model.loader import load_model_source
 from tokenmill.model.layers.lora import target_shapes
 from tokenmill.model.registry import SLIDING_WINDOW_ARCHITECTURES, get_model_class
+from tokenmill.engine.draft_setup import resolve_draft
 from tokenmill.engine.executor import make_executor
 from tokenmill.engine.kv_offload import open_kv_tier
 from tokenmill.runner.model_runner import resolve_device
@@ -126,6 +127,9 @@ class EngineCore:
         self.numerics = resolve_numerics(config, hardware, block_weights)
         logger.info("numerics on %s: %s", hardware.describe(), self.numerics.describe())
         config = self.numerics.apply(config)
+        if config.speculative_config is not None and config.speculative_config.uses_draft_model:
+            config = dataclasses.replace(
+                config, speculative_config=resolve_draft(config, source, hardware, self.numerics))
         check_tensor_parallel(config, hf_config)
         self.executor = make_executor(config, source, device, max_model_len)
         # The in-process runner (tests and tools look at it); None when tensor-parallel workers hold the model.
@@ -175,11 +179,12 @@ class EngineCore:
         # Structured outputs: grammars compiled against the tokenizer, masks sized to the model's logits.
         self.structured_backend = LLGuidanceBackend(source.tokenizer, self.vocab_size, self.model_info.eos_token_ids)
         spec = config.speculative_config
-        self.proposer = NgramProposer(spec) if spec is not None else None
+        # n-grams are proposed here; a draft model's drafts come back with the runner's output.
+        self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         self.spec_step_draft_limit = 0  # the last step's decision: drafts a request may propose
         if spec is not None:
-            logger.info("speculative decoding: %s, %d tokens per step (n-grams of %d..%d)", spec.method,
-                        spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            logger.info("speculative decoding: %s, %d tokens per step%s", spec.method, spec.num_speculative_tokens,
+                        f" (n-grams of {spec.prompt_lookup_min}..{spec.prompt_lookup_max})" if self.proposer else "")
         # Answers decided outside a step (refusals), sent with the next step's outputs.
         self._pending: list[EngineCoreOutput] = []
         tokens = num_blocks * config.block_size
@@ -240,7 +245,13 @@ class EngineCore:
             self._pending.append(EngineCoreOutput(rid, finish_reason="abort", error=exc.message))
             return
         if not children:
-            self.scheduler.add_request(self._request(rid, message, params, grammars[0]))
+            request = self._request(rid, message, params, grammars[0])
+            spec = self.config.speculative_config
+            if spec is not None and spec.uses_draft_model and can_speculate(request):
+                # Its prompt's last chunk already drafts, unless the batch is too large for drafts to pay.
+                request.num_draft_lookahead = adaptive.step_draft_limit(
+                    spec.num_speculative_tokens, len(self.scheduler.running) + 1, self._spec_batch_limit())
+            self.scheduler.add_request(request)
             return
         # The prompt is computed once by the parent; the samples fork from it and share its blocks,
         # copying the partially filled last block when they diverge.
@@ -292,15 +303,21 @@ class EngineCore:
     def get_stats(self) -> SchedulerStats:
         return self.scheduler.get_stats()
 
-    def _propose_drafts(self, sched: SchedulerOutput, accepted: dict[str, list[int]]) -> None:
-        """Drafts for every request this step brought up to date, verified by its next decode; with the
-        adaptive length, as many as the request's recent acceptance makes worth a verify row each."""
+    def _spec_batch_limit(self):
         spec = self.config.speculative_config
-        batch_limit = spec.disable_by_batch_size
-        if batch_limit is None and spec.adaptive:
-            batch_limit = adaptive.MAX_BATCH
+        if spec.disable_by_batch_size is None and spec.adaptive:
+            return adaptive.MAX_BATCH
+        return spec.disable_by_batch_size
+
+    def _propose_drafts(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:
+        """Drafts for every request this step brought up to date, verified by its next decode; with the
+        adaptive length, as many as the request's recent acceptance makes worth a verify row each. A draft
+        model proposed its drafts in this step already (as many as the request's lookahead asked); the same
+        decision sets how many it proposes in the next."""
+        spec = self.config.speculative_config
+        accepted = result.accepted
         step_limit = self.spec_step_draft_limit = adaptive.step_draft_limit(
-            spec.num_speculative_tokens, len(self.scheduler.running), batch_limit)
+            spec.num_speculative_tokens, len(self.scheduler.running), self._spec_batch_limit())
         for item in sched.scheduled:
             request = self.scheduler.step_request(item.request_id)
             if (request is None or request.is_finished or request.num_computed_tokens != request.num_tokens - 1
@@ -308,6 +325,7 @@ class EngineCore:
                 continue
             if not step_limit:
                 request.spec_token_ids = []
+                request.num_draft_lookahead = 0
                 continue
             max_drafts = step_limit
             if spec.adaptive:
@@ -319,7 +337,11 @@ class EngineCore:
                     acceptance = adaptive.after_idle_step(acceptance)
                 request.spec_acceptance = acceptance
                 max_drafts = adaptive.draft_length(max_drafts, acceptance)
-            drafts = self.proposer.propose(request.all_token_ids)[:max_drafts] if max_drafts else []
+            if self.proposer is None:
+                drafts = result.drafts.get(item.request_id, [])[:max_drafts]
+                request.num_draft_lookahead = max_drafts
+            else:
+                drafts = self.proposer.propose(request.all_token_ids)[:max_drafts] if max_drafts else []
             if drafts and request.structured_output is not None:  # only drafts the grammar allows
                 drafts = drafts[:request.structured_output.valid_prefix(drafts)]
             request.spec_token_ids = drafts
@@ -408,8 +430,8 @@ class EngineCore:
             if item.request_id in forced or item.request_id in result.accepted:
                 outputs_before[item.request_id] = self.scheduler.step_request(item.request_id).num_output_tokens
         finished_requests = self.scheduler.update_from_output(sched, result.sampled, forced, result.accepted)
-        if self.proposer is not None:
-            self._propose_drafts(sched, result.accepted)
+        if self.config.speculative_config is not None:
+            self._propose_drafts(sched, result)
         finished = {r.request_id for r in finished_requests}
         scheduled_ids = {item.request_id for item in sched.scheduled}
         # Requests that ended without running this step (queue timeouts) still report their end.

@@ -87,3 +87,29 @@ def kv_blocks_in(caches: list[torch.Tensor], loads: list[tuple[int, bytes]], spe
     ids = torch.tensor([block_id for block_id, _ in loads], dtype=torch.long, device=caches[0].device)
     for layer, cache in enumerate(caches):
         cache[:, ids] = values[:, layer].transpose(0, 1)
+
+
+def swap_blocks(device_caches: list[torch.Tensor], host_caches: list[torch.Tensor],
+                swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]], device: torch.device) -> None:
+    """Swap preemption: all (device, host) copies out first (their device blocks may be reused this step),
+    then the (host, device) copies in."""
+    for pairs, to_host in ((swap_out, True), (swap_in, False)):
+        if not pairs:
+            continue
+        src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
+        dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
+        for device_cache, host_cache in zip(device_caches, host_caches):
+            if to_host:
+                host_cache[:, dst] = device_cache[:, src.to(device)].to("cpu")
+            else:
+                device_cache[:, dst.to(device)] = host_cache[:, src].to(device, non_blocking=True)
+
+
+def copy_blocks(caches: list[torch.Tensor], copies: list[tuple[int, int]], device: torch.device) -> None:
+    """Copy-on-write: duplicate shared (src, dst) blocks before anyone writes into their copies."""
+    if not copies:
+        return
+    src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=device)
+    dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=device)
+    for cache in caches:
+        cache[:, dst] = cache[:, src]

@@ -23,7 +23,8 @@ from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, releas
 from tokenmill.runner.backend_check import attention_mismatch
 from tokenmill.runner.draft_verify import verify_drafts
 from tokenmill.runner.input_batch import InputBatch
-from tokenmill.runner.kv_cache import KVCacheSpec, allocate_kv_caches, kv_blocks_in, kv_blocks_out
+from tokenmill.runner.kv_cache import (KVCacheSpec, allocate_kv_caches, copy_blocks, kv_blocks_in, kv_blocks_out,
+                                       swap_blocks)
 from tokenmill.runner.lora_slots import LoRASlots
 from tokenmill.runner.model_memory import model_tensor_bytes
 from tokenmill.sample.sampler import Sampler, SamplingRequestState, compute_prompt_logprobs
@@ -98,6 +99,11 @@ class ModelRunner:
         self.linear_layers = ""  # how the projections run, once loaded (logged; reported by benchmarks)
         self.lora: Optional[LoRASlots] = None  # --enable-lora: the adapters' slots, added once the weights are in
         self._lora_slots = LoRASlots.settings(config)
+        # Speculative decoding with a draft model: loaded after the target, on the rank that samples.
+        spec = config.speculative_config
+        self._draft_config = config if spec is not None and spec.uses_draft_model and (
+            self.tp is None or self.tp.is_driver) else None
+        self.drafter = None
 
     def _check_attention_kernels(self) -> None:
         """The triton kernels on this model's attention shapes, once per distinct (window, soft-cap) kind of
@@ -119,6 +125,11 @@ class ModelRunner:
         rank reads their float values too, for a shard whose inputs do not fall on 32-value blocks."""
         int8_blocks = {} if self.linear_methods.keeps_int8_blocks(source.is_gguf) else None
         self.load_weights(source.iter_weights(self.dtype, int8_blocks, dense_kept=self.tp is not None), int8_blocks)
+        if self._draft_config is not None:
+            from tokenmill.runner.drafter import Drafter
+
+            self.drafter = Drafter(self._draft_config, source, self.device, self.max_model_len, self.kv_layout.windows,
+                                   self.hf_config.vocab_size)
 
     def load_weights(self, weights, int8_blocks: Optional[dict[str, Int8Blocks]] = None) -> None:
         """Copies `weights` into the model, then builds its linear layers; `int8_blocks` (filled while
@@ -159,15 +170,19 @@ class ModelRunner:
             budget = self.profile_free_memory(config.max_num_batched_tokens, config.gpu_memory_utilization)
         else:
             budget = DEFAULT_CPU_KV_CACHE_BYTES
-        num_blocks = self.kv_spec.num_blocks_for(budget)
+        # A draft model's KV cache has a block for each of the target's: the budget holds both.
+        bytes_per_block = self.kv_spec.bytes_per_block + (self.drafter.bytes_per_block if self.drafter else 0)
+        num_blocks = budget // bytes_per_block
         if num_blocks < 1:
             raise ModelLoadError(f"the KV cache budget of {budget} bytes holds no block "
-                                 f"({self.kv_spec.bytes_per_block} bytes each)")
+                                 f"({bytes_per_block} bytes each)")
         return num_blocks
 
     def initialize_kv_cache(self, num_blocks: int) -> None:
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
         self.layer_kv_caches = [self.kv_caches[j] for j in self._layer_tensor]
+        if self.drafter is not None:
+            self.drafter.runner.initialize_kv_cache(num_blocks)
 
     def profile_free_memory(self, max_num_batched_tokens: int, utilization: float) -> int:
         """CUDA: bytes left for the KV cache after weights and a peak-size forward pass.
@@ -219,11 +234,17 @@ class ModelRunner:
         activations = max(0, after - before) if before is not None and after is not None else 0
         kv_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
         weights, buffers = model_tensor_bytes(self.model)
+        if self.drafter is not None:  # the draft model's memory counts with the target's
+            draft = self.drafter.runner.warm_up(max_num_batched_tokens)
+            weights, buffers, kv_bytes = weights + draft.weights, buffers + draft.buffers, kv_bytes + draft.kv_cache
+            activations, after = activations + draft.activations, draft.rss
         return MemoryReport(weights=weights, buffers=buffers, kv_cache=kv_bytes, activations=activations, rss=after)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         result = self._execute(output)
+        if self.drafter is not None:
+            self.drafter.propose(output, self.input_batch, result)
         if output.kv_stores:  # the blocks this forward pass filled, for the prefix cache's second tier
             result.kv_stored = kv_blocks_out(self.kv_caches, output.kv_stores, self.tp)
         return result
@@ -231,8 +252,8 @@ class ModelRunner:
     def _execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         result = ModelRunnerOutput(sampled={}, logprobs={}, prompt_logprobs={}, accepted={})
         states = self.input_batch.update(output)
-        self._swap(output.swap_out, output.swap_in)
-        self._copy_blocks(output.block_copies)
+        swap_blocks(self.kv_caches, self.host_caches, output.swap_out, output.swap_in, self.device)
+        copy_blocks(self.kv_caches, output.block_copies, self.device)
         if output.kv_loads:
             kv_blocks_in(self.kv_caches, output.kv_loads, self.kv_spec, self.tp.rank if self.tp is not None else 0)
         if self.lora is not None:
@@ -313,28 +334,6 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self.host_caches = [cache.pin_memory() if pin else cache
                             for cache in allocate_kv_caches(self.kv_spec, num_blocks, torch.device("cpu"))]
-
-    def _swap(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """All swap-outs first (their device blocks may be reused this step), then swap-ins."""
-        for pairs, to_host in ((swap_out, True), (swap_in, False)):
-            if not pairs:
-                continue
-            src = torch.tensor([p[0] for p in pairs], dtype=torch.long)
-            dst = torch.tensor([p[1] for p in pairs], dtype=torch.long)
-            for device_cache, host_cache in zip(self.kv_caches, self.host_caches):
-                if to_host:
-                    host_cache[:, dst] = device_cache[:, src.to(self.device)].to("cpu")
-                else:
-                    device_cache[:, dst.to(self.device)] = host_cache[:, src].to(self.device, non_blocking=True)
-
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy-on-write: duplicate shared blocks before anyone writes into their copies."""
-        if not copies:
-            return
-        src = torch.tensor([c[0] for c in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([c[1] for c in copies], dtype=torch.long, device=self.device)
-        for kv_cache in self.kv_caches:
-            kv_cache[:, dst] = kv_cache[:, src]
 
     def _prompt_logprobs(self, item, state, hidden: torch.Tensor, last: int, result: ModelRunnerOutput) -> None:
         """Score the prompt tokens this chunk predicts: position p's logits score token p + 1."""
