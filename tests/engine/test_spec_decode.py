@@ -26,7 +26,8 @@ def test_ngram_proposals_follow_the_latest_earlier_match():
 
 @pytest.mark.parametrize("config", [
     {"method": "eagle"}, {"num_speculative_tokens": 0}, {"prompt_lookup_min": 3, "prompt_lookup_max": 2},
-    {"model": "some/draft"}, {"num_speculative_tokens": "4"}, [1],
+    {"method": "draft_model"}, {"num_speculative_tokens": "4"}, [1], {"method": "ngram", "num_layers": 2},
+    {"method": "layer_skip", "num_layers": 0}, {"method": "qspec", "numerics": "exact"}, {"model": "x", "numerics": "fp8"},
 ])
 def test_bad_speculative_configs_are_refused(config):
     with pytest.raises(InvalidRequestError):
