@@ -254,3 +254,11 @@ def test_kv_offload_tier_under_two_ranks(tmp_path, tiny_llama_dir):
             assert core.kv_tier.payload_bytes == 2 * core.bytes_per_block
         finally:
             llm.shutdown()
+
+
+def test_two_ranks_with_a_draft_model_match_one_without(request, tiny_llama_dir):
+    """The draft model runs on the rank that samples (whole, not sharded): the tokens are still the target's."""
+    request.getfixturevalue("kernels")
+    drafted = _greedy(str(tiny_llama_dir), 2, speculative_config={"model": str(tiny_llama_dir),
+                                                                  "num_speculative_tokens": 3})
+    assert drafted == _greedy(str(tiny_llama_dir), 1)

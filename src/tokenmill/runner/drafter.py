@@ -76,9 +76,8 @@ def _first_layers(weights, num_layers: int, int8_blocks: Optional[dict]):
 
 class Drafter:
     def __init__(self, config, target_source, device: torch.device, max_model_len: int,
-                 target_windows: tuple, target_vocab_size: int) -> None:
-        from tokenmill.runner.model_runner import ModelRunner  # the draft is a runner of its own
-
+                 target_windows: tuple, target_vocab_size: int, runner_class) -> None:
+        """runner_class: the target's ModelRunner class; the draft is a runner of its own."""
         spec = config.speculative_config
         draft_config = draft_engine_config(config)
         source = target_source if spec.model is None else load_model_source(spec.model)
@@ -87,7 +86,7 @@ class Drafter:
         if spec.method == "layer_skip":
             self.num_layers = spec.num_layers or max(1, hf_config.num_hidden_layers // 2)
             hf_config = layer_skip_config(hf_config, self.num_layers)
-        self.runner = ModelRunner(draft_config, hf_config, source.architecture, device, max_model_len)
+        self.runner = runner_class(draft_config, hf_config, source.architecture, device, max_model_len)
         int8_blocks = {} if self.runner.linear_methods.keeps_int8_blocks(source.is_gguf) else None
         weights = source.iter_weights(self.runner.dtype, int8_blocks)
         if self.num_layers is not None:

@@ -129,7 +129,7 @@ class ModelRunner:
             from tokenmill.runner.drafter import Drafter
 
             self.drafter = Drafter(self._draft_config, source, self.device, self.max_model_len, self.kv_layout.windows,
-                                   self.hf_config.vocab_size)
+                                   self.hf_config.vocab_size, type(self))
 
     def load_weights(self, weights, int8_blocks: Optional[dict[str, Int8Blocks]] = None) -> None:
         """Copies `weights` into the model, then builds its linear layers; `int8_blocks` (filled while

@@ -1,0 +1,128 @@
+"""Speculative decoding with drafts from a model: a second checkpoint (draft_model), the target's first layers
+(layer_skip) or its own weights through the int8 path (qspec). Greedy outputs are exactly plain decoding's
+under batching, chunked prefill, prefix hits and preemption; the draft's KV lives in the target's blocks, so
+every block is free again once the requests are done; a draft with another vocabulary is refused."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from model_factory import build_tiny_llama
+from tokenmill import LLM, SamplingParams
+from tokenmill.errors import ModelLoadError
+from tokenmill.sampling_params import StructuredOutputsParams
+
+
+@pytest.fixture(scope="module")
+def one_layer_draft_dir(tmp_path_factory, smollm2_tokenizer):
+    """A different, smaller random model with the target's tokenizer: its drafts are mostly refused."""
+    return build_tiny_llama(tmp_path_factory.mktemp("draft-1-layer"), smollm2_tokenizer, seed=7, num_hidden_layers=1)
+
+
+def _prompts(tokenizer):
+    shared = tokenizer.encode("one two three four five six seven eight nine ten eleven twelve thirteen fourteen " * 3)
+    return [shared + tokenizer.encode(" and then"), shared + tokenizer.encode(" or else"),
+            tokenizer.encode("The capital of France is"), [11, 12, 13, 14]]
+
+
+def _run(model_dir, prompts, params, warm: bool = False, **kwargs):
+    llm = LLM(str(model_dir), numerics="exact", **kwargs)
+    if warm:  # the first prompt computed once, so the others' shared prefix is a cache hit
+        llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=2), use_tqdm=False)
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outputs]
+
+
+def _assert_everything_freed(llm):
+    core = llm.llm_engine.core.core
+    assert core.kv_cache.usage == 0.0 and core.kv_cache.num_free_blocks == core.num_kv_blocks
+    # The runner learns of finished requests with the next step: after one, the draft holds nothing of them.
+    llm.generate([{"prompt_token_ids": [5, 6]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    drafter = core.runner.drafter
+    assert set(drafter.computed) | set(drafter.tail) <= set(core.runner.input_batch.requests)
+    assert len(core.runner.input_batch.requests) <= 1
+
+
+@pytest.mark.parametrize("method", ["draft_model-itself", "draft_model-other", "layer_skip", "qspec"])
+def test_greedy_outputs_equal_plain_decoding_with_chunks_and_prefix_hits(request, tiny_llama_dir, one_layer_draft_dir,
+                                                                         smollm2_tokenizer, method):
+    """Chunks of 16 tokens, two prompts sharing a cached prefix, a batch of four: the same tokens as plain
+    decoding. The target drafting for itself (at the draft's faster numerics) keeps most drafts."""
+    request.getfixturevalue("kernels")
+    spec = {"draft_model-itself": {"model": str(tiny_llama_dir)},
+            "draft_model-other": {"model": str(one_layer_draft_dir)},
+            "layer_skip": {"method": "layer_skip", "num_layers": 1},
+            "qspec": {"method": "qspec"}}[method]
+    prompts = _prompts(smollm2_tokenizer)
+    params = [SamplingParams(temperature=0, max_tokens=m, ignore_eos=True) for m in (40, 33, 25, 7)]
+    kwargs = dict(num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=16, enable_prefix_caching=True,
+                  warm=True)
+    _, reference = _run(tiny_llama_dir, prompts, params, **kwargs)
+    llm, tokens = _run(tiny_llama_dir, prompts, params, speculative_config={**spec, "num_speculative_tokens": 3},
+                       **kwargs)
+    assert tokens == reference
+    stats = llm.llm_engine.core.core.get_stats()
+    assert stats.spec_num_draft_tokens > 0 and stats.prefix_cache_hits > 0
+    if method in ("draft_model-itself", "qspec"):
+        assert stats.spec_num_accepted_tokens >= stats.spec_num_draft_tokens // 2
+    _assert_everything_freed(llm)
+
+
+def test_preemption_sampling_and_grammars_with_a_draft_model(request, tiny_llama_dir, smollm2_tokenizer):
+    """Nine KV blocks force preemption mid-speculation (the draft's KV is rebuilt when a request resumes);
+    a seeded sampled request speculates and is reproducible; a regex request's output matches its regex."""
+    request.getfixturevalue("kernels")
+    prompts = _prompts(smollm2_tokenizer)
+    regex = r"(yes|no), [0-9]{3} items"
+    params = [SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=20, structured_outputs=StructuredOutputsParams(regex=regex))]
+    kwargs = dict(num_kv_blocks=9, max_model_len=128, max_num_batched_tokens=32)
+    spec = {"model": str(tiny_llama_dir), "num_speculative_tokens": 3}
+    _, reference = _run(tiny_llama_dir, prompts, params, **kwargs)
+    llm, tokens = _run(tiny_llama_dir, prompts, params, speculative_config=spec, **kwargs)
+    assert [tokens[i] for i in (0, 2, 3)] == [reference[i] for i in (0, 2, 3)]
+    assert len(tokens[1]) == 30
+    import re
+    assert re.fullmatch(regex, smollm2_tokenizer.decode(tokens[3]))
+    core = llm.llm_engine.core.core
+    assert core.scheduler.num_preemptions > 0 and core.get_stats().spec_num_accepted_tokens > 0
+    _assert_everything_freed(llm)
+    _, again = _run(tiny_llama_dir, prompts[1:2], params[1:2], speculative_config=spec, **kwargs)
+    assert again[0] == tokens[1]
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tmp_path, tiny_llama_dir, smollm2_tokenizer):
+    import copy
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_tokens(["<only-in-the-draft>"])
+    other = build_tiny_llama(tmp_path / "other-vocab", tokenizer, num_hidden_layers=1)
+    with pytest.raises(ModelLoadError, match="different vocabulary"):
+        LLM(str(tiny_llama_dir), num_kv_blocks=32, speculative_config={"model": str(other)})
+
+
+def test_qspec_needs_an_exact_target(request, tiny_llama_dir):
+    request.getfixturevalue("kernels")
+    with pytest.raises(ModelLoadError, match="--numerics exact"):
+        LLM(str(tiny_llama_dir), num_kv_blocks=32, quantization="q8_0", speculative_config={"method": "qspec"})
+
+
+def test_layer_skip_cannot_keep_every_layer(tiny_llama_dir):
+    with pytest.raises(ModelLoadError, match="num_layers"):
+        LLM(str(tiny_llama_dir), num_kv_blocks=32, speculative_config={"method": "layer_skip", "num_layers": 2})
+
+
+def test_draft_model_memory_and_blocks(request, tiny_llama_dir):
+    """The KV budget holds the draft's blocks too: the same budget gives fewer blocks with a draft model."""
+    request.getfixturevalue("kernels")
+    budget = dict(kv_cache_memory_bytes=2**20, max_model_len=128)
+    plain = LLM(str(tiny_llama_dir), numerics="exact", **budget).llm_engine.core.core
+    drafted = LLM(str(tiny_llama_dir), numerics="exact", speculative_config={"method": "qspec"},
+                  **budget).llm_engine.core.core
+    draft_bytes = drafted.runner.drafter.bytes_per_block
+    assert drafted.num_kv_blocks == 2**20 // (plain.bytes_per_block + draft_bytes) < plain.num_kv_blocks
+    assert drafted.memory.kv_cache == drafted.num_kv_blocks * (plain.bytes_per_block + draft_bytes)
+    assert json.dumps(drafted.resolved_options()["speculative_config"]["draft_block_matmul"]) != '"float32"'
