@@ -126,3 +126,28 @@ def test_draft_model_memory_and_blocks(request, tiny_llama_dir):
     assert drafted.num_kv_blocks == 2**20 // (plain.bytes_per_block + draft_bytes) < plain.num_kv_blocks
     assert drafted.memory.kv_cache == drafted.num_kv_blocks * (plain.bytes_per_block + draft_bytes)
     assert json.dumps(drafted.resolved_options()["speculative_config"]["draft_block_matmul"]) != '"float32"'
+
+
+@pytest.mark.parametrize("spec", [{"model": "TARGET", "num_speculative_tokens": 3},
+                                  {"method": "ngram", "num_speculative_tokens": 3}])
+def test_each_sample_of_an_n_request_speculates(request, tiny_llama_dir, smollm2_tokenizer, spec):
+    """n = 2: each sample, once forked from the shared prompt, drafts and verifies on its own; greedy samples
+    are plain decoding's, seeded ones reproducible."""
+    request.getfixturevalue("kernels")
+    spec = {**spec, "model": str(tiny_llama_dir)} if "model" in spec else spec
+    prompts = _prompts(smollm2_tokenizer)[:2]
+    greedy = SamplingParams(n=2, temperature=0, max_tokens=24, ignore_eos=True)
+    seeded = SamplingParams(n=2, temperature=0.9, seed=5, max_tokens=24, ignore_eos=True)
+    kwargs = dict(num_kv_blocks=64, max_model_len=256)
+    plain = LLM(str(tiny_llama_dir), numerics="exact", **kwargs)
+    drafted = LLM(str(tiny_llama_dir), numerics="exact", speculative_config=spec, **kwargs)
+
+    def samples(llm, params):
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        return [[sample.token_ids for sample in o.outputs] for o in outputs]
+
+    assert samples(drafted, greedy) == samples(plain, greedy)
+    first = samples(drafted, seeded)
+    assert all(len(tokens) == 24 for per_prompt in first for tokens in per_prompt)
+    assert samples(drafted, seeded) == first
+    assert drafted.llm_engine.core.core.get_stats().spec_num_draft_tokens > 0

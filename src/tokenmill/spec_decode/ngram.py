@@ -40,7 +40,8 @@ class NgramProposer:
 def can_speculate(request: Any) -> bool:
     """Drafts are verified by the target's own distribution (greedy: its argmax; sampling: speculative
     sampling, which keeps the distribution exactly; with a grammar, under its mask at every position; with
-    logprobs, each kept draft's from its own position), so any single-sequence request may take part, except
-    forks (n > 1, beam search) and requests scoring their prompt."""
-    params = request.sampling_params
-    return params.n == 1 and request.fork_children is None and params.prompt_logprobs is None
+    logprobs, each kept draft's from its own position), so any sequence may take part: each sample of an n > 1
+    request once it has forked from the prompt (a parent waiting to fork samples nothing), but not beam search's
+    beams (parked after every token) nor requests scoring their prompt."""
+    return (request.fork_children is None and not request.park_after_sample
+            and request.sampling_params.prompt_logprobs is None)
