@@ -113,7 +113,7 @@ class SpeculativeConfig:
     no drafts in a step while more requests than this are running (default with the adaptive length:
     spec_decode.adaptive.MAX_BATCH, where a verify row stopped paying on CPU; without it: never).
 
-    Methods (docs/speculative_decoding.md):
+    Methods (README, "Speculative decoding"):
       ngram        prompt lookup: "prompt_lookup_max" / "prompt_lookup_min" tokens matched earlier in the sequence
       draft_model  a smaller model sharing the target's vocabulary ("model": its path)
       layer_skip   self-speculation: the target's first "num_layers" layers and its LM head (default: half)

@@ -67,6 +67,8 @@ class Request:
     spec_acceptance: Optional[float] = None  # adaptive draft length: recent share of drafts kept (None: none yet)
     # A draft model's proposals after this request's next step: how many (the scheduler allocates their slots).
     num_draft_lookahead: int = 0
+    # The draft model rested for this request (the batch was too large): resuming means computing all its tokens.
+    draft_behind: bool = False
     # Beam search: park after every sampled token (fork_children = []) until the search forks the
     # beams that continue from this one.
     park_after_sample: bool = False

@@ -78,6 +78,9 @@ class Scheduler:
         self._step_requests: dict[str, Request] = {}
         # Prompt tokens the step being scheduled may still take (max_mixed_prefill_tokens when it decodes).
         self._prefill_left = config.max_num_batched_tokens
+        # Speculative decoding with a draft model: no drafting in a step with more running requests than this
+        # (set by the engine core from the speculative config; None: no limit).
+        self.draft_batch_limit: Optional[int] = None
 
     # ---- queue management ----------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -153,6 +156,10 @@ class Scheduler:
         output.swap_out, output.swap_in = self.kv_cache.take_pending_swaps()
         output.kv_loads, output.kv_stores = self.kv_cache.take_pending_tier_io()
         rewritten = self.kv_cache.take_rewritten_tables()
+        if self.draft_batch_limit is not None and len(self.running) > self.draft_batch_limit:
+            for item in scheduled:  # the step's batch is too large for drafts to pay: the draft model rests
+                item.request.draft_behind |= item.draft_tokens > 0
+                item.draft_tokens = 0
         now = time.monotonic()
         self._step_requests = {}
         for item in scheduled:

@@ -49,6 +49,10 @@ def resolve_draft(config: EngineConfig, target_source, hardware: Hardware, targe
             f"qspec drafts through a faster path than the target's, but this engine already computes at its "
             f"fastest ({numerics.describe()}): start the target with --numerics exact, or use another method "
             "(layer_skip, draft_model)")
+    if spec.method == "qspec" and blocks:
+        logger.warning("qspec on block-quantized weights: the exact path multiplies the same kept blocks the "
+                       "draft does, so a draft costs most of a target step (0.82x at one stream measured on the "
+                       "embedded GGUF); it pays on dense checkpoints (docs/benchmarks.md)")
     logger.info("draft numerics: %s%s", numerics.describe(), "; weights rounded to Q8_0" if quantization else "")
     return dataclasses.replace(spec, draft_dtype=numerics.dtype.value, draft_block_matmul=numerics.block_matmul.value,
                                draft_kv_cache_dtype=numerics.kv_cache_dtype.value, draft_quantization=quantization)

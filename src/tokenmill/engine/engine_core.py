@@ -43,6 +43,9 @@ logger = logging.getLogger("tokenmill")
 # its reads against (decode-only steps would understate it).
 MIN_PROMPT_TOKENS_TO_TIME = 64
 SHUTDOWN_FLUSH_S = 10.0
+# A draft model that rested for a request resumes only if the reply has at least 1/RESUME_CATCH_UP_RATIO of the
+# request's tokens still to come (its catch-up computes them all).
+RESUME_CATCH_UP_RATIO = 8
 
 
 def derive_max_model_len(config: EngineConfig, hf_config) -> int:
@@ -182,6 +185,8 @@ class EngineCore:
         # n-grams are proposed here; a draft model's drafts come back with the runner's output.
         self.proposer = NgramProposer(spec) if spec is not None and spec.method == "ngram" else None
         self.spec_step_draft_limit = 0  # the last step's decision: drafts a request may propose
+        if spec is not None and spec.uses_draft_model:
+            self.scheduler.draft_batch_limit = self._spec_batch_limit()
         if spec is not None:
             logger.info("speculative decoding: %s, %d tokens per step%s", spec.method, spec.num_speculative_tokens,
                         f" (n-grams of {spec.prompt_lookup_min}..{spec.prompt_lookup_max})" if self.proposer else "")
@@ -248,9 +253,9 @@ class EngineCore:
             request = self._request(rid, message, params, grammars[0])
             spec = self.config.speculative_config
             if spec is not None and spec.uses_draft_model and can_speculate(request):
-                # Its prompt's last chunk already drafts, unless the batch is too large for drafts to pay.
-                request.num_draft_lookahead = adaptive.step_draft_limit(
-                    spec.num_speculative_tokens, len(self.scheduler.running) + 1, self._spec_batch_limit())
+                # Its prompt's last chunk already drafts, unless that step's batch is too large for drafts to
+                # pay (the scheduler's draft_batch_limit; then the draft model never computes its prompt).
+                request.num_draft_lookahead = spec.num_speculative_tokens
             self.scheduler.add_request(request)
             return
         # The prompt is computed once by the parent; the samples fork from it and share its blocks,
@@ -325,8 +330,15 @@ class EngineCore:
                 continue
             if not step_limit:
                 request.spec_token_ids = []
+                request.draft_behind |= self.proposer is None and request.num_draft_lookahead > 0
                 request.num_draft_lookahead = 0
                 continue
+            if request.draft_behind:
+                # The draft model would first compute every token of the request: worth it only for a reply
+                # with enough left to draft (a catch-up token costs about an eighth of a decode row).
+                if (request.max_tokens - request.num_output_tokens) * RESUME_CATCH_UP_RATIO < request.num_tokens:
+                    continue
+                request.draft_behind = False
             max_drafts = step_limit
             if spec.adaptive:
                 acceptance = adaptive.PRIOR if request.spec_acceptance is None else request.spec_acceptance
