@@ -7,7 +7,7 @@ run by run (median of --rounds), outputs compared token for token.
 
 --target: `exact-dense` (the embedded SmolLM2 exported to float32 safetensors by benchmarks.export_hf, at
 --numerics exact), `exact` (the embedded GGUF at --numerics exact), `default` (the embedded GGUF at the
-default numerics), or a model path (default numerics).
+default numerics), a model path (default numerics) or `exact:PATH` (that model at --numerics exact).
 """
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def _target(name: str) -> tuple[str | None, dict]:
         return None, {"numerics": "exact"}
     if name == "default":
         return None, {}
+    if name.startswith("exact:"):  # a model path at --numerics exact
+        return name.removeprefix("exact:"), {"numerics": "exact"}
     return name, {}
 
 
@@ -56,7 +58,7 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     engines = {}
     for name, speculative in (("off", None), ("spec", spec)):
-        engines[name] = LLM(model, max_model_len=1024, max_num_seqs=max(levels), kv_cache_memory_bytes="1GiB",
+        engines[name] = LLM(model, max_model_len=1024, max_num_seqs=max(levels),
                             speculative_config=speculative, **options)
     print(f"target {args.target}, spec {json.dumps(spec)}, {args.max_tokens} output tokens per request", flush=True)
     for concurrency in levels:

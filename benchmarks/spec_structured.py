@@ -1,7 +1,11 @@
 """Speculative decoding on a structured-output workload (JSON schema extraction: the reply copies values
-from the prompt), n-gram drafts against none, alternated run by run in one process, at 1 and 8 streams,
-the embedded SmolLM2 at its default numerics (docs/benchmarks.md, "Speculative decoding with structured
-outputs")."""
+from the prompt), drafts (n-gram by default, `--spec JSON` for another method) against none, alternated run
+by run in one process, at 1 and 8 streams, the embedded SmolLM2 at its default numerics or `--target` as
+benchmarks.spec_methods reads it (docs/benchmarks.md, "Speculative decoding with structured outputs").
+
+    python -m benchmarks.spec_structured --target exact-dense --spec '{"method": "qspec"}'
+"""
+import argparse
 import json
 import statistics
 import time
@@ -30,11 +34,18 @@ def conversations(n: int) -> list:
 
 
 def main() -> None:
+    from benchmarks.spec_methods import _target
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", default="default")
+    parser.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4}')
+    args = parser.parse_args()
+    model, options = _target(args.target)
     params = SamplingParams(temperature=0, max_tokens=96, structured_outputs=StructuredOutputsParams(
         json=SCHEMA, disable_any_whitespace=True))
-    llms = {"off": LLM(kv_cache_memory_bytes="512MiB", max_model_len=1024),
-            "ngram": LLM(kv_cache_memory_bytes="512MiB", max_model_len=1024,
-                         speculative_config={"method": "ngram", "num_speculative_tokens": 4})}
+    llms = {"off": LLM(model, kv_cache_memory_bytes="512MiB", max_model_len=1024, **options),
+            "spec": LLM(model, kv_cache_memory_bytes="512MiB", max_model_len=1024,
+                        speculative_config=json.loads(args.spec), **options)}
     for n in (1, 8):
         conv = conversations(n)
         times = {k: [] for k in llms}
@@ -43,17 +54,17 @@ def main() -> None:
             outs = llm.chat(conv, params, use_tqdm=False)
             tokens[name] = [o.outputs[0].token_ids for o in outs]
             json.loads(outs[0].outputs[0].text)
-        assert tokens["off"] == tokens["ngram"]  # greedy: the same replies
+        assert tokens["off"] == tokens["spec"]  # greedy: the same replies
         count = sum(len(t) for t in tokens["off"])
-        before = llms["ngram"].llm_engine.core.core.get_stats()
+        before = llms["spec"].llm_engine.core.core.get_stats()
         for _ in range(3):
             for name, llm in llms.items():
                 start = time.perf_counter()
                 llm.chat(conv, params, use_tqdm=False)
                 times[name].append(time.perf_counter() - start)
-        after = llms["ngram"].llm_engine.core.core.get_stats()
-        off, spec = (count / statistics.median(times[k]) for k in ("off", "ngram"))
-        print(f"streams={n}: {count} tokens per run; off {off:.1f} tok/s, n-gram {spec:.1f} tok/s ({spec / off:.2f}x); "
+        after = llms["spec"].llm_engine.core.core.get_stats()
+        off, spec = (count / statistics.median(times[k]) for k in ("off", "spec"))
+        print(f"streams={n}: {count} tokens per run; off {off:.1f} tok/s, {args.spec} {spec:.1f} tok/s ({spec / off:.2f}x); "
               f"drafts kept {after.spec_num_accepted_tokens - before.spec_num_accepted_tokens} of "
               f"{after.spec_num_draft_tokens - before.spec_num_draft_tokens}", flush=True)
 

@@ -151,3 +151,21 @@ def test_each_sample_of_an_n_request_speculates(request, tiny_llama_dir, smollm2
     assert all(len(tokens) == 24 for per_prompt in first for tokens in per_prompt)
     assert samples(drafted, seeded) == first
     assert drafted.llm_engine.core.core.get_stats().spec_num_draft_tokens > 0
+
+
+def test_sampled_requests_draw_drafts_from_the_draft_distribution(request, tiny_llama_dir, smollm2_tokenizer):
+    """At temperature 1 the tiny random model's distribution is nearly flat, so a guess (a point mass) would
+    almost never be kept; drafts drawn from the draft's own distribution (q, close to the target's under
+    qspec) are kept with probability sum min(p, q): most of them. Seeded requests stay reproducible."""
+    request.getfixturevalue("kernels")
+    prompts = _prompts(smollm2_tokenizer)
+    params = [SamplingParams(temperature=1.0, seed=seed, max_tokens=30, ignore_eos=True) for seed in range(4)]
+    spec = {"method": "qspec", "num_speculative_tokens": 3}
+    llm, tokens = _run(tiny_llama_dir, prompts, params, speculative_config=spec, num_kv_blocks=128,
+                       max_model_len=256)
+    stats = llm.llm_engine.core.core.get_stats()
+    assert stats.spec_num_draft_tokens > 20
+    assert stats.spec_num_accepted_tokens >= 0.7 * stats.spec_num_draft_tokens, stats
+    assert all(len(t) == 30 for t in tokens)
+    _, again = _run(tiny_llama_dir, prompts, params, speculative_config=spec, num_kv_blocks=128, max_model_len=256)
+    assert again == tokens

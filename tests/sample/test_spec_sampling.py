@@ -111,3 +111,24 @@ def test_drafts_from_a_wrong_distribution_still_give_the_targets():
     kept_share = sum(1 for kept, _ in outcomes if kept) / requests
     assert abs(kept_share - float(torch.minimum(target, q[0]).sum())) < 0.015
     assert abs(kept_share - float((target * q[0]).sum())) > 0.1
+
+
+def test_a_draft_models_draws_follow_its_own_distribution():
+    """Sampler.sample_drafts draws each row from the distribution the sampler would (here temperature and
+    top-k), returns those rows as q, and a seeded row's draw is its own stream (reproducible, and apart from
+    the token the same row would be sampled with)."""
+    rows = 30_000
+    params = SamplingParams(temperature=0.7, top_k=4)
+    logits = torch.tensor([POSITION_LOGITS[0]] * rows)
+    states = [SamplingRequestState(params, [0], [], None) for _ in range(rows)]
+    tokens, q = Sampler(seed=5).sample_drafts(logits, states)
+    expected = _target(0, params)
+    assert torch.allclose(q[0].double(), expected, atol=0.01) and torch.allclose(q[0], q[-1])
+    observed = torch.bincount(torch.tensor(tokens), minlength=6).double() / rows
+    assert torch.allclose(observed, expected, atol=0.015), (observed, expected)
+    assert observed[5] == 0 and observed[3] == 0  # outside the top 4
+    seeded = [SamplingRequestState(SamplingParams(temperature=1.0, seed=s), [0], [], None) for s in range(200)]
+    one = torch.tensor([POSITION_LOGITS[1]] * 200)
+    first, _ = Sampler(seed=1).sample_drafts(one, seeded)
+    assert Sampler(seed=2).sample_drafts(one, seeded)[0] == first
+    assert Sampler(seed=1)(one, seeded).sampled_token_ids != first  # not the token's own draw

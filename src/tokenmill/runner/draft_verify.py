@@ -11,7 +11,7 @@ core computes those rows; drafts are proposed only as far as the grammar allows 
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -22,9 +22,12 @@ from tokenmill.sample.sampler import Sampler, SamplingRequestState, has_logit_pr
 
 def verify_drafts(sampler: Sampler, batch: InputBatch, logits: torch.Tensor, verifying: Sequence[tuple[Any, Any]],
                   result: ModelRunnerOutput, grammar_rows: Optional[Mapping[str, int]] = None,
-                  grammar_bitmask: Optional[torch.Tensor] = None) -> None:
+                  grammar_bitmask: Optional[torch.Tensor] = None,
+                  draft_probs: Optional[Callable[[str, int, int], Optional[torch.Tensor]]] = None) -> None:
     """logits: each verifying (item, state)'s len(drafts) + 1 positions in a run, in `verifying`'s order.
     grammar_rows: a constrained request's first row in grammar_bitmask (one row per position follows).
+    draft_probs(request id, number of drafts, vocab size): the distribution q each draft was drawn from (a
+    draft model's, for sampled requests), or None for drafts proposed as point masses.
     Writes each request's kept drafts and its token into `result`."""
     grammar_rows = grammar_rows or {}
     plain = [state.sampling_params.greedy and not has_logit_processors(state.sampling_params)
@@ -62,7 +65,7 @@ def verify_drafts(sampler: Sampler, batch: InputBatch, logits: torch.Tensor, ver
         return
     step_logits = logits[rows]
     outcomes = sampler.verify_drafts(step_logits, states, [item.spec_token_ids for item in sampled_items],
-                                     grammar_bitmask)
+                                     grammar_bitmask, _draft_distributions(sampled_items, draft_probs, logits.shape[1]))
     # Logprobs, where asked for, of each kept draft and of the token, from the raw logits at their positions.
     logprob_rows, logprob_tokens, logprob_owner = [], [], []
     start = 0
@@ -82,3 +85,19 @@ def verify_drafts(sampler: Sampler, batch: InputBatch, logits: torch.Tensor, ver
             result.accepted_logprobs.setdefault(request_id, []).append(entry)
         for request_id in set(logprob_owner):  # the last entry is the sampled token's
             result.logprobs[request_id] = result.accepted_logprobs[request_id].pop()
+
+
+def _draft_distributions(items, draft_probs, vocab_size: int) -> Optional[torch.Tensor]:
+    """q's rows of every draft of `items`, in order, where any was drawn from a distribution (the others as
+    one-hot rows: a point mass is the distribution of a guess); None where none was."""
+    if draft_probs is None:
+        return None
+    found = [draft_probs(item.request_id, len(item.spec_token_ids), vocab_size) for item in items]
+    if all(q is None for q in found):
+        return None
+    rows = []
+    for item, q in zip(items, found):
+        if q is None:
+            q = torch.nn.functional.one_hot(torch.tensor(item.spec_token_ids), vocab_size).to(torch.float32)
+        rows.append(q)
+    return torch.cat(rows)

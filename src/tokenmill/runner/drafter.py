@@ -32,6 +32,7 @@ from tokenmill.core.sched_output import ModelRunnerOutput, ScheduledRequest, Sch
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.loader import load_model_source
 from tokenmill.runner.input_batch import InputBatch
+from tokenmill.sample.sampler import SamplingRequestState
 
 logger = logging.getLogger("tokenmill")
 
@@ -99,6 +100,7 @@ class Drafter:
         self.vocab_size = min(hf_config.vocab_size, target_vocab_size)  # ids past it are padding, never text
         self.computed: dict[str, int] = {}
         self.tail: dict[str, tuple[int, list[int]]] = {}
+        self.probs: dict[str, list[torch.Tensor]] = {}  # a sampled request's q rows, one per draft
         logger.info("draft model (%s): %s%s, %s", spec.method, source.path,
                     f", first {self.num_layers} layers" if self.num_layers else "", self.runner.linear_layers)
 
@@ -112,6 +114,7 @@ class Drafter:
                            *(new.request_id for new in output.new_requests)):
             self.computed.pop(request_id, None)
             self.tail.pop(request_id, None)
+            self.probs.pop(request_id, None)
 
     def propose(self, output: SchedulerOutput, batch: InputBatch, result: ModelRunnerOutput) -> None:
         """After the target's step: updates what the draft KV holds, then drafts for the items that ask."""
@@ -153,8 +156,10 @@ class Drafter:
         drafts: dict[str, list[int]] = {item.request_id: [] for item, _ in drafting}
         positions = {item.request_id: position for item, position in drafting}
         wanted = {item.request_id: item.draft_tokens for item, _ in drafting}
+        for rid in drafts:
+            self.probs.pop(rid, None)
         while items:
-            tokens = self._forward(items, batch)
+            tokens = self._choose(items, self._forward(items, batch), batch)
             following = []
             for item, token in zip(items, tokens):
                 rid = item.request_id
@@ -183,8 +188,43 @@ class Drafter:
         return ScheduledRequest(request_id, start, count, [],
                                 spec_token_ids=[0] * (count - 1) if 1 < count <= MAX_DECODE_CATCH_UP else [])
 
-    def _forward(self, items: list[ScheduledRequest], batch: InputBatch) -> list[int]:
-        """One draft forward over `items`' positions of the target's rows; the argmax after each item's last."""
+    def _choose(self, items: list[ScheduledRequest], logits: torch.Tensor, batch: InputBatch) -> list[int]:
+        """Each item's next draft: a greedy request's argmax; a sampled request's drawn from the draft's
+        distribution q as its sampling parameters shape it, q's row kept for the verify (speculative sampling
+        then keeps the target's distribution with far more drafts kept than point-mass guesses would be)."""
+        tokens = logits.argmax(dim=-1).tolist()
+        sampled = [i for i, item in enumerate(items)
+                   if not batch.requests[item.request_id].sampling_params.greedy]
+        if not sampled:
+            return tokens
+        states = []
+        for i in sampled:
+            item = items[i]
+            state = batch.requests[item.request_id]
+            known_end = item.start_position + item.num_new_tokens  # the logits predict this position
+            states.append(SamplingRequestState(
+                params=state.sampling_params, prompt_token_ids=state.prompt_token_ids,
+                output_token_ids=batch.output_tokens(state, known_end), eos_token_id=state.eos_token_id,
+                known_token_ids=batch.known_tokens(state, known_end)))
+        drawn, probs = self.runner.sampler.sample_drafts(logits[sampled], states)
+        for i, token, row in zip(sampled, drawn, probs):
+            tokens[i] = token
+            self.probs.setdefault(items[i].request_id, []).append(row)
+        return tokens
+
+    def draft_probs(self, request_id: str, num_drafts: int, vocab_size: int) -> Optional[torch.Tensor]:
+        """q's rows of the request's first num_drafts drafts ([num_drafts, vocab_size]), or None when they were
+        not drawn from a distribution (greedy drafts: point masses)."""
+        rows = self.probs.get(request_id)
+        if not rows or len(rows) < num_drafts:
+            return None
+        q = torch.stack(rows[:num_drafts])
+        if q.shape[1] != vocab_size:  # the two models' logits differ in padding only (same vocabulary)
+            q = torch.nn.functional.pad(q[:, :vocab_size], (0, max(0, vocab_size - q.shape[1])))
+        return q
+
+    def _forward(self, items: list[ScheduledRequest], batch: InputBatch) -> torch.Tensor:
+        """One draft forward over `items`' positions of the target's rows: the logits after each item's last."""
         runner = self.runner
         backend = runner.attention_backend
         states = [batch.requests[item.request_id] for item in items]
@@ -192,5 +232,4 @@ class Drafter:
         metas = [backend.prepare_metadata(group_inputs) for group_inputs in inputs.attention]
         meta = metas[0] if len(metas) == 1 else [metas[group] for group in runner._layer_group]
         hidden = runner.model(inputs.input_ids, inputs.positions, runner.layer_kv_caches, meta)
-        logits = runner.model.compute_logits(hidden[inputs.last_token_index])
-        return logits.argmax(dim=-1).tolist()
+        return runner.model.compute_logits(hidden[inputs.last_token_index])

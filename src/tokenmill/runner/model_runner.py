@@ -327,7 +327,7 @@ class ModelRunner:
         if self.tp is not None and not self.tp.is_driver:
             return  # the driver's tokens reach the core (as for sampled rows)
         verify_drafts(self.sampler, self.input_batch, logits, [(item, state) for item, state, _ in verifying], result,
-                      output.grammar_rows, self._grammar_bitmask(output))
+                      output.grammar_rows, self._grammar_bitmask(output), self.drafter and self.drafter.draft_probs)
 
     def initialize_host_cache(self, num_blocks: int) -> None:
         """Swap space in host memory (pinned on CUDA, so copies can run at full bandwidth)."""

@@ -30,6 +30,7 @@ _MASK64 = (1 << 64) - 1
 _MASK63 = (1 << 63) - 1
 # Keeps a seeded row's draft-acceptance draws apart from the stream its tokens are drawn with.
 _ACCEPT_SALT = 0x5EC0_D1A7
+_DRAFT_SALT = 0x6472616674  # "draft": a draft model's draws
 # Rows of prompt logprobs handled at once: a [chunk, vocab] float32 buffer instead of [T, vocab].
 _PROMPT_LOGPROBS_CHUNK = 256
 
@@ -283,9 +284,10 @@ class Sampler:
         _apply_to_rows(logits, m_rows, lp.apply_min_p, torch.from_numpy(arrays.min_p[m_rows]).to(device))
 
     def _exponential_noise(
-        self, states: list[SamplingRequestState], vocab: int, device: torch.device
+        self, states: list[SamplingRequestState], vocab: int, device: torch.device, salt: int = 0
     ) -> torch.Tensor:
-        """Exp(1) draws as -log(U): several times faster than Tensor.exponential_ on CPU."""
+        """Exp(1) draws as -log(U): several times faster than Tensor.exponential_ on CPU. salt: a seeded row's
+        stream apart from its token's (a draft model's draws)."""
         noise = torch.empty((len(states), vocab), dtype=torch.float32, device=device)
         unseeded = [i for i, s in enumerate(states) if s.params.seed is None]
         if len(unseeded) == len(states):
@@ -297,7 +299,7 @@ class Sampler:
         for i, state in enumerate(states):
             if state.params.seed is not None:
                 gen = self._seeded_generator(device)
-                gen.manual_seed(mix_seed(state.params.seed, len(state.output_token_ids)))
+                gen.manual_seed(mix_seed(state.params.seed ^ salt, len(state.output_token_ids)))
                 noise[i].uniform_(generator=gen)
         # U = 0 gives +inf (that token just loses); a zero draw would turn 0/0 into NaN for masked
         # tokens, so the smallest normal float stands in for it.
@@ -374,6 +376,15 @@ class Sampler:
         final_states = [states[row] for row in final_rows]
         tokens = final.div_(self._exponential_noise(final_states, final.shape[1], device)).argmax(dim=1).tolist()
         return [(list(d[:kept]), token) for d, kept, token in zip(drafts, kept_counts, tokens)]
+
+    def sample_drafts(self, logits: torch.Tensor, states: list[SamplingRequestState]) -> tuple[list[int], torch.Tensor]:
+        """A draft model's drafts, drawn from its distribution q as the sampler draws from the target's (the
+        same processors, temperature, top-k, top-p, min-p; greedy rows: the argmax), and q's rows, for
+        verify_drafts' draft_probs. A seeded request draws from a stream of its own seed and position, apart
+        from its token's and its acceptance's, so it stays reproducible."""
+        probs = self._probabilities(logits, states)
+        noise = self._exponential_noise(states, probs.shape[1], probs.device, salt=_DRAFT_SALT)
+        return (probs / noise).argmax(dim=1).tolist(), probs
 
     def token_logprobs(self, raw_logits: torch.Tensor, token_ids: Sequence[int],
                        states: list[SamplingRequestState]) -> list[dict[int, Logprob] | None]:
