@@ -119,7 +119,8 @@ class SpeculativeConfig:
       layer_skip   self-speculation: the target's first "num_layers" layers and its LM head (default: half)
       qspec        self-speculation: the target's own weights through the fastest numerics (int8 dot products)
                    drafting for a target at `--numerics exact`
-    A draft model runs at the fastest numerics of the machine ("numerics": "auto"), or "exact".
+    A draft model runs at the fastest numerics of the machine ("numerics": "auto"), or "exact"; layer_skip at
+    the target's (its layers are the target's, on the target's KV cache).
     The draft_* fields are resolved by the engine at start-up (runner.numerics), never given by a user."""
 
     method: str = "ngram"
@@ -164,8 +165,9 @@ class SpeculativeConfig:
         if self.numerics not in DRAFT_NUMERICS:
             raise InvalidRequestError(f"numerics must be one of {', '.join(DRAFT_NUMERICS)}, got {self.numerics!r}",
                                       param)
-        if self.method == "qspec" and self.numerics != "auto":
-            raise InvalidRequestError("qspec drafts at the fastest numerics; it takes no \"numerics\"", param)
+        if self.method in ("qspec", "layer_skip") and self.numerics != "auto":
+            raise InvalidRequestError(f"{self.method} drafts at numerics of its own choosing; it takes no "
+                                      "\"numerics\"", param)
 
     @property
     def uses_draft_model(self) -> bool:

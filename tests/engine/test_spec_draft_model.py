@@ -169,3 +169,47 @@ def test_sampled_requests_draw_drafts_from_the_draft_distribution(request, tiny_
     assert all(len(t) == 30 for t in tokens)
     _, again = _run(tiny_llama_dir, prompts, params, speculative_config=spec, num_kv_blocks=128, max_model_len=256)
     assert again == tokens
+
+
+def test_layer_skip_drafts_on_the_targets_kv_cache(tiny_llama_dir):
+    """layer_skip's layers are the target's first ones at its numerics: they read and write the target's
+    KV tensors, cost the KV budget nothing, and never catch up (every position the target computed is theirs)."""
+    budget = dict(kv_cache_memory_bytes=2**20, max_model_len=128, numerics="exact")
+    plain = LLM(str(tiny_llama_dir), **budget).llm_engine.core.core
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "layer_skip", "num_layers": 1}, **budget)
+    core = llm.llm_engine.core.core
+    drafter = core.runner.drafter
+    assert core.num_kv_blocks == plain.num_kv_blocks and drafter.bytes_per_block == 0
+    assert drafter.runner.layer_kv_caches[0] is core.runner.layer_kv_caches[0]
+    assert drafter.runner.dtype == core.runner.dtype
+    caught_up = []
+    original = drafter._catch_up
+    drafter._catch_up = lambda rid, start, end: caught_up.append(end - start) or original(rid, start, end)
+    llm.generate([{"prompt_token_ids": list(range(5, 45))}], SamplingParams(temperature=0, max_tokens=20,
+                                                                           ignore_eos=True), use_tqdm=False)
+    assert caught_up and set(caught_up) == {1}  # only the sampled token: the prompt is the target's
+
+
+@pytest.mark.slow
+def test_json_schema_replies_are_plain_decodings_tokens(request):
+    """Drafts stop before text the grammar forces: there plain decoding appends the grammar's own tokens
+    (fast-forward), while a draft, or the token sampled after the last one, could spell the same text with
+    other tokens (SmolLM2 writes `","` where the grammar forces `"` and `,"city":"`)."""
+    request.getfixturevalue("kernels")
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                                               "job": {"type": "string"}},
+              "required": ["name", "city", "job"], "additionalProperties": False}
+    params = SamplingParams(temperature=0, max_tokens=64, structured_outputs=StructuredOutputsParams(
+        json=schema, disable_any_whitespace=True))
+    people = [("Alice Martin", "Paris", "structural engineer"), ("Bruno Keller", "Zurich", "pastry chef"),
+              ("Chiara Rossi", "Bologna", "marine biologist"), ("Daniel Okafor", "Lagos", "software architect")]
+    conversations = [[{"role": "user", "content": f"Extract name, city and job as JSON:\n{name} lives in {city} "
+                                                  f"and works as a {job}."}] for name, city, job in people * 2]
+    kwargs = dict(kv_cache_memory_bytes="256MiB", max_model_len=512, numerics="exact")
+    reference = [o.outputs[0].token_ids for o in LLM(**kwargs).chat(conversations, params, use_tqdm=False)]
+    llm = LLM(speculative_config={"method": "qspec"}, **kwargs)
+    outputs = llm.chat(conversations, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == reference
+    assert llm.llm_engine.core.core.get_stats().spec_num_accepted_tokens > 0
+    for output in outputs:
+        assert set(json.loads(output.outputs[0].text)) == {"name", "city", "job"}

@@ -223,8 +223,17 @@ def test_grammar_checks_drafts_and_masks_each_position_without_moving(llm, smoll
     grammar = backend.compile(StructuredOutputsParams(regex="ab(c|d)e", param="guided_regex"))
     ids = [smollm2_tokenizer.convert_tokens_to_ids(t) for t in ("a", "b", "c", "e", "x")]
     a, b, c, e, x = ids
-    assert grammar.valid_prefix([a, b, c, e]) == 4 and grammar.valid_prefix([a, x, c]) == 1
+    # "e" completes the grammar: plain decoding stops after it, so it is never a draft (a verify would
+    # sample a token after it).
+    assert grammar.valid_prefix([a, b, c, e]) == 3 and grammar.valid_prefix([a, x, c]) == 1
     assert grammar.valid_prefix([x]) == 0 and grammar.valid_prefix([]) == 0
+    # With fast-forward, drafts stop before the first one after which the grammar forces text ("e" after "c"
+    # here; "f" after "d" below): plain decoding appends the forced tokens there instead of sampling.
+    assert grammar.valid_prefix([a, b, c, e], stop_before_forced=True) == 2
+    choices = backend.compile(StructuredOutputsParams(regex="(a|x)(b|c)(d|e)f", param="guided_regex"))
+    d, f = (smollm2_tokenizer.convert_tokens_to_ids(t) for t in ("d", "f"))
+    assert choices.valid_prefix([a, b, d, f], stop_before_forced=True) == 2
+    assert choices.valid_prefix([a, b, d, f]) == 3 and choices.valid_prefix([a, b, d, f], True) == 2  # unmoved
     before = allocate_token_bitmask(1, vocab)
     grammar.fill_bitmask(before, 0)
     rows = allocate_token_bitmask(3, vocab)

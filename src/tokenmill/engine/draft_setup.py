@@ -36,6 +36,11 @@ def resolve_draft(config: EngineConfig, target_source, hardware: Hardware, targe
     if spec.method == "draft_model":
         source = load_model_source(spec.model)
         check_same_vocabulary(target_source.tokenizer, source.tokenizer, spec.model)
+    if spec.method == "layer_skip":  # the target's own first layers, on its KV cache: its numerics exactly
+        logger.info("draft numerics: the target's (%s)", target.describe())
+        return dataclasses.replace(spec, draft_dtype=target.dtype.value, draft_block_matmul=target.block_matmul.value,
+                                   draft_kv_cache_dtype=target.kv_cache_dtype.value,
+                                   draft_quantization=config.quantization)
     blocks = source.has_int8_block_matrices()
     # The fastest numerics of a dense draft: its weights rounded to Q8_0 at load, for the int8 dot products.
     quantization = "q8_0" if (spec.numerics == "auto" and not blocks and hardware.device_type == "cpu"

@@ -355,7 +355,8 @@ class EngineCore:
             else:
                 drafts = self.proposer.propose(request.all_token_ids)[:max_drafts] if max_drafts else []
             if drafts and request.structured_output is not None:  # only drafts the grammar allows
-                drafts = drafts[:request.structured_output.valid_prefix(drafts)]
+                drafts = drafts[:request.structured_output.valid_prefix(
+                    drafts, stop_before_forced=self._fast_forwards(request))]
             request.spec_token_ids = drafts
 
     def _fill_grammar_bitmask(self, sched: SchedulerOutput) -> None:
@@ -381,6 +382,11 @@ class EngineCore:
             row += len(item.spec_token_ids) + 1
         sched.grammar_bitmask = bitmask.numpy().tobytes()
 
+    def _fast_forwards(self, request: Request) -> bool:
+        """Whether text the request's grammar forces is appended without a model step per token (not for
+        requests that want logprobs, which need a distribution for every token)."""
+        return self.config.structured_outputs_fast_forward and request.sampling_params.logprobs is None
+
     def _advance_grammars(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> dict[str, list[int]]:
         """Feed sampled tokens to their grammars; returns the tokens each grammar now forces."""
         forced: dict[str, list[int]] = {}
@@ -395,7 +401,7 @@ class EngineCore:
             grammar.accept_token(token)
             # Fast-forward: text the grammar now forces is appended without a model step per token.
             # Not for requests that want logprobs, which need a distribution for every token.
-            if self.config.structured_outputs_fast_forward and request.sampling_params.logprobs is None:
+            if self._fast_forwards(request):
                 tokens = grammar.forced_tokens()
                 if tokens:
                     forced[request_id] = tokens

@@ -76,9 +76,8 @@ def _first_layers(weights, num_layers: int, int8_blocks: Optional[dict]):
 
 
 class Drafter:
-    def __init__(self, config, target_source, device: torch.device, max_model_len: int,
-                 target_windows: tuple, target_vocab_size: int, runner_class) -> None:
-        """runner_class: the target's ModelRunner class; the draft is a runner of its own."""
+    def __init__(self, config, target_source, target) -> None:
+        """target: the target's ModelRunner (weights loaded); the draft is a runner of the same class."""
         spec = config.speculative_config
         draft_config = draft_engine_config(config)
         source = target_source if spec.model is None else load_model_source(spec.model)
@@ -87,26 +86,40 @@ class Drafter:
         if spec.method == "layer_skip":
             self.num_layers = spec.num_layers or max(1, hf_config.num_hidden_layers // 2)
             hf_config = layer_skip_config(hf_config, self.num_layers)
-        self.runner = runner_class(draft_config, hf_config, source.architecture, device, max_model_len)
+        self.target = target
+        self.runner = type(target)(draft_config, hf_config, source.architecture, target.device, target.max_model_len)
         int8_blocks = {} if self.runner.linear_methods.keeps_int8_blocks(source.is_gguf) else None
         weights = source.iter_weights(self.runner.dtype, int8_blocks)
         if self.num_layers is not None:
             weights = _first_layers(weights, self.num_layers, int8_blocks)
         self.runner.load_weights(weights, int8_blocks)
-        if tuple(self.runner.kv_layout.windows) != tuple(target_windows):
+        # layer_skip's layers are the target's first ones, at its numerics: their KV is the target's, so the
+        # draft reads and writes the target's cache (as LayerSkip reuses it) and never catches up.
+        self.shares_kv = self.num_layers is not None
+        windows = self.runner.kv_layout.windows
+        if not self.shares_kv and tuple(windows) != tuple(target.kv_layout.windows):
             raise ModelLoadError("the draft model's attention windows differ from the target's "
-                                 f"({self.runner.kv_layout.windows} vs {target_windows}): its KV cache cannot "
+                                 f"({windows} vs {target.kv_layout.windows}): its KV cache cannot "
                                  "follow the target's block tables")
-        self.vocab_size = min(hf_config.vocab_size, target_vocab_size)  # ids past it are padding, never text
+        # ids past the smaller vocabulary are padding, never text
+        self.vocab_size = min(hf_config.vocab_size, target.hf_config.vocab_size)
         self.computed: dict[str, int] = {}
         self.tail: dict[str, tuple[int, list[int]]] = {}
         self.probs: dict[str, list[torch.Tensor]] = {}  # a sampled request's q rows, one per draft
         logger.info("draft model (%s): %s%s, %s", spec.method, source.path,
-                    f", first {self.num_layers} layers" if self.num_layers else "", self.runner.linear_layers)
+                    f", the first {self.num_layers} layers on the target's KV cache" if self.shares_kv else "",
+                    self.runner.linear_layers)
 
     @property
     def bytes_per_block(self) -> int:
-        return self.runner.kv_spec.bytes_per_block
+        """What the draft adds to a KV block (nothing where it reads the target's cache)."""
+        return 0 if self.shares_kv else self.runner.kv_spec.bytes_per_block
+
+    def initialize_kv_cache(self, num_blocks: int) -> None:
+        if self.shares_kv:
+            self.runner.layer_kv_caches = self.target.layer_kv_caches[:self.num_layers]
+        else:
+            self.runner.initialize_kv_cache(num_blocks)
 
     def forget(self, output: SchedulerOutput) -> None:
         """Requests the runner dropped or (re)described in full: their draft KV is no longer theirs."""
@@ -125,7 +138,8 @@ class Drafter:
             state = batch.requests[rid]
             kept = len(result.accepted.get(rid) or ())
             known_end = item.start_position + item.num_new_tokens - len(item.spec_token_ids) + kept
-            computed = self._verified(rid, state.row, batch, known_end)
+            # Sharing the target's KV, the draft has every position the target computed.
+            computed = known_end if self.shares_kv else self._verified(rid, state.row, batch, known_end)
             token = result.sampled.get(rid)
             if item.draft_tokens and token is not None:
                 batch.token_ids[state.row, known_end] = token
@@ -230,6 +244,7 @@ class Drafter:
         states = [batch.requests[item.request_id] for item in items]
         inputs = batch.prepare(items, states, runner.device, backend.paged_decode)
         metas = [backend.prepare_metadata(group_inputs) for group_inputs in inputs.attention]
-        meta = metas[0] if len(metas) == 1 else [metas[group] for group in runner._layer_group]
+        groups = (self.target if self.shares_kv else runner)._layer_group  # layer -> its KV cache group
+        meta = metas[0] if len(metas) == 1 else [metas[group] for group in groups[:len(runner.layer_kv_caches)]]
         hidden = runner.model(inputs.input_ids, inputs.positions, runner.layer_kv_caches, meta)
         return runner.model.compute_logits(hidden[inputs.last_token_index])

@@ -128,8 +128,7 @@ class ModelRunner:
         if self._draft_config is not None:
             from tokenmill.runner.drafter import Drafter
 
-            self.drafter = Drafter(self._draft_config, source, self.device, self.max_model_len, self.kv_layout.windows,
-                                   self.hf_config.vocab_size, type(self))
+            self.drafter = Drafter(self._draft_config, source, self)
 
     def load_weights(self, weights, int8_blocks: Optional[dict[str, Int8Blocks]] = None) -> None:
         """Copies `weights` into the model, then builds its linear layers; `int8_blocks` (filled while
@@ -182,7 +181,7 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.kv_spec, num_blocks, self.device)
         self.layer_kv_caches = [self.kv_caches[j] for j in self._layer_tensor]
         if self.drafter is not None:
-            self.drafter.runner.initialize_kv_cache(num_blocks)
+            self.drafter.initialize_kv_cache(num_blocks)
 
     def profile_free_memory(self, max_num_batched_tokens: int, utilization: float) -> int:
         """CUDA: bytes left for the KV cache after weights and a peak-size forward pass.

@@ -21,9 +21,12 @@ class StructuredOutputGrammar(Protocol):
     def accept_token(self, token_id: int) -> bool:
         """Advance past a sampled token; False if the grammar did not allow it."""
 
-    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+    def valid_prefix(self, token_ids: Sequence[int], stop_before_forced: bool = False) -> int:
         """How many of these tokens (speculative drafts) the grammar allows in a row from here, without
-        advancing."""
+        advancing, stopping before one that completes the grammar (plain decoding stops right after it, where
+        a verify would add the token after it). stop_before_forced: also before the first after which the
+        grammar forces text (fast-forward appends it after a sampled token; a draft there, or the token
+        sampled after it, would put the model's own tokenization where plain decoding puts the forced one)."""
 
     def fill_bitmasks_along(self, bitmask: torch.Tensor, first_row: int, token_ids: Sequence[int]) -> None:
         """Rows first_row .. first_row + len(token_ids): the tokens allowed next here, then after each of

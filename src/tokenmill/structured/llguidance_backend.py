@@ -71,10 +71,22 @@ class LLGuidanceGrammar:
         logger.warning("structured output: token %d was not allowed (%s)", token_id, self.matcher.get_error())
         return False
 
-    def valid_prefix(self, token_ids: Sequence[int]) -> int:
+    def valid_prefix(self, token_ids: Sequence[int], stop_before_forced: bool = False) -> int:
         if not token_ids or self.matcher.is_stopped() or self.matcher.is_error():
             return 0
-        return int(self.matcher.validate_tokens(list(token_ids)))
+        count = int(self.matcher.validate_tokens(list(token_ids)))
+        consumed = 0
+        for i in range(count):
+            if not self.matcher.consume_token(token_ids[i]):
+                count = i
+                break
+            consumed += 1
+            if self.matcher.is_stopped() or (stop_before_forced and self.matcher.compute_ff_tokens()):
+                count = i  # the grammar ends, or forced text follows, after this draft
+                break
+        if consumed:
+            self.matcher.rollback(consumed)
+        return count
 
     def fill_bitmasks_along(self, bitmask: torch.Tensor, first_row: int, token_ids: Sequence[int]) -> None:
         from llguidance.torch import fill_next_token_bitmask
