@@ -111,7 +111,8 @@ class SpeculativeConfig:
     "disable_by_batch_size": b}, plus tokenmill's "adaptive" (default true: each request proposes fewer drafts
     while its recent ones are refused, spec_decode/adaptive.py; false: always up to k). disable_by_batch_size:
     no drafts in a step while more requests than this are running (default with the adaptive length:
-    spec_decode.adaptive.MAX_BATCH, where a verify row stopped paying on CPU; without it: never).
+    spec_decode.adaptive.MAX_BATCH, 8, where a verify row stopped paying on CPU, and MAX_BATCH_DRAFT_MODEL, 4,
+    for drafts from a model; without it: never).
 
     Methods (README, "Speculative decoding"):
       ngram        prompt lookup: "prompt_lookup_max" / "prompt_lookup_min" tokens matched earlier in the sequence

@@ -311,7 +311,7 @@ class EngineCore:
     def _spec_batch_limit(self):
         spec = self.config.speculative_config
         if spec.disable_by_batch_size is None and spec.adaptive:
-            return adaptive.MAX_BATCH
+            return adaptive.MAX_BATCH_DRAFT_MODEL if spec.uses_draft_model else adaptive.MAX_BATCH
         return spec.disable_by_batch_size
 
     def _propose_drafts(self, sched: SchedulerOutput, result: ModelRunnerOutput) -> None:

@@ -13,6 +13,9 @@ from __future__ import annotations
 # AVX-512 CPU at the default int8 numerics, drafts broke even at 8 streams and cost 10-16% at 16 and 35-40%
 # at 64 (docs/benchmarks.md, "Adaptive draft length"), as the step turns from reading weights to computing.
 MAX_BATCH = 8
+# The same for drafts from a model, which cost draft forwards too: at 4 streams qspec and draft_model still ran
+# 1.01-1.13x, at 8 streams of JSON-schema extraction qspec cost 35% (docs/benchmarks.md, "Drafts from a model").
+MAX_BATCH_DRAFT_MODEL = 4
 PRIOR = 0.6
 MIN_KEEP_CHANCE = 0.3
 SMOOTHING = 0.5  # weight of the latest verify in the moving average
