@@ -213,3 +213,28 @@ def test_json_schema_replies_are_plain_decodings_tokens(request):
     assert llm.llm_engine.core.core.get_stats().spec_num_accepted_tokens > 0
     for output in outputs:
         assert set(json.loads(output.outputs[0].text)) == {"name", "city", "job"}
+
+
+def test_stop_strings_and_max_tokens_end_a_drafted_reply_where_plain_decoding_does(request, tiny_llama_dir,
+                                                                                  smollm2_tokenizer):
+    """Several tokens arrive per step with drafts: a stop string inside them still ends the reply at the
+    same text, and max_tokens is never exceeded."""
+    request.getfixturevalue("kernels")
+    prompts = _prompts(smollm2_tokenizer)[:2]
+    kwargs = dict(num_kv_blocks=128, max_model_len=256)
+    plain = LLM(str(tiny_llama_dir), numerics="exact", **kwargs)
+    text = plain.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(temperature=0, max_tokens=30,
+                                                                             ignore_eos=True),
+                          use_tqdm=False)[0].outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 3]
+    params = [SamplingParams(temperature=0, max_tokens=30, ignore_eos=True, stop=[stop]),
+              SamplingParams(temperature=0, max_tokens=13, ignore_eos=True)]
+    drafted = LLM(str(tiny_llama_dir), numerics="exact", speculative_config={"model": str(tiny_llama_dir)}, **kwargs)
+    outputs = {}
+    for name, llm in (("plain", plain), ("drafted", drafted)):
+        outputs[name] = [(o.outputs[0].text, o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                         for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+    assert outputs["drafted"] == outputs["plain"]
+    assert outputs["drafted"][0][2] == "stop" and stop not in outputs["drafted"][0][0]
+    assert len(outputs["drafted"][1][1]) == 13 and outputs["drafted"][1][2] == "length"
+    assert drafted.llm_engine.core.core.get_stats().spec_num_accepted_tokens > 0

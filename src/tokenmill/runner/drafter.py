@@ -5,6 +5,9 @@ The draft model is a ModelRunner of its own (weights, numerics, attention backen
 target's input batch: the same token rows and the same block tables. Its KV cache has as many blocks as the
 target's, and a request's draft KV sits in the blocks the target's table gives it, so the draft's blocks are
 allocated, shared through the prefix cache, preempted and freed with the target's, by the one block manager.
+layer_skip's draft is the target's own first layers at its numerics: it reads and writes the target's KV
+tensors of those layers (writing only positions the target has not computed yet, which the target's next
+step overwrites), so it has no cache of its own and never catches up.
 
 Its KV of a request is written only when the request drafts, and valid as far as this module has checked:
     computed[rid]   positions whose draft KV holds the request's real tokens
