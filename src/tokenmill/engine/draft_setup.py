@@ -1,7 +1,7 @@
 """Speculative decoding with a draft model, decided at engine start: the draft's checkpoint checked against
 the target's (the same vocabulary), and the numerics it runs at resolved from the hardware, as the
-target's are (runner.numerics). The runner loads it (runner/drafter.py) from what this writes into the
-speculative config."""
+target's are (runner.numerics). The runner loads it (runner/drafter.py) from the source this returns and
+what it writes into the speculative config."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,7 +9,7 @@ import logging
 
 from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.errors import ModelLoadError
-from tokenmill.model.loader import load_model_source
+from tokenmill.model.loader import ModelSource, load_model_source
 from tokenmill.runner.numerics import Hardware, Numerics, resolve_numerics
 
 logger = logging.getLogger("tokenmill")
@@ -28,9 +28,11 @@ def check_same_vocabulary(target_tokenizer, draft_tokenizer, draft_path: str) ->
             "the target's tokenizer")
 
 
-def resolve_draft(config: EngineConfig, target_source, hardware: Hardware, target: Numerics) -> SpeculativeConfig:
+def resolve_draft(config: EngineConfig, target_source, hardware: Hardware,
+                  target: Numerics) -> tuple[SpeculativeConfig, ModelSource]:
     """The speculative config with the draft's numerics filled in (draft_dtype, draft_block_matmul,
-    draft_kv_cache_dtype, draft_quantization). config: the engine's, its own numerics already resolved."""
+    draft_kv_cache_dtype, draft_quantization), and the draft's model source (the target's own for qspec and
+    layer_skip), loaded once here. config: the engine's, its own numerics already resolved."""
     spec = config.speculative_config
     source = target_source
     if spec.method == "draft_model":
@@ -40,7 +42,7 @@ def resolve_draft(config: EngineConfig, target_source, hardware: Hardware, targe
         logger.info("draft numerics: the target's (%s)", target.describe())
         return dataclasses.replace(spec, draft_dtype=target.dtype.value, draft_block_matmul=target.block_matmul.value,
                                    draft_kv_cache_dtype=target.kv_cache_dtype.value,
-                                   draft_quantization=config.quantization)
+                                   draft_quantization=config.quantization), source
     blocks = source.has_int8_block_matrices()
     # The fastest numerics of a dense draft: its weights rounded to Q8_0 at load, for the int8 dot products.
     quantization = "q8_0" if (spec.numerics == "auto" and not blocks and hardware.device_type == "cpu"
@@ -60,4 +62,5 @@ def resolve_draft(config: EngineConfig, target_source, hardware: Hardware, targe
                        "embedded GGUF); it pays on dense checkpoints (docs/benchmarks.md)")
     logger.info("draft numerics: %s%s", numerics.describe(), "; weights rounded to Q8_0" if quantization else "")
     return dataclasses.replace(spec, draft_dtype=numerics.dtype.value, draft_block_matmul=numerics.block_matmul.value,
-                               draft_kv_cache_dtype=numerics.kv_cache_dtype.value, draft_quantization=quantization)
+                               draft_kv_cache_dtype=numerics.kv_cache_dtype.value,
+                               draft_quantization=quantization), source

@@ -130,11 +130,12 @@ class EngineCore:
         self.numerics = resolve_numerics(config, hardware, block_weights)
         logger.info("numerics on %s: %s", hardware.describe(), self.numerics.describe())
         config = self.numerics.apply(config)
+        draft_source = None
         if config.speculative_config is not None and config.speculative_config.uses_draft_model:
-            config = dataclasses.replace(
-                config, speculative_config=resolve_draft(config, source, hardware, self.numerics))
+            spec, draft_source = resolve_draft(config, source, hardware, self.numerics)
+            config = dataclasses.replace(config, speculative_config=spec)
         check_tensor_parallel(config, hf_config)
-        self.executor = make_executor(config, source, device, max_model_len)
+        self.executor = make_executor(config, source, device, max_model_len, draft_source)
         # The in-process runner (tests and tools look at it); None when tensor-parallel workers hold the model.
         self.runner = getattr(self.executor, "runner", None)
         self.linear_layers = self.executor.linear_layers

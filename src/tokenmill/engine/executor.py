@@ -51,11 +51,11 @@ _decoder = msgspec.msgpack.Decoder(WorkerMessage)
 class UniprocExecutor:
     """Today's engine: one ModelRunner in the engine core's process."""
 
-    def __init__(self, config: EngineConfig, source, device, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, source, device, max_model_len: int, draft_source=None) -> None:
         from tokenmill.runner.model_runner import ModelRunner
 
         self.runner = ModelRunner(config, source.hf_config, source.architecture, device, max_model_len)
-        self.runner.load_checkpoint(source)
+        self.runner.load_checkpoint(source, draft_source)
         self.linear_layers = self.runner.linear_layers
         self.bytes_per_block = self.runner.kv_spec.bytes_per_block
         self.num_kv_blocks = self.runner.kv_cache_capacity(config)
@@ -136,9 +136,10 @@ def _kill_workers(workers: list[WorkerProcess]) -> None:
 class MultiprocExecutor:
     """N tensor-parallel workers. Construction blocks until every worker has loaded its shard."""
 
-    def __init__(self, config: EngineConfig, source, max_model_len: int, log_level: Optional[str] = None) -> None:
+    def __init__(self, config: EngineConfig, source, max_model_len: int, log_level: Optional[str] = None,
+                 draft_source=None) -> None:
         """source: the core's loaded model source; each worker gets its config and weights' location (never the
-        tokenizer), so none reads the config again."""
+        tokenizer), so none reads the config again; draft_source likewise (a draft model's, run by rank 0)."""
         from tokenmill.distributed.parallel_state import start_store
 
         size = config.tensor_parallel_size
@@ -160,7 +161,8 @@ class MultiprocExecutor:
         settings = worker_config(config)
         self.workers = [WorkerProcess(rank, (settings, rank, size, self._store.port, f"ipc://{self._dir}/input-{rank}",
                                              output_address, os.getpid(), max_model_len, level,
-                                             source.for_weights()))
+                                             source.for_weights(),
+                                             draft_source.for_weights() if draft_source is not None else None))
                         for rank in range(size)]
         self._finalizer = weakref.finalize(self, _kill_workers, self.workers)
         self._closed = False
@@ -256,7 +258,8 @@ class MultiprocExecutor:
         self._finalizer.detach()
 
 
-def make_executor(config: EngineConfig, source, device, max_model_len: int):
+def make_executor(config: EngineConfig, source, device, max_model_len: int, draft_source=None):
+    """draft_source: a draft model's loaded source (speculative decoding), or None."""
     if config.tensor_parallel_size > 1:
-        return MultiprocExecutor(config, source, max_model_len)
-    return UniprocExecutor(config, source, device, max_model_len)
+        return MultiprocExecutor(config, source, max_model_len, draft_source=draft_source)
+    return UniprocExecutor(config, source, device, max_model_len, draft_source)

@@ -33,7 +33,6 @@ import torch
 
 from tokenmill.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.errors import ModelLoadError
-from tokenmill.model.loader import load_model_source
 from tokenmill.runner.input_batch import InputBatch
 from tokenmill.sample.sampler import SamplingRequestState
 
@@ -79,11 +78,13 @@ def _first_layers(weights, num_layers: int, int8_blocks: Optional[dict]):
 
 
 class Drafter:
-    def __init__(self, config, target_source, target) -> None:
-        """target: the target's ModelRunner (weights loaded); the draft is a runner of the same class."""
+    def __init__(self, config, source, target) -> None:
+        """source: the draft's model source (the target's own for qspec and layer_skip); target: the target's
+        ModelRunner (weights loaded); the draft is a runner of the same class."""
+        if source is None:
+            raise ValueError("a draft model needs its model source (engine.draft_setup.resolve_draft)")
         spec = config.speculative_config
         draft_config = draft_engine_config(config)
-        source = target_source if spec.model is None else load_model_source(spec.model)
         hf_config = source.hf_config
         self.num_layers = None
         if spec.method == "layer_skip":

@@ -119,16 +119,17 @@ class ModelRunner:
                     layer.backend = self.attention_backend
                 return
 
-    def load_checkpoint(self, source) -> None:
+    def load_checkpoint(self, source, draft_source=None) -> None:
         """Streams `source`'s weights into the model. A GGUF's block-quantized matrices are kept as stored
         where this runner multiplies them so (`keeps_int8_blocks`), without a float copy; a tensor-parallel
-        rank reads their float values too, for a shard whose inputs do not fall on 32-value blocks."""
+        rank reads their float values too, for a shard whose inputs do not fall on 32-value blocks.
+        draft_source: with a draft model (speculative decoding), its source, loaded on the rank that samples."""
         int8_blocks = {} if self.linear_methods.keeps_int8_blocks(source.is_gguf) else None
         self.load_weights(source.iter_weights(self.dtype, int8_blocks, dense_kept=self.tp is not None), int8_blocks)
         if self._draft_config is not None:
             from tokenmill.runner.drafter import Drafter
 
-            self.drafter = Drafter(self._draft_config, source, self)
+            self.drafter = Drafter(self._draft_config, draft_source, self)
 
     def load_weights(self, weights, int8_blocks: Optional[dict[str, Int8Blocks]] = None) -> None:
         """Copies `weights` into the model, then builds its linear layers; `int8_blocks` (filled while

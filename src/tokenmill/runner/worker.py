@@ -46,13 +46,14 @@ def _exit_with_parent(lifeline) -> None:
 
 
 def run_worker(config, rank: int, size: int, store_port: int, input_address: str, output_address: str,
-               parent: int, max_model_len: int, log_level: str, source) -> None:
-    """source: the core's model, for the weights only, as plain data (loader.ModelSource.for_weights)."""
+               parent: int, max_model_len: int, log_level: str, source, draft_source=None) -> None:
+    """source: the core's model, for the weights only, as plain data (loader.ModelSource.for_weights);
+    draft_source: a draft model's, the same way (speculative decoding), or None."""
     channels = start_child_process(f"tp{rank}", log_level, input_address, output_address)
     inputs, outputs = channels.inputs, channels.outputs
     code = 0
     try:
-        runner = _load(config, source, rank, size, store_port, max_model_len)
+        runner = _load(config, source, draft_source, rank, size, store_port, max_model_len)
         outputs.send(_encoder.encode(WorkerReady(rank, runner.kv_cache_capacity(config),
                                                  runner.kv_spec.bytes_per_block, runner.linear_layers,
                                                  list(runner.kv_layout.windows))))
@@ -72,7 +73,7 @@ def run_worker(config, rank: int, size: int, store_port: int, input_address: str
         os._exit(code)  # no torch.distributed teardown: a peer may be gone
 
 
-def _load(config, source, rank: int, size: int, store_port: int, max_model_len: int):
+def _load(config, source, draft_source, rank: int, size: int, store_port: int, max_model_len: int):
     import torch
 
     from tokenmill.distributed.parallel_state import init_tensor_parallel
@@ -85,7 +86,7 @@ def _load(config, source, rank: int, size: int, store_port: int, max_model_len: 
     tp = init_tensor_parallel(rank, size, store_port, device)
     source = source.model_source()
     runner = ModelRunner(config, source.hf_config, source.architecture, device, max_model_len, tp)
-    runner.load_checkpoint(source)
+    runner.load_checkpoint(source, draft_source.model_source() if draft_source is not None else None)
     return runner
 
 
