@@ -55,11 +55,8 @@ def verify_drafts(sampler: Sampler, batch: InputBatch, logits: torch.Tensor, ver
         first_grammar_row = grammar_rows.get(item.request_id)
         for i, row in enumerate(positions):
             rows.append(row)
-            states.append(SamplingRequestState(
-                params=state.sampling_params, prompt_token_ids=state.prompt_token_ids,
-                output_token_ids=batch.output_tokens(state, first_end + i), eos_token_id=state.eos_token_id,
-                grammar_row=None if first_grammar_row is None else first_grammar_row + i,
-                known_token_ids=batch.known_tokens(state, first_end + i)))
+            states.append(batch.sampling_state(state, first_end + i,
+                                               None if first_grammar_row is None else first_grammar_row + i))
         sampled_items.append(item)
     if not sampled_items:
         return

@@ -34,7 +34,6 @@ import torch
 from tokenmill.core.sched_output import ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.errors import ModelLoadError
 from tokenmill.runner.input_batch import InputBatch
-from tokenmill.sample.sampler import SamplingRequestState
 
 logger = logging.getLogger("tokenmill")
 
@@ -215,15 +214,9 @@ class Drafter:
                    if not batch.requests[item.request_id].sampling_params.greedy]
         if not sampled:
             return tokens
-        states = []
-        for i in sampled:
-            item = items[i]
-            state = batch.requests[item.request_id]
-            known_end = item.start_position + item.num_new_tokens  # the logits predict this position
-            states.append(SamplingRequestState(
-                params=state.sampling_params, prompt_token_ids=state.prompt_token_ids,
-                output_token_ids=batch.output_tokens(state, known_end), eos_token_id=state.eos_token_id,
-                known_token_ids=batch.known_tokens(state, known_end)))
+        # Each item's logits predict the position after its last.
+        states = [batch.sampling_state(batch.requests[items[i].request_id],
+                                       items[i].start_position + items[i].num_new_tokens) for i in sampled]
         drawn, probs = self.runner.sampler.sample_drafts(logits[sampled], states)
         for i, token, row in zip(sampled, drawn, probs):
             tokens[i] = token

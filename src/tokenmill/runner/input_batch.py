@@ -25,7 +25,7 @@ import torch
 
 from tokenmill.core.sched_output import NewRequestData, ScheduledRequest, SchedulerOutput
 from tokenmill.model.layers.attention import AttentionInputs
-from tokenmill.sample.sampler import SamplingArrays
+from tokenmill.sample.sampler import SamplingArrays, SamplingRequestState
 from tokenmill.sampling_params import SamplingParams
 
 INITIAL_ROWS = 16
@@ -150,6 +150,15 @@ class InputBatch:
     def known_tokens(self, state: CachedRequestState, known_end: int) -> np.ndarray:
         """Prompt and generated tokens before `known_end` (a view)."""
         return self.token_ids[state.row, :known_end]
+
+    def sampling_state(self, state: CachedRequestState, known_end: int,
+                       grammar_row: Optional[int] = None) -> SamplingRequestState:
+        """What the sampler needs of a request drawing the token at position known_end (its tokens before it
+        as views of the batch's row; grammar_row: its row of the step's grammar bitmask)."""
+        return SamplingRequestState(params=state.sampling_params, prompt_token_ids=state.prompt_token_ids,
+                                    output_token_ids=self.output_tokens(state, known_end),
+                                    eos_token_id=state.eos_token_id, grammar_row=grammar_row,
+                                    known_token_ids=self.known_tokens(state, known_end))
 
     def sampling_arrays(self, rows: Sequence[int]) -> SamplingArrays:
         """The sampling parameters of these rows (in this order), gathered from the persistent arrays."""

@@ -27,7 +27,7 @@ from tokenmill.runner.kv_cache import (KVCacheSpec, allocate_kv_caches, copy_blo
                                        swap_blocks)
 from tokenmill.runner.lora_slots import LoRASlots
 from tokenmill.runner.model_memory import model_tensor_bytes
-from tokenmill.sample.sampler import Sampler, SamplingRequestState, compute_prompt_logprobs
+from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs
 
 logger = logging.getLogger("tokenmill")
 
@@ -285,14 +285,7 @@ class ModelRunner:
                 sampled_items.append(item)
                 known_end = item.start_position + item.num_new_tokens
                 batch_rows.append(state.row)
-                sampler_states.append(SamplingRequestState(
-                    params=params,
-                    prompt_token_ids=state.prompt_token_ids,
-                    output_token_ids=batch.output_tokens(state, known_end),
-                    eos_token_id=state.eos_token_id,
-                    grammar_row=grammar_rows.get(item.request_id),
-                    known_token_ids=batch.known_tokens(state, known_end),
-                ))
+                sampler_states.append(batch.sampling_state(state, known_end, grammar_rows.get(item.request_id)))
         if verifying:
             self._verify_drafts(verifying, hidden, result, output)
         if not sampler_states:
