@@ -238,3 +238,19 @@ def test_stop_strings_and_max_tokens_end_a_drafted_reply_where_plain_decoding_do
     assert outputs["drafted"][0][2] == "stop" and stop not in outputs["drafted"][0][0]
     assert len(outputs["drafted"][1][1]) == 13 and outputs["drafted"][1][2] == "length"
     assert drafted.llm_engine.core.core.get_stats().spec_num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("max_tokens, drafts", [(40, True), (8, False)])
+def test_a_rested_draft_resumes_only_for_a_reply_long_enough_to_repay_its_catch_up(request, tiny_llama_dir,
+                                                                                   max_tokens, drafts):
+    """Two requests start together above the batch limit of 1, so the draft model rests; once the short one
+    ends, the other drafts again only if enough of its reply is left (at least an eighth of its tokens)."""
+    request.getfixturevalue("kernels")
+    llm = LLM(str(tiny_llama_dir), numerics="exact", num_kv_blocks=64, max_model_len=256,
+              speculative_config={"method": "qspec", "disable_by_batch_size": 1})
+    prompt = {"prompt_token_ids": list(range(100, 160))}
+    params = [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)]
+    outputs = llm.generate([prompt, prompt], params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outputs] == [3, max_tokens]
+    assert (llm.llm_engine.core.core.get_stats().spec_num_draft_tokens > 0) == drafts
