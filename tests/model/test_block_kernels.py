@@ -16,20 +16,6 @@ FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
 ROWS = [1, 5, 9, 16, BLOCK_KERNEL_MAX_ROWS, BLOCK_KERNEL_MAX_ROWS + 1, 200]
 
 
-@pytest.fixture(scope="module", params=["native", pytest.param("avx2", marks=pytest.mark.slow),
-                                        pytest.param("portable", marks=pytest.mark.slow)])
-def variant(request, kernels):
-    """(name, module): the engine's own build, then builds limited to AVX2 and to portable C++ (each
-    compiled once per machine; skipped where the CPU lacks AVX2)."""
-    from tokenmill.model.layers import cpu_kernels
-
-    if request.param == "native":
-        return "native", kernels
-    if request.param == "avx2" and kernels.simd == "portable":
-        pytest.skip("this CPU has no AVX2")
-    return request.param, cpu_kernels.load_variant(request.param)
-
-
 def file_blocks(type_name: str, out_features: int = 37, seed: int = 0) -> tuple[Int8Blocks, torch.Tensor]:
     """Random blocks of a GGUF type and gguf-py's dequantized matrix of them."""
     from gguf import quants
