@@ -33,20 +33,45 @@ def _one(llm: LLM, prompt: str, **params):
 
 
 def test_bitmask_matches_llguidance_kernel():
-    from llguidance.torch import apply_token_bitmask_inplace
+    # llguidance's numpy kernel: the same masking as its torch one, which runs through torch.compile (~14 s to
+    # compile on 2 cores, and its module import pulls in torch._dynamo).
+    from llguidance.numpy import apply_token_bitmask_inplace
 
     generator = torch.Generator().manual_seed(0)
     vocab = 100  # not a multiple of 32: the last word's high bits are past the vocabulary
     bitmask = allocate_token_bitmask(3, vocab)
     bitmask[1:] = torch.randint(-2**31, 2**31 - 1, bitmask[1:].shape, dtype=torch.int32, generator=generator)
     logits = torch.randn(3, vocab, generator=generator)
-    ours, theirs = logits.clone(), logits.clone()
+    ours, theirs = logits.clone(), logits.clone().numpy()
     apply_token_bitmask(ours, bitmask)
-    apply_token_bitmask_inplace(theirs, bitmask)
-    assert torch.equal(ours, theirs)
+    apply_token_bitmask_inplace(theirs, bitmask.numpy())
+    assert torch.equal(ours, torch.from_numpy(theirs))
     assert torch.equal(ours[0], logits[0])  # an all-ones row keeps everything
     allowed = [token for token in range(vocab) if (int(bitmask[1, token // 32]) >> (token % 32)) & 1]
     assert torch.isfinite(ours[1]).nonzero().flatten().tolist() == allowed and 0 < len(allowed) < vocab
+
+
+def test_a_grammar_fills_its_row_as_llguidance_does(llm):
+    """The backend fills a bitmask row through the matcher itself (not llguidance.torch, whose import costs the
+    first structured step seconds): the same words as llguidance's own fill, in the row it names only."""
+    import sys
+
+    from llguidance.numpy import fill_next_token_bitmask
+
+    backend = llm.llm_engine.input_processor.structured_backend
+    grammar = backend.compile(StructuredOutputsParams(json=SCHEMA))
+    vocab = backend.vocab_size
+    ours = allocate_token_bitmask(3, vocab)
+    ours[2] = 0
+    grammar.fill_bitmask(ours, 1)
+    theirs = allocate_token_bitmask(3, vocab).numpy()
+    fill_next_token_bitmask(backend.compile(StructuredOutputsParams(json=SCHEMA)).matcher, theirs, 1)
+    assert torch.equal(ours[1], torch.from_numpy(theirs[1]))
+    assert (ours[1] != -1).any()  # the schema allows only some tokens first (an opening brace, whitespace)
+    assert (ours[0] == -1).all() and (ours[2] == 0).all()
+    with pytest.raises(ValueError, match="int32"):
+        grammar.fill_bitmask(ours.to(torch.int64), 1)
+    assert "llguidance.torch" not in sys.modules or "torch._dynamo" in sys.modules  # imported by someone else
 
 
 def test_params_need_exactly_one_constraint():

@@ -54,13 +54,23 @@ def _grammar_definition(params: StructuredOutputsParams) -> str:
                               params.param)
 
 
+def fill_next_token_bitmask(matcher: Any, bitmask: torch.Tensor, row: int) -> None:
+    """The matcher's allowed tokens into row `row` of the int32 bitmask, as llguidance.torch's function of this
+    name fills it; that module is not imported because its module-level torch.compile imports torch._dynamo,
+    which stalled the engine's first structured-output step by 2-4 s."""
+    import torch
+
+    view = bitmask[row]
+    if bitmask.dtype != torch.int32 or not bitmask.is_cpu or not view.is_contiguous():
+        raise ValueError("the token bitmask must be a contiguous int32 CPU tensor")
+    matcher.unsafe_compute_mask_ptr(view.data_ptr(), view.numel() * view.element_size())
+
+
 class LLGuidanceGrammar:
     def __init__(self, matcher: Any) -> None:
         self.matcher = matcher
 
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        from llguidance.torch import fill_next_token_bitmask
-
         fill_next_token_bitmask(self.matcher, bitmask, row)
 
     def accept_token(self, token_id: int) -> bool:
@@ -89,8 +99,6 @@ class LLGuidanceGrammar:
         return count
 
     def fill_bitmasks_along(self, bitmask: torch.Tensor, first_row: int, token_ids: Sequence[int]) -> None:
-        from llguidance.torch import fill_next_token_bitmask
-
         consumed = 0
         for i, token in enumerate([*token_ids, None]):
             fill_next_token_bitmask(self.matcher, bitmask, first_row + i)
