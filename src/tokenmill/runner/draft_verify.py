@@ -33,7 +33,7 @@ def verify_drafts(sampler: Sampler, batch: InputBatch, logits: torch.Tensor, ver
     plain = [state.sampling_params.greedy and not has_logit_processors(state.sampling_params)
              and state.sampling_params.logprobs is None and item.request_id not in grammar_rows
              for item, state in verifying]
-    targets = logits.float().argmax(dim=1).tolist() if any(plain) else []
+    targets = sampler.argmax(logits.float()).tolist() if any(plain) else []
     offset = 0
     rows: list[int] = []
     states: list[SamplingRequestState] = []

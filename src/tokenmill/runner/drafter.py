@@ -209,7 +209,7 @@ class Drafter:
         """Each item's next draft: a greedy request's argmax; a sampled request's drawn from the draft's
         distribution q as its sampling parameters shape it, q's row kept for the verify (speculative sampling
         then keeps the target's distribution with far more drafts kept than point-mass guesses would be)."""
-        tokens = logits.argmax(dim=-1).tolist()
+        tokens = self.runner.sampler.argmax(logits).tolist()
         sampled = [i for i, item in enumerate(items)
                    if not batch.requests[item.request_id].sampling_params.greedy]
         if not sampled:

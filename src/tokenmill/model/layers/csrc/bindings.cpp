@@ -22,6 +22,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // Every kernel runs without the GIL (arguments are converted before, results after), so the
   // server's HTTP thread can stream and tokenize while the engine thread is inside one.
   const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("argmax_rows", &argmax_rows,
+        "each row's index of its first maximum (the first NaN where a row has one), as torch.argmax(x, dim=1) "
+        "on float32 rows", py::arg("x"), nogil);
   m.def("lora_add", &lora_add,
         "y[t] += B_s (A_s x[t]) for each row t of slot s >= 0 (LoRA deltas; a slot-major A, B transposed)",
         py::arg("y"), py::arg("x"), py::arg("slots"), py::arg("a"), py::arg("bt"), py::arg("offsets"),

@@ -96,6 +96,51 @@ void rotary_rows(scalar_t* x, int64_t row_stride, const int64_t* positions, cons
   });
 }
 
+
+// The index of a row's first maximum, as torch.argmax picks it: the first NaN where the row holds one (NaN
+// compares above every number there), else the first value equal to the row's largest. Two passes: the
+// maximum (and whether any lane is NaN) on vectors, then the first position equal to it, which stops early.
+int64_t row_argmax(const float* x, int64_t n) {
+  if (n == 0) return 0;
+  float best = x[0];
+  bool nan = false;
+  int64_t i = 0;
+#ifdef TOKENMILL_AVX2
+  if (n >= 8) {
+    __m256 m = _mm256_loadu_ps(x);
+    __m256 unordered = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      m = _mm256_max_ps(m, v);
+      unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    nan = _mm256_movemask_ps(unordered) != 0;
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, m);
+    for (float lane : lanes) best = std::max(best, lane);
+  }
+#endif
+  for (; i < n; ++i) {
+    nan = nan || std::isnan(x[i]);
+    best = std::max(best, x[i]);
+  }
+  if (nan) {
+    for (int64_t j = 0; j < n; ++j)
+      if (std::isnan(x[j])) return j;
+  }
+  int64_t j = 0;
+#ifdef TOKENMILL_AVX2
+  const __m256 target = _mm256_set1_ps(best);
+  for (; j + 8 <= n; j += 8) {
+    const int hits = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + j), target, _CMP_EQ_OQ));
+    if (hits) return j + __builtin_ctz(hits);
+  }
+#endif
+  for (; j < n; ++j)
+    if (x[j] == best) return j;
+  return 0;  // unreachable: best is one of the row's values
+}
+
 }  // namespace
 
 torch::Tensor silu_and_mul(torch::Tensor x) {
@@ -135,4 +180,17 @@ void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos,
     rotary_rows<scalar_t>(x.data_ptr<scalar_t>(), x.stride(0), positions.data_ptr<int64_t>(), cos.data_ptr<float>(),
                           sin.data_ptr<float>(), x.size(0), num_heads, head_dim);
   });
+}
+
+torch::Tensor argmax_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.stride(1) == 1 && x.size(1) > 0,
+              "x must be float32 [rows, n > 0] with contiguous rows");
+  const int64_t rows = x.size(0), n = x.size(1), stride = x.stride(0);
+  auto out = torch::empty({rows}, torch::kLong);
+  const float* xp = x.data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) op[r] = row_argmax(xp + r * stride, n);
+  });
+  return out;
 }
