@@ -31,6 +31,14 @@ def log_probs(*probs: float) -> list[float]:
     return [math.log(p) for p in probs]
 
 
+@pytest.fixture(params=["torch", "cpu kernels"])
+def make_sampler(request):
+    """Sampler(seed) drawing through torch's generators, or through tokenmill's C++ kernels as the runner
+    builds it on CPU (argmax and the exponential race's uniforms)."""
+    kernels = request.getfixturevalue("kernels") if request.param == "cpu kernels" else None
+    return lambda seed=0: Sampler(seed, kernels)
+
+
 # -- truncation masks ---------------------------------------------------------------------------
 
 
@@ -76,22 +84,22 @@ def test_min_p_threshold_relative_to_top_token(min_p, expected):
     assert kept(logits[0]) == expected
 
 
-def test_sampler_applies_top_k_before_top_p():
+def test_sampler_applies_top_k_before_top_p(make_sampler):
     # top_k=2 renormalizes 0.4/0.3 to 0.571/0.429, so top_p=0.5 keeps only token 0; top_p alone
     # (without top_k first) would keep tokens 0 and 1.
     logits = torch.tensor([log_probs(0.4, 0.3, 0.2, 0.1)] * 64)
-    out = Sampler(seed=1)(logits, [state(top_k=2, top_p=0.5) for _ in range(64)])
+    out = make_sampler(seed=1)(logits, [state(top_k=2, top_p=0.5) for _ in range(64)])
     assert set(out.sampled_token_ids) == {0}
-    out = Sampler(seed=1)(logits, [state(top_p=0.5) for _ in range(64)])
+    out = make_sampler(seed=1)(logits, [state(top_p=0.5) for _ in range(64)])
     assert set(out.sampled_token_ids) == {0, 1}
 
 
-def test_sampler_masks_restrict_sampled_tokens():
+def test_sampler_masks_restrict_sampled_tokens(make_sampler):
     torch.manual_seed(0)
     base = torch.randn(1, 50)
     top3 = set(base[0].topk(3).indices.tolist())
     logits = base.repeat(300, 1)
-    out = Sampler(seed=3)(logits, [state(top_k=3, temperature=5.0) for _ in range(300)])
+    out = make_sampler(seed=3)(logits, [state(top_k=3, temperature=5.0) for _ in range(300)])
     assert set(out.sampled_token_ids) == top3  # all three show up at a high temperature, nothing else
 
 
@@ -143,10 +151,10 @@ def test_min_tokens_blocks_eos_and_stop_ids_until_reached():
     assert 2 not in Sampler()(logits.repeat(200, 1), many).sampled_token_ids
 
 
-def test_greedy_takes_first_max_and_input_is_untouched():
+def test_greedy_takes_first_max_and_input_is_untouched(make_sampler):
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0]])
     before = logits.clone()
-    out = Sampler()(logits, [state(temperature=0.0, repetition_penalty=1.5, prompt=[3])])
+    out = make_sampler()(logits, [state(temperature=0.0, repetition_penalty=1.5, prompt=[3])])
     assert out.sampled_token_ids == [1]
     assert torch.equal(logits, before)
 
@@ -181,11 +189,11 @@ def test_mix_seed_is_63_bit_and_deterministic():
     assert mix_seed(7, 3) == mix_seed(7, 3)
 
 
-def test_seeded_rows_reproduce_across_batches_and_positions():
+def test_seeded_rows_reproduce_across_batches_and_positions(make_sampler):
     vocab = 1000
     target = torch.zeros(1, vocab)  # uniform: any token is possible, so agreement is not luck
     seeds = list(range(20))
-    alone = [Sampler(seed=0)(target, [state(seed=s, output=[5] * 3)]).sampled_token_ids[0] for s in seeds]
+    alone = [make_sampler(seed=0)(target, [state(seed=s, output=[5] * 3)]).sampled_token_ids[0] for s in seeds]
     assert len(set(alone)) > 10
     torch.manual_seed(1)
     for s, expected in zip(seeds, alone):
@@ -194,20 +202,20 @@ def test_seeded_rows_reproduce_across_batches_and_positions():
         states = [state(), state(seed=s + 100, output=[1]), state(seed=s, output=[9] * 3),
                   state(temperature=0.0)]
         # a different engine seed too: a recomputed request on a fresh engine draws the same
-        out = Sampler(seed=99)(logits, states)
+        out = make_sampler(seed=99)(logits, states)
         assert out.sampled_token_ids[2] == expected
 
 
-def test_same_seed_different_step_draws_differ():
+def test_same_seed_different_step_draws_differ(make_sampler):
     logits = torch.zeros(20, 1000)
     states = [state(seed=1234, output=[0] * step) for step in range(20)]
-    assert len(set(Sampler()(logits, states).sampled_token_ids)) > 15
+    assert len(set(make_sampler()(logits, states).sampled_token_ids)) > 15
 
 
-def test_unseeded_rows_follow_engine_seed():
+def test_unseeded_rows_follow_engine_seed(make_sampler):
     logits = torch.zeros(8, 1000)
     states = [state() for _ in range(8)]
-    first, again, other = (Sampler(seed=s)(logits, states).sampled_token_ids for s in (5, 5, 6))
+    first, again, other = (make_sampler(seed=s)(logits, states).sampled_token_ids for s in (5, 5, 6))
     assert first == again
     assert first != other
 
@@ -219,11 +227,11 @@ def chi_square(tokens: list[int], probs: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("temperature", [0.7, 1.0, 2.0])
-def test_temperature_sampling_follows_softmax(temperature):
+def test_temperature_sampling_follows_softmax(temperature, make_sampler):
     base = torch.tensor([0.0, 1.0, 2.0, 0.5, -1.0])
     probs = torch.softmax(base / temperature, dim=0)
     n = 4000
-    out = Sampler(seed=11)(base.repeat(n, 1), [state(temperature=temperature) for _ in range(n)])
+    out = make_sampler(seed=11)(base.repeat(n, 1), [state(temperature=temperature) for _ in range(n)])
     # df = 4; the 99.99th percentile is about 23, a loose but real bound
     assert chi_square(out.sampled_token_ids, probs) < 25.0
     # the wrong temperature is clearly rejected
@@ -231,11 +239,11 @@ def test_temperature_sampling_follows_softmax(temperature):
     assert chi_square(out.sampled_token_ids, wrong) > 50.0
 
 
-def test_seeded_sampling_follows_softmax():
+def test_seeded_sampling_follows_softmax(make_sampler):
     base = torch.tensor([0.0, 1.0, 2.0, 0.5])
     probs = torch.softmax(base, dim=0)
     n = 2000
-    out = Sampler()(base.repeat(n, 1), [state(seed=s) for s in range(n)])
+    out = make_sampler()(base.repeat(n, 1), [state(seed=s) for s in range(n)])
     assert chi_square(out.sampled_token_ids, probs) < 22.0  # df = 3
 
 

@@ -14,10 +14,10 @@ POSITION_LOGITS = [[1.0, 0.2, 0.8, -0.5, 1.5, -3.0], [0.3, 1.2, -0.7, 0.9, 0.0, 
 DRAFTS = [2, 0]
 
 
-def _target(position: int, params: SamplingParams, output=()) -> torch.Tensor:
+def _target(position: int, params: SamplingParams, output=(), kernels=None) -> torch.Tensor:
     """The distribution the sampler draws position `position` from, one step at a time (empirically,
     through Sampler.__call__, so the test does not restate the sampler's masks)."""
-    sampler = Sampler(seed=7)
+    sampler = Sampler(7, kernels)
     rows = 40_000
     logits = torch.tensor([POSITION_LOGITS[position]] * rows)
     states = [SamplingRequestState(params, [0], list(output), None) for _ in range(rows)]
@@ -25,8 +25,8 @@ def _target(position: int, params: SamplingParams, output=()) -> torch.Tensor:
     return torch.bincount(tokens, minlength=6).double() / rows
 
 
-def _verify(params: SamplingParams, requests: int, seed: int = 1):
-    sampler = Sampler(seed=seed)
+def _verify(params: SamplingParams, requests: int, seed: int = 1, kernels=None):
+    sampler = Sampler(seed, kernels)
     logits = torch.tensor(POSITION_LOGITS * requests)
     states = []
     for _ in range(requests):
@@ -39,11 +39,20 @@ def _verify(params: SamplingParams, requests: int, seed: int = 1):
                                     SamplingParams(temperature=1.0, top_p=0.8, presence_penalty=0.7)],
                          ids=["temperature", "top_k", "top_p_and_penalty"])
 def test_tokens_follow_the_target_distribution_position_by_position(params):
+    _check_position_by_position(params)
+
+
+def test_the_cpu_kernels_draws_follow_it_too(kernels):
+    """The same with the runner's sampler on CPU, whose exponential race draws its uniforms in C++."""
+    _check_position_by_position(SamplingParams(temperature=1.3, top_k=4), kernels)
+
+
+def _check_position_by_position(params: SamplingParams, kernels=None) -> None:
     requests = 40_000
-    outcomes = _verify(params, requests)
+    outcomes = _verify(params, requests, kernels=kernels)
     first = torch.tensor([(kept + [token])[0] for kept, token in outcomes])
     first_freq = torch.bincount(first, minlength=6).double() / requests
-    target0 = _target(0, params)
+    target0 = _target(0, params, kernels=kernels)
     # Two estimates of the same distribution, 40,000 draws each: within 5 standard deviations.
     assert (first_freq - target0).abs().max() < 5 * (2 * 0.25 / requests) ** 0.5, (first_freq, target0)
     # The draft is kept as often as the target draws it.
@@ -53,7 +62,7 @@ def test_tokens_follow_the_target_distribution_position_by_position(params):
     # draft among the output: the presence penalty sees it).
     second = torch.tensor([(kept + [token])[1] for kept, token in outcomes if kept])
     second_freq = torch.bincount(second, minlength=6).double() / len(second)
-    target1 = _target(1, params, output=DRAFTS[:1])
+    target1 = _target(1, params, output=DRAFTS[:1], kernels=kernels)
     assert (second_freq - target1).abs().max() < 5 * (2 * 0.25 / len(second)) ** 0.5, (second_freq, target1)
 
 

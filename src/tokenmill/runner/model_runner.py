@@ -90,7 +90,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []  # one per layer of a group (shared by the groups)
         self.layer_kv_caches: list[torch.Tensor] = []  # one per model layer: its group's tensor
         self.host_caches: list[torch.Tensor] = []
-        self.sampler = Sampler(config.seed, kernels.argmax_rows if kernels is not None else None)
+        self.sampler = Sampler(config.seed, kernels)
         self.input_batch = InputBatch(max_model_len, block_size, len(self.kv_layout.groups), config.max_num_seqs)
         self.packed_linear_rows = min(config.max_num_seqs, 256) if config.packed_linear else None
         # Each linear layer's method is chosen once, by the model's LinearMethods, when the weights are in.

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -186,20 +186,21 @@ def _apply_to_rows(
 class Sampler:
     """Samples one token per row; stateless apart from the generator used by unseeded requests."""
 
-    def __init__(self, seed: int = 0, row_argmax: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
-        """row_argmax: torch.argmax(x, dim=1) for float32 CPU rows, faster (the runner passes tokenmill's C++
-        kernel where it runs: torch's reduction takes 2.4 ms for 64 rows of a 49k vocabulary, the kernel 0.23)."""
+    def __init__(self, seed: int = 0, kernels: Any = None) -> None:
+        """kernels: tokenmill's C++ CPU kernels where the runner has them: each row's argmax (torch's reduction
+        takes 2.4 ms for 64 rows of a 49k vocabulary, the kernel 0.23) and the exponential race's uniforms
+        (torch's generator 9.4 ms for those rows, the kernel 0.8), on float32 CPU rows."""
         self.seed = seed
-        self._row_argmax = row_argmax
+        self._kernels = kernels
         self._generators: dict[torch.device, torch.Generator] = {}
         # Reseeded for every seeded row; kept apart so seeded rows never disturb the shared stream.
         self._seeded_generators: dict[torch.device, torch.Generator] = {}
 
     def argmax(self, x: torch.Tensor) -> torch.Tensor:
         """Each row's index of its first maximum, as torch.argmax(x, dim=1)."""
-        if (self._row_argmax is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+        if (self._kernels is not None and x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
                 and x.stride(1) == 1 and x.shape[1] > 0):
-            return self._row_argmax(x)
+            return self._kernels.argmax_rows(x)
         return x.argmax(dim=1)
 
     def __call__(self, logits: torch.Tensor, states: list[SamplingRequestState],
@@ -297,20 +298,31 @@ class Sampler:
         self, states: list[SamplingRequestState], vocab: int, device: torch.device, salt: int = 0
     ) -> torch.Tensor:
         """Exp(1) draws as -log(U): several times faster than Tensor.exponential_ on CPU. salt: a seeded row's
-        stream apart from its token's (a draft model's draws)."""
-        noise = torch.empty((len(states), vocab), dtype=torch.float32, device=device)
+        stream apart from its token's (a draft model's draws). A seeded row's U come from its seed and position
+        alone; unseeded rows share the engine's generator. On the CPU with tokenmill's kernels each row's U come
+        from a counter-based generator keyed by a 64-bit seed (unseeded rows: one drawn from the engine's
+        generator), filled in parallel; elsewhere from torch generators."""
+        seeded = [(i, mix_seed(s.params.seed ^ salt, len(s.output_token_ids)))
+                  for i, s in enumerate(states) if s.params.seed is not None]
         unseeded = [i for i, s in enumerate(states) if s.params.seed is None]
+        if self._kernels is not None and device.type == "cpu":
+            seeds = torch.empty(len(states), dtype=torch.int64)
+            if unseeded:
+                seeds[unseeded] = torch.randint(0, 2**62, (len(unseeded),), generator=self._generator(device))
+            for i, seed in seeded:
+                seeds[i] = seed
+            return self._kernels.uniform_rows(seeds, vocab).log_().neg_()  # U is never 0 or 1 there
+        noise = torch.empty((len(states), vocab), dtype=torch.float32, device=device)
         if len(unseeded) == len(states):
             noise.uniform_(generator=self._generator(device))
         elif unseeded:
             shared = torch.empty((len(unseeded), vocab), dtype=torch.float32, device=device)
             shared.uniform_(generator=self._generator(device))
             noise.index_copy_(0, torch.tensor(unseeded, device=device), shared)
-        for i, state in enumerate(states):
-            if state.params.seed is not None:
-                gen = self._seeded_generator(device)
-                gen.manual_seed(mix_seed(state.params.seed ^ salt, len(state.output_token_ids)))
-                noise[i].uniform_(generator=gen)
+        for i, seed in seeded:
+            gen = self._seeded_generator(device)
+            gen.manual_seed(seed)
+            noise[i].uniform_(generator=gen)
         # U = 0 gives +inf (that token just loses); a zero draw would turn 0/0 into NaN for masked
         # tokens, so the smallest normal float stands in for it.
         return noise.log_().neg_().clamp_min_(torch.finfo(torch.float32).tiny)

@@ -25,6 +25,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows,
         "each row's index of its first maximum (the first NaN where a row has one), as torch.argmax(x, dim=1) "
         "on float32 rows", py::arg("x"), nogil);
+  m.def("uniform_rows", &uniform_rows,
+        "[rows, n] float32 uniforms strictly inside (0, 1), row r from seeds[r] alone (SplitMix64 on a counter)",
+        py::arg("seeds"), py::arg("n"), nogil);
   m.def("lora_add", &lora_add,
         "y[t] += B_s (A_s x[t]) for each row t of slot s >= 0 (LoRA deltas; a slot-major A, B transposed)",
         py::arg("y"), py::arg("x"), py::arg("slots"), py::arg("a"), py::arg("bt"), py::arg("offsets"),

@@ -141,6 +141,17 @@ int64_t row_argmax(const float* x, int64_t n) {
   return 0;  // unreachable: best is one of the row's values
 }
 
+
+// SplitMix64's output function (Steele, Lea and Flood, 2014). As a counter-based generator, value i of a row is
+// mix(seed + (i + 1) * gamma): rows fill in parallel, each from its own seed alone, and the same seed gives the
+// same values whatever the rows around it.
+constexpr uint64_t kSplitMixGamma = 0x9E3779B97F4A7C15ULL;
+inline uint64_t splitmix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
 }  // namespace
 
 torch::Tensor silu_and_mul(torch::Tensor x) {
@@ -191,6 +202,29 @@ torch::Tensor argmax_rows(torch::Tensor x) {
   int64_t* op = out.data_ptr<int64_t>();
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) op[r] = row_argmax(xp + r * stride, n);
+  });
+  return out;
+}
+
+torch::Tensor uniform_rows(torch::Tensor seeds, int64_t n) {
+  TORCH_CHECK(seeds.dim() == 1 && seeds.scalar_type() == torch::kLong && seeds.is_contiguous() && n >= 0,
+              "seeds must be a contiguous int64 vector and n >= 0");
+  const int64_t rows = seeds.size(0);
+  auto out = torch::empty({rows, n}, torch::kFloat);
+  const int64_t* sp = seeds.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint64_t seed = static_cast<uint64_t>(sp[r]);
+      float* row = op + r * n;
+      // (2k + 1) / 2^24 for the top 23 bits k: 2^23 evenly spaced values strictly inside (0, 1), each exact in
+      // float32, so -log(u) is always finite.
+#pragma omp simd
+      for (int64_t i = 0; i < n; ++i) {
+        const uint64_t k = splitmix64(seed + static_cast<uint64_t>(i + 1) * kSplitMixGamma) >> 41;
+        row[i] = static_cast<float>(2 * k + 1) * 0x1p-24f;
+      }
+    }
   });
   return out;
 }

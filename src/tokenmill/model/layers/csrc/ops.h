@@ -24,6 +24,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor we
 void rotary_inplace(torch::Tensor x, torch::Tensor positions, torch::Tensor cos, torch::Tensor sin,
                     int64_t num_heads, int64_t head_dim);
 torch::Tensor argmax_rows(torch::Tensor x);
+torch::Tensor uniform_rows(torch::Tensor seeds, int64_t n);
 // block_linear.cpp
 torch::Tensor block_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales, c10::optional<torch::Tensor> mins,
                            c10::optional<torch::Tensor> bias, int64_t out_features);
