@@ -1,0 +1,68 @@
+"""The sampler's C++ kernels (each row's argmax, the exponential race's uniforms) against torch's reductions and
+generators, in one engine: the same workload offline, alternating the two, `--rounds` times.
+
+    python -m benchmarks.sampler_bench --workload ../shared/bench/workload-64.jsonl --max-num-seqs 64 --temperature 0.7
+
+Runs the embedded model (or `--model`) at the engine's defaults on CPU; every request to exactly its workload
+`max_tokens` (ignore EOS), seeded per request when `--seeded`. Prints output tokens per second of each run and
+the ratio of the medians. Greedy runs (`--temperature 0`) also check that both give the same tokens.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--seeded", action="store_true", help="a seed per request (each row its own stream)")
+    parser.add_argument("--rounds", type=int, default=4)
+    args = parser.parse_args()
+
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.bench.workloads import load_workload
+
+    requests = load_workload(args.workload, args.num_prompts)
+    llm = LLM(args.model, max_num_seqs=args.max_num_seqs)
+    sampler = llm.llm_engine.core.core.runner.sampler  # offline: the engine core runs in this process
+    kernels = sampler._kernels
+    if kernels is None:
+        raise SystemExit("this engine's sampler has no C++ kernels (not on CPU, or they did not build)")
+    prompts = [{"prompt_token_ids": r.prompt_token_ids} for r in requests]
+    params = [SamplingParams(temperature=args.temperature, seed=i if args.seeded else None, max_tokens=r.max_tokens,
+                             ignore_eos=True) for i, r in enumerate(requests)]
+
+    def run() -> tuple[float, list[list[int]]]:
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        elapsed = time.perf_counter() - start
+        tokens = [list(o.outputs[0].token_ids) for o in outputs]
+        return sum(map(len, tokens)) / elapsed, tokens
+
+    run()  # warm-up: first-call costs and the KV cache's first touch out of the timing
+    runs: dict[str, list[float]] = {"torch": [], "kernels": []}
+    first_tokens: dict[str, list[list[int]]] = {}
+    for round_ in range(args.rounds):
+        for name in runs:
+            sampler._kernels = kernels if name == "kernels" else None
+            tps, tokens = run()
+            runs[name].append(tps)
+            first_tokens.setdefault(name, tokens)
+        print(f"round {round_ + 1}: " + ", ".join(f"{name} {values[-1]:.1f}" for name, values in runs.items()),
+              flush=True)
+    sampler._kernels = kernels
+    medians = {name: statistics.median(values) for name, values in runs.items()}
+    print(f"output tok/s medians: torch {medians['torch']:.1f}, kernels {medians['kernels']:.1f} "
+          f"({medians['kernels'] / medians['torch']:.2f}x)")
+    if args.temperature == 0.0:
+        print("same tokens:", first_tokens["torch"] == first_tokens["kernels"])
+
+
+if __name__ == "__main__":
+    main()
