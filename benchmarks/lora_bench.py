@@ -89,7 +89,7 @@ def main() -> None:
                                               max_lora_rank=args.rank, **settings)}
         runs: dict[str, list[float]] = {"base": [], "base, --enable-lora": [], f"{args.adapters} adapters": []}
         # Warm-up: the whole workload once on each engine, so that what a first pass pays once stays out of the
-        # timing (after a warm-up of four requests, the first round ran 30-45% slower on every engine).
+        # timing (after a warm-up of four requests the first round ran markedly slower on every engine).
         run(engines["base"], requests, None)
         run(engines["base, --enable-lora"], requests, spread)
         for round_ in range(args.rounds):

@@ -33,8 +33,8 @@ def _one(llm: LLM, prompt: str, **params):
 
 
 def test_bitmask_matches_llguidance_kernel():
-    # llguidance's numpy kernel: the same masking as its torch one, which runs through torch.compile (~14 s to
-    # compile on 2 cores, and its module import pulls in torch._dynamo).
+    # llguidance's numpy kernel: the same masking as its torch one, which compiles through torch.compile (many
+    # seconds on a small CPU; its module import alone pulls in torch._dynamo).
     from llguidance.numpy import apply_token_bitmask_inplace
 
     generator = torch.Generator().manual_seed(0)

@@ -167,5 +167,5 @@ def apply_min_p(logits: torch.Tensor, min_p: torch.Tensor) -> None:
     p_i < min_p * p_max  <=>  logit_i - logit_max < log(min_p), which skips a softmax.
     """
     log_min_p = min_p.to(device=logits.device, dtype=logits.dtype).log()  # log(0) = -inf keeps all
-    max_logit = logits.amax(dim=1, keepdim=True)  # amax: no indices (20x faster than max(dim) on CPU)
+    max_logit = logits.amax(dim=1, keepdim=True)  # amax: max(dim) would track indices too
     logits.masked_fill_(logits - max_logit < log_min_p.unsqueeze(1), NEG_INF)

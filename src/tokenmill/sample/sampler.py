@@ -187,9 +187,9 @@ class Sampler:
     """Samples one token per row; stateless apart from the generator used by unseeded requests."""
 
     def __init__(self, seed: int = 0, kernels: Any = None) -> None:
-        """kernels: tokenmill's C++ CPU kernels where the runner has them: each row's argmax (torch's reduction
-        takes 2.4 ms for 64 rows of a 49k vocabulary, the kernel 0.23) and the exponential race's uniforms
-        (torch's generator 9.4 ms for those rows, the kernel 0.8), on float32 CPU rows."""
+        """kernels: tokenmill's C++ CPU kernels where the runner has them, for each row's argmax and the
+        exponential race's uniforms on float32 CPU rows (several times faster than torch's reduction and
+        generators there; docs/benchmarks.md, "Sampling on CPU")."""
         self.seed = seed
         self._kernels = kernels
         self._generators: dict[torch.device, torch.Generator] = {}
@@ -277,7 +277,7 @@ class Sampler:
         device, vocab = logits.device, logits.shape[1]
         self._truncate(logits, arrays)
         # Unnormalized probabilities are enough: the argmax below ignores a per-row scale.
-        probs = logits.sub_(logits.amax(dim=1, keepdim=True)).exp_()  # amax: no indices (20x faster than max(dim))
+        probs = logits.sub_(logits.amax(dim=1, keepdim=True)).exp_()  # amax: max(dim) would track indices too
         # argmax(p_i / E_i) with E_i ~ Exp(1) picks i with probability p_i, and lets each row use
         # its own noise stream without a per-row multinomial call.
         return self.argmax(probs.div_(self._exponential_noise(states, vocab, device)))

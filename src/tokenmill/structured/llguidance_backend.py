@@ -57,7 +57,7 @@ def _grammar_definition(params: StructuredOutputsParams) -> str:
 def fill_next_token_bitmask(matcher: Any, bitmask: torch.Tensor, row: int) -> None:
     """The matcher's allowed tokens into row `row` of the int32 bitmask, as llguidance.torch's function of this
     name fills it; that module is not imported because its module-level torch.compile imports torch._dynamo,
-    which stalled the engine's first structured-output step by 2-4 s."""
+    which stalled the engine's first structured-output step for seconds."""
     import torch
 
     view = bitmask[row]

@@ -12,7 +12,7 @@
 // Rows are taken in groups of up to four of the same slot, so each element of A and B is loaded once per group,
 // and each row's delta of a tile of columns is summed over the ranks in registers. With AVX2 (and AVX-512) the
 // products are fused multiply-adds on 8-lane vectors blocked over several ranks of A and several vectors of B's
-// columns (the portable loops reach about a third of a core's peak at a decode step's 16 rows).
+// columns; the portable build keeps plain loops.
 
 namespace {
 
