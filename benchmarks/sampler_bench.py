@@ -3,8 +3,8 @@ generators, in one engine: the same workload offline, alternating the two, `--ro
 
     python -m benchmarks.sampler_bench --workload ../shared/bench/workload-64.jsonl --max-num-seqs 64 --temperature 0.7
 
-Runs the embedded model (or `--model`) at the engine's defaults on CPU; every request to exactly its workload
-`max_tokens` (ignore EOS), seeded per request when `--seeded`. Prints output tokens per second of each run and
+Runs the embedded model (or `--model`) at the engine's defaults (or the engine flags given) on CPU; every request
+to exactly its workload `max_tokens` (ignore EOS), seeded per request when `--seeded`. Prints output tokens per second of each run and
 the ratio of the medians. Greedy runs (`--temperature 0`) also check that both give the same tokens.
 """
 from __future__ import annotations
@@ -15,21 +15,24 @@ import time
 
 
 def main() -> None:
+    from benchmarks.paths import default_workload_path
+    from tokenmill import LLM, SamplingParams
+    from tokenmill.bench.workloads import load_workload
+    from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default=None, help="default: the embedded SmolLM2 GGUF")
-    parser.add_argument("--workload", required=True)
+    parser.add_argument("--workload", default=None, help="default: ../shared/bench/workload-64.jsonl")
     parser.add_argument("--num-prompts", type=int, default=64)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--seeded", action="store_true", help="a seed per request (each row its own stream)")
     parser.add_argument("--rounds", type=int, default=4)
+    # Engine options, the engine's own flags and defaults (EngineConfig).
+    add_engine_args(parser, ("model", "max_num_seqs", "max_num_batched_tokens", "numerics", "block_matmul",
+                             "kv_cache_dtype"))
     args = parser.parse_args()
 
-    from tokenmill import LLM, SamplingParams
-    from tokenmill.bench.workloads import load_workload
-
-    requests = load_workload(args.workload, args.num_prompts)
-    llm = LLM(args.model, max_num_seqs=args.max_num_seqs)
+    requests = load_workload(args.workload or default_workload_path(), args.num_prompts)
+    llm = LLM.from_config(engine_config_from_args(args))
     sampler = llm.llm_engine.core.core.runner.sampler  # offline: the engine core runs in this process
     kernels = sampler._kernels
     if kernels is None:

@@ -14,20 +14,6 @@ from tokenmill.model.layers.attention import (AttentionInputs, AttentionMetadata
 from tokenmill.model.layers.attention.cpu_backend import cpu_prefill_tables
 
 
-@pytest.fixture(scope="module", params=["native", pytest.param("avx2", marks=pytest.mark.slow),
-                                        pytest.param("portable", marks=pytest.mark.slow)])
-def variant(request, kernels):
-    """The engine's own build (16-key tiles with AVX-512), then builds limited to AVX2 (8-key tiles) and
-    to portable C++."""
-    from tokenmill.model.layers import cpu_kernels
-
-    if request.param == "native":
-        return kernels
-    if request.param == "avx2" and kernels.simd == "portable":
-        pytest.skip("this CPU has no AVX2")
-    return cpu_kernels.load_variant(request.param)
-
-
 def make_step(chunks, num_heads, num_kv_heads, head_dim, block_size, cache_dtype, q_dtype, lead_rows=3, seed=0):
     """A flat batch of `lead_rows` decode rows then one prefill chunk per (ctx_len, num_q), each over a
     scattered block table; returns (q, cache, meta) with the fields every backend's metadata has."""
@@ -85,7 +71,7 @@ def test_kernel_matches_causal_reference(variant, num_heads, num_kv_heads, head_
     """Whole prompts of 1..300 tokens and chunks after 20..800 cached tokens, contexts ending mid-block and
     mid-tile, GQA groups of 1, 3, 4 and 4 with head sizes that are and are not multiples of 16 or 64."""
     q, cache, meta = make_step(CHUNKS, num_heads, num_kv_heads, head_dim, block_size, torch.float32, torch.float32)
-    out = run_kernel(variant, q, cache, meta, 0.3)
+    out = run_kernel(variant[1], q, cache, meta, 0.3)
     assert torch.equal(out[:3], torch.full_like(out[:3], 7.0))
     torch.testing.assert_close(out[3:].double(), expected_rows(q, cache, meta, 0.3), atol=1e-4, rtol=1e-4)
 
@@ -95,7 +81,7 @@ def test_kernel_windows_and_softcap(variant, window, softcap):
     """Sliding windows narrower than a key tile, a few tiles, or most of a prompt; Gemma 2's capping with
     and without one. Rows whose window starts past a whole tile must skip it, not add e^0 for it."""
     q, cache, meta = make_step(CHUNKS, 6, 2, 32, 16, torch.float32, torch.float32, seed=3)
-    out = run_kernel(variant, q, cache, meta, 0.5, window, softcap)
+    out = run_kernel(variant[1], q, cache, meta, 0.5, window, softcap)
     expected = expected_rows(q, cache, meta, 0.5, window, softcap)
     torch.testing.assert_close(out[3:].double(), expected, atol=1e-4, rtol=1e-4)
 

@@ -70,11 +70,12 @@ class DecoderForCausalLM(nn.Module):
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.tie_word_embeddings = spec.tie_word_embeddings
         self.lm_head = None if self.tie_word_embeddings else nn.Linear(spec.hidden_size, spec.vocab_size, bias=False)
-        self._int8_decode: Optional[tuple[Any, list[torch.Tensor]]] = None  # (kernels, per-layer tensors)
+        # (kernels, per-layer tensors, per-layer rotary cos and sin tables, per-layer windows), listed once
+        self._int8_decode: Optional[tuple[Any, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor],
+                                          list[int]]] = None
         self.lora_state: Optional[Any] = None  # --enable-lora: the step's rows' adapters (layers.lora.LoRAStepState)
-        # The fused stack's per-layer arguments that never change (rotary tables, windows; LoRA's (A, Bᵀ) and
-        # offsets), listed once rather than every step.
-        self._stack_constants: Optional[tuple[list, list, list]] = None
+        # LoRA's (A, Bᵀ), offsets and rank for the fused stack, listed at its first step with adapter rows (the
+        # adapters' projections wrap the stack's after it is enabled) rather than every step.
         self._stack_lora_lists: Optional[tuple[list[torch.Tensor], list[list[int]], int]] = None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -153,7 +154,9 @@ class DecoderForCausalLM(nn.Module):
                         if layer.sandwich else [none, none])
             params += [layer.input_layernorm.weight, *qkv, *o, layer.post_attention_layernorm.weight, *gate_up, *down,
                        *qk_norms, *sandwich]
-        self._int8_decode = (kernels, params)
+        attns = [layer.self_attn for layer in self.layers]
+        self._int8_decode = (kernels, params, [attn.rotary.cos for attn in attns], [attn.rotary.sin for attn in attns],
+                             [attn.window or 0 for attn in attns])
         return True
 
     def _fused_decode_fits(self, kv_caches: list[torch.Tensor]) -> bool:
@@ -164,13 +167,8 @@ class DecoderForCausalLM(nn.Module):
     def _forward_int8_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                              metas: list[AttentionMetadata]) -> torch.Tensor:
         """metas: each layer's (its KV cache group's) attention metadata."""
-        kernels, params = self._int8_decode
+        kernels, params, cos, sin, windows = self._int8_decode
         attn = self.layers[0].self_attn
-        if self._stack_constants is None:
-            layers = [layer.self_attn for layer in self.layers]
-            self._stack_constants = ([layer.rotary.cos for layer in layers], [layer.rotary.sin for layer in layers],
-                                     [layer.window or 0 for layer in layers])
-        cos, sin, windows = self._stack_constants
         return kernels.decoder_decode_int8(
             self.embed(input_ids), positions, [meta.slot_mapping for meta in metas],
             [meta.decode_block_tables for meta in metas], [meta.decode_context_lens for meta in metas],

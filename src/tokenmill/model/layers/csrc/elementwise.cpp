@@ -100,8 +100,8 @@ void rotary_rows(scalar_t* x, int64_t row_stride, const int64_t* positions, cons
 // The index of a row's first maximum, as torch.argmax picks it: the first NaN where the row holds one (NaN
 // compares above every number there), else the first value equal to the row's largest. Two passes: the
 // maximum (and whether any lane is NaN) on vectors, then the first position equal to it, which stops early.
+// n > 0 (argmax_rows checks it).
 int64_t row_argmax(const float* x, int64_t n) {
-  if (n == 0) return 0;
   float best = x[0];
   bool nan = false;
   int64_t i = 0;
