@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from tokenmill.config import (ATTENTION_BACKENDS, BLOCK_MATMULS, DEVICES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
-                              QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig, engine_options)
+                              QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig, engine_options, usable_cpu_count)
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.errors import InvalidRequestError
 
@@ -244,6 +244,16 @@ def test_with_resolved_defaults_returns_a_new_config():
     given = EngineConfig(max_mixed_prefill_tokens=1024).with_resolved_defaults("cpu")
     assert given.max_mixed_prefill_tokens == 1024
     assert EngineConfig().with_resolved_defaults("cuda").preemption_mode == "recompute"  # no swap space
+
+
+def test_the_usable_cpus_are_the_affinity_mask_not_the_machine(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {2, 5, 7}, raising=False)
+    assert usable_cpu_count() == 3  # `taskset -c 2,5,7`, a container's cpuset
+    monkeypatch.delattr(os, "sched_getaffinity")
+    assert usable_cpu_count() == 64  # an OS without affinity masks
 
 
 def test_each_data_parallel_core_gets_its_share_of_the_cpu_and_its_lanes_step_cap():

@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import difflib
 import json
+import os
 import re
 import typing
 from dataclasses import dataclass
@@ -53,6 +54,15 @@ KV_CACHE_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16
 PREEMPTION_MODES = ("swap", "recompute")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
+
+
+def usable_cpu_count() -> int:
+    """The CPUs this process may run on: its affinity mask where the OS has one (taskset, a container's
+    cpuset), which os.cpu_count() ignores, so that the default torch threads match the cores actually lent."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def default_max_num_batched_tokens(device_type: str) -> int:

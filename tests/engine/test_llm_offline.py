@@ -173,3 +173,23 @@ def test_step_budget_defaults_by_device_and_fits_unchunked_prompts(tiny_llama_di
     with pytest.raises(ModelLoadError, match=r"max_num_batched_tokens \(1024\) is smaller than max_model_len \(1536\)"):
         LLM(str(long_model), device="cpu", num_kv_blocks=100, enable_chunked_prefill=False,
             max_num_batched_tokens=1024, numerics="exact")
+
+
+def test_default_threads_follow_the_cpus_the_process_may_use(tiny_llama_dir, monkeypatch):
+    """Under `taskset -c 0` (or a one-CPU cpuset) the engine runs one torch thread, not one per CPU of the
+    machine, which would make its threads take turns on the one CPU."""
+    import os
+
+    import torch
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        LLM(str(tiny_llama_dir), max_model_len=64, num_kv_blocks=8).shutdown()
+        assert torch.get_num_threads() == 1
+        LLM(str(tiny_llama_dir), max_model_len=64, num_kv_blocks=8, num_threads=2).shutdown()
+        assert torch.get_num_threads() == 2  # --num-threads still says
+    finally:
+        torch.set_num_threads(before)

@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator, Optional
 
 import msgspec
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, usable_cpu_count
 from tokenmill.core.kv_tier import TierView
 from tokenmill.engine.core_client import MPClient
 from tokenmill.engine.core_proc import LOAD_QUIETLY_ENV
@@ -433,7 +433,7 @@ def _start_cores(config: EngineConfig, log_level: str, api_server_count: int = 1
     clients: list[MPClient] = []
     try:
         for index in range(size):
-            core_config = config.for_data_parallel_core(index, os.cpu_count() or 1) if size > 1 else config
+            core_config = config.for_data_parallel_core(index, usable_cpu_count()) if size > 1 else config
             env = _core_environment(config, index)
             if load_quietly:
                 env = {**(env or os.environ), LOAD_QUIETLY_ENV: "1"}

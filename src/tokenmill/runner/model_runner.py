@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Optional
 
 import torch
 
-from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES
+from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES, usable_cpu_count
 from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
 from tokenmill.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
 from tokenmill.errors import ModelLoadError
@@ -50,7 +49,7 @@ class ModelRunner:
         self.tp = tp if tp is not None and tp.size > 1 else None
         num_threads = config.num_threads
         if device.type == "cpu":
-            torch.set_num_threads(num_threads or os.cpu_count() or 1)
+            torch.set_num_threads(num_threads or usable_cpu_count())
         self.device = device
         dtype, block_size = config.dtype, config.block_size
         self.dtype = DTYPES[dtype]  # resolved from the hardware before the runner is built (runner.numerics)
