@@ -204,7 +204,7 @@ def test_worker_messages_hold_plain_data():
 def test_data_parallel_cores_each_run_their_own_tensor_parallel_workers(tiny_llama_dir):
     import asyncio
 
-    from proc_util import child_pids, thread_niceness
+    from proc_util import child_pids, descendants, thread_niceness
 
     from tokenmill.engine.async_llm import AsyncLLM
     from tokenmill.sampling_params import RequestOutputKind
@@ -213,8 +213,10 @@ def test_data_parallel_cores_each_run_their_own_tensor_parallel_workers(tiny_lla
     engine = AsyncLLM.from_config(EngineConfig(model=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256,
                                                data_parallel_size=2, tensor_parallel_size=2, numerics="exact"))
     params = GREEDY.clone(output_kind=RequestOutputKind.FINAL_ONLY)
-    workers = [pid for client in engine.clients for pid in child_pids(client.process.pid)]
+    # Each core's workers fork from its forkserver: the core's grandchildren.
+    workers = [pid for client in engine.clients for child in child_pids(client.process.pid) for pid in child_pids(child)]
     assert len(workers) == 4  # two per core
+    below = [pid for client in engine.clients for pid in descendants(client.process.pid)]
     # The workers inherit their core's niceness (10 on CPU) from the thread that starts them.
     niced = {min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)}
     assert all(thread_niceness(pid) == niced for pid in [client.process.pid for client in engine.clients] + workers)
@@ -231,7 +233,7 @@ def test_data_parallel_cores_each_run_their_own_tensor_parallel_workers(tiny_lla
             await engine.shutdown()
 
     assert asyncio.run(run()) == expected
-    assert not any(is_alive(pid) for pid in workers)
+    assert still_alive(below, 10) == []  # the workers, and each core's forkserver and resource tracker
 
 
 def test_kv_offload_tier_under_two_ranks(tmp_path, tiny_llama_dir):

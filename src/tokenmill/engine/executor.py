@@ -10,20 +10,18 @@ Every frame is a msgspec message of `core/sched_output.py`; the workers hold the
 updated by the same deltas, so their batches agree without ever sending live objects. Waiting for a
 worker never blocks without looking: every POLL_MS the executor checks that each worker is alive,
 and a dead or failed worker makes `execute` raise (the engine core's fault path then ends every
-request). Workers die with the process that started them (each watches its stdin pipe from this
-process, which the kernel closes when this process ends), and `shutdown` asks, then terminates,
-then kills them.
+request). Workers fork from a server process that imported torch and the model code once (multiprocessing's
+forkserver, started with the first worker and kept for this process's life), so a worker costs a fork and its
+shard's load rather than a fresh interpreter's imports. Workers die with the process that started them (each
+watches a pipe from this process, which the kernel closes when this process ends), and `shutdown` asks, then
+terminates, then kills them.
 """
 from __future__ import annotations
 
 import dataclasses
 import logging
-import os
-import pickle
+import multiprocessing
 import shutil
-import struct
-import subprocess
-import sys
 import tempfile
 import time
 import weakref
@@ -32,7 +30,7 @@ from typing import Optional
 import msgspec
 import zmq
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, usable_cpu_count
 from tokenmill.core.sched_output import (ModelRunnerOutput, SchedulerOutput, WorkerFailure, WorkerInitCache,
                                          WorkerMessage, WorkerReady, WorkerShutdown, WorkerStep, WorkerStepDone)
 from tokenmill.errors import EngineDeadError, EngineFailedError, ModelLoadError
@@ -80,48 +78,65 @@ class UniprocExecutor:
 def worker_config(config: EngineConfig) -> EngineConfig:
     """A worker's settings: on CPU the workers share the machine, each with its share of the threads."""
     size = config.tensor_parallel_size
-    threads = config.num_threads or os.cpu_count() or 1
+    threads = config.num_threads or usable_cpu_count()
     return dataclasses.replace(config, num_threads=max(1, threads // size))
 
 
+# What a worker imports, imported once by the forkserver its workers fork from: torch, the runner and the model
+# code, the loader, and transformers' config classes (the first one imports most of transformers).
+WORKER_PRELOAD = ["tokenmill.runner.worker", "tokenmill.runner.model_runner", "tokenmill.model.loader",
+                  "transformers.models.llama.configuration_llama"]
+
+
+def _worker_context() -> multiprocessing.context.BaseContext:
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(WORKER_PRELOAD)
+    return context
+
+
 class WorkerProcess:
-    """`python -m tokenmill.runner.worker` (a fresh interpreter: the core may run threads), its
-    settings pickled on stdin, length-prefixed. stdin then stays open as the worker's lifeline: it
-    reads EOF, and exits, once this process is gone, however it ends (the kernel closes the pipe)."""
+    """`runner.worker.worker_main` forked from the forkserver, its settings pickled by multiprocessing. It also
+    gets the read end of a pipe whose only write end this process holds: its lifeline, which reads EOF, and the
+    worker exits, once this process is gone, however it ends (the kernel closes the pipe)."""
 
     def __init__(self, rank: int, args: tuple) -> None:
+        from tokenmill.runner.worker import worker_main
+
         self.rank = rank
-        self._popen = subprocess.Popen([sys.executable, "-m", "tokenmill.runner.worker"], stdin=subprocess.PIPE)
-        payload = pickle.dumps(args)
-        self._popen.stdin.write(struct.pack("<Q", len(payload)) + payload)
-        self._popen.stdin.flush()
+        context = _worker_context()
+        lifeline, self._lifeline = context.Pipe(duplex=False)
+        self._process = context.Process(target=worker_main, args=(lifeline, args), name=f"tokenmill-tp{rank}")
+        self._process.start()
+        lifeline.close()
 
     @property
     def pid(self) -> int:
-        return self._popen.pid
+        return self._process.pid
 
     @property
     def exitcode(self) -> Optional[int]:
-        return self._popen.poll()
+        return self._process.exitcode
 
     def is_alive(self) -> bool:
-        return self._popen.poll() is None
+        return self._process.is_alive()
 
     def stop(self, timeout_s: float) -> None:
         """Wait up to timeout_s for it to exit, then cut its lifeline, then terminate, then kill."""
-        for action in (None, self._close_lifeline, self._popen.terminate, self._popen.kill):
+        for action in (None, self._close_lifeline, self._process.terminate, self._process.kill):
             if action is not None and self.is_alive():
                 action()
-            try:
-                self._popen.wait(timeout_s if action is None else SHUTDOWN_WAIT_S)
-                return
-            except subprocess.TimeoutExpired:
-                continue
+            self._process.join(timeout_s if action is None else SHUTDOWN_WAIT_S)
+            if not self.is_alive():
+                break
         self._close_lifeline()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self._process.kill()
 
     def _close_lifeline(self) -> None:
         try:
-            self._popen.stdin.close()
+            self._lifeline.close()
         except OSError:
             pass
 
@@ -129,8 +144,7 @@ class WorkerProcess:
 def _kill_workers(workers: list[WorkerProcess]) -> None:
     """Last resort (garbage collection, interpreter exit): no worker outlives its executor."""
     for worker in workers:
-        if worker.is_alive():
-            worker._popen.kill()
+        worker.kill()
 
 
 class MultiprocExecutor:
@@ -160,7 +174,7 @@ class MultiprocExecutor:
         level = log_level or logging.getLevelName(logging.getLogger().getEffectiveLevel())
         settings = worker_config(config)
         self.workers = [WorkerProcess(rank, (settings, rank, size, self._store.port, f"ipc://{self._dir}/input-{rank}",
-                                             output_address, os.getpid(), max_model_len, level,
+                                             output_address, max_model_len, level,
                                              source.for_weights(),
                                              draft_source.for_weights() if draft_source is not None else None))
                         for rank in range(size)]

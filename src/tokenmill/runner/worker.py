@@ -1,18 +1,17 @@
 """A tensor-parallel worker: one ModelRunner on one rank's shard, stepped by the engine core's messages.
 
-Started by `engine/executor.MultiprocExecutor` as `python -m tokenmill.runner.worker` (its settings
-pickled on stdin). It joins the rank group, loads its shard, reports `WorkerReady`, then loops:
+Started by `engine/executor.MultiprocExecutor` (`worker_main`, forked from a multiprocessing forkserver
+that has imported this module). It joins the rank group, loads its shard, reports `WorkerReady`, then loops:
 `WorkerInitCache` (allocate the KV cache), `WorkerStep` (execute; rank 0 answers with the
 ModelRunnerOutput), `WorkerShutdown`. Any failure is reported as `WorkerFailure` before the process
-exits non-zero. It dies with the engine core: a thread watches the stdin pipe the core holds open
-and exits the process at EOF, and while idle the loop also checks its parent pid every second.
+exits non-zero. It dies with the engine core: a thread watches a pipe whose write end only the core holds
+and exits the process at EOF, and while idle the loop also checks its parent (the forkserver, which exits
+with the core) every second.
 """
 from __future__ import annotations
 
 import logging
 import os
-import pickle
-import struct
 import sys
 import threading
 import traceback
@@ -34,11 +33,14 @@ _decoder = msgspec.msgpack.Decoder(WorkerInput)
 
 
 def _exit_with_parent(lifeline) -> None:
-    """Exit when the engine core's end of our stdin closes: it has exited (however it ended: the kernel
+    """Exit when the engine core's end of the lifeline pipe closes: it has exited (however it ended: the kernel
     closes its pipes) or given up on us. A thread, so it works while the main thread sits in a step or
     a collective; per process, unlike PR_SET_PDEATHSIG, which fires when the parent *thread* exits."""
     def watch() -> None:
-        while lifeline.read(1):
+        try:
+            while True:
+                lifeline.recv_bytes()
+        except (EOFError, OSError):
             pass
         os._exit(1)
 
@@ -46,9 +48,10 @@ def _exit_with_parent(lifeline) -> None:
 
 
 def run_worker(config, rank: int, size: int, store_port: int, input_address: str, output_address: str,
-               parent: int, max_model_len: int, log_level: str, source, draft_source=None) -> None:
+               max_model_len: int, log_level: str, source, draft_source=None) -> None:
     """source: the core's model, for the weights only, as plain data (loader.ModelSource.for_weights);
     draft_source: a draft model's, the same way (speculative decoding), or None."""
+    parent = os.getppid()
     channels = start_child_process(f"tp{rank}", log_level, input_address, output_address)
     inputs, outputs = channels.inputs, channels.outputs
     code = 0
@@ -112,13 +115,7 @@ def _loop(runner, inputs: zmq.Socket, outputs: zmq.Socket, parent: int) -> None:
                 outputs.send(_encoder.encode(WorkerStepDone(result)))
 
 
-def main() -> None:
-    stdin = sys.stdin.buffer
-    (length,) = struct.unpack("<Q", stdin.read(8))
-    args = pickle.loads(stdin.read(length))
-    _exit_with_parent(stdin)
+def worker_main(lifeline, args: tuple) -> None:
+    """The forked worker's entry point: lifeline, the read end of the core's pipe; args, run_worker's."""
+    _exit_with_parent(lifeline)
     run_worker(*args)
-
-
-if __name__ == "__main__":
-    main()
