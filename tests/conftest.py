@@ -5,12 +5,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
-from model_factory import build_tiny_llama, mixed_gguf_type, write_gguf  # noqa: F401  (re-exported for fixtures)
-
-from tokenmill.config import usable_cpu_count
-
 
 def _pin_to_this_workers_cpus() -> None:
     """Under pytest-xdist (`make test` runs one worker per CPU) each worker and every server, engine core and
@@ -24,7 +18,15 @@ def _pin_to_this_workers_cpus() -> None:
         os.sched_setaffinity(0, cpus[int(worker[2:]) % count::count])
 
 
+# Before torch loads its OpenMP runtime, which reads the mask once (and spins less where threads outnumber CPUs).
 _pin_to_this_workers_cpus()
+
+import pytest
+import torch
+from model_factory import build_tiny_llama, mixed_gguf_type, write_gguf  # noqa: F401  (re-exported for fixtures)
+
+from tokenmill.config import usable_cpu_count
+
 torch.set_num_threads(max(1, min(2, usable_cpu_count())))
 
 
