@@ -345,7 +345,8 @@ class EngineConfig:
     seed: int = option(0, "random seed of the engine's sampler")
     max_logprobs: int = option(20, "most logprobs (and prompt logprobs) per token a request may ask for",
                                bound="non_negative")
-    num_threads: Optional[int] = option(None, "torch CPU threads", bound="positive")
+    num_threads: Optional[int] = option(None, "torch CPU threads (default: the CPUs this process may run on)",
+                                        bound="positive")
     attention_backend: str = option(
         "auto", "auto: on CUDA the triton paged-attention kernels when triton is installed; on CPU tokenmill's C++ "
         "paged-attention kernels (built on first use) when a compiler is present; else the portable torch backend",
