@@ -264,3 +264,19 @@ def test_two_ranks_with_a_draft_model_match_one_without(request, tiny_llama_dir)
     drafted = _greedy(str(tiny_llama_dir), 2, speculative_config={"model": str(tiny_llama_dir),
                                                                   "num_speculative_tokens": 3})
     assert drafted == _greedy(str(tiny_llama_dir), 1)
+
+
+@pytest.mark.slow
+def test_a_script_without_a_main_guard_gets_a_clear_error(tmp_path, tiny_llama_dir):
+    """Workers fork from a forkserver whose children import the starting script's main module: a script that
+    builds the engine at its top level (no `if __name__ == "__main__":`) cannot start its workers, and says so."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("import sys\nfrom tokenmill import LLM\n"
+                      "LLM(sys.argv[1], tensor_parallel_size=2, max_model_len=64, num_kv_blocks=8, numerics='exact')\n")
+    run = subprocess.run([sys.executable, str(script), str(tiny_llama_dir)], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode != 0
+    assert "EngineDeadError: tensor-parallel worker" in run.stderr and "__main__" in run.stderr.splitlines()[-1]

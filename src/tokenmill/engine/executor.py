@@ -211,6 +211,11 @@ class MultiprocExecutor:
             dead = self._dead_worker()
             if dead is not None:
                 self.failed = f"tensor-parallel worker {dead.rank} exited with status {dead.exitcode}"
+                if loading:
+                    # A worker that dies before it can report imported the starting script's main module (the
+                    # forkserver's children do): an unguarded script starts an engine there and fails.
+                    self.failed += (" while starting (its log says why; a script that builds the engine at its top "
+                                    "level needs an `if __name__ == \"__main__\":` guard)")
                 raise EngineDeadError(self.failed)
 
     def _dead_worker(self, exclude: Optional[int] = None) -> Optional[WorkerProcess]:
