@@ -212,8 +212,9 @@ class MultiprocExecutor:
             if dead is not None:
                 self.failed = f"tensor-parallel worker {dead.rank} exited with status {dead.exitcode}"
                 if loading:
-                    # A worker that dies before it can report imported the starting script's main module (the
-                    # forkserver's children do): an unguarded script starts an engine there and fails.
+                    # The forkserver's children import the starting script's main module: in a script without a
+                    # guard that starts a second engine there, which fails before the worker can report. Other
+                    # causes are in the worker's log, which the message points to.
                     self.failed += (" while starting (its log says why; a script that builds the engine at its top "
                                     "level needs an `if __name__ == \"__main__\":` guard)")
                 raise EngineDeadError(self.failed)
