@@ -102,6 +102,34 @@ def test_int8_dot_kernel_per_block_type(int8_simd, type_name):
         assert torch.equal(y[-1:], int8_simd.block_linear_q8(x[-1:].contiguous(), *packed, bias, 37))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3, 5])
+def test_every_output_tile_is_computed_once_whatever_the_threads(kernels, threads):
+    """The block kernels split their (row chunk, panel) items between the threads, a thread that finishes its
+    share taking items from the back of another's: with more threads than cores (shares stolen from while
+    their owners wait for a core) every output is still written, once, with the bits one thread gives. Each
+    call gets its own input and every result stays alive, so no output can come from a reused buffer."""
+    blocks, _ = file_blocks("Q4_1", out_features=16 * 23 + 5, seed=7)  # 24 panels, the last one partial
+    dot, rows_layout = pack_blocks(blocks, layout="dot"), pack_blocks(blocks)
+    gen = torch.Generator().manual_seed(threads)
+    bias = torch.randn(blocks.q.shape[0], generator=gen)
+    previous = torch.get_num_threads()
+    kept = []
+    try:
+        for rows in (1, 8, 9, 70, 130):  # one to three row chunks; the float kernel's single-panel and pair paths
+            x = torch.randn(rows, blocks.q.shape[1], generator=gen)
+            for linear, weights in ((kernels.block_linear_q8, dot), (kernels.block_linear, rows_layout)):
+                torch.set_num_threads(1)
+                alone = linear(x, *weights, bias, blocks.q.shape[0])
+                torch.set_num_threads(threads)
+                split = linear(x, *weights, bias, blocks.q.shape[0])
+                kept += [alone, split]
+                assert torch.equal(split, alone), f"rows={rows} {linear.__name__}"
+        torch.testing.assert_close(kept[-4].double(), expected_q8(x, blocks, bias),
+                                   atol=2e-6 * kept[-4].abs().max().item(), rtol=1e-5)
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.mark.parametrize("type_name", sorted(INT8_BLOCK_TYPES))
 def test_int8_layers_keep_the_dot_layout_at_the_files_size(kernels, type_name):
     """Under `--block-matmul int8` a layer keeps its integers in the dot products' layout (no repacking per

@@ -324,7 +324,7 @@ void block_linear_rows(const float* x, int64_t rows, int64_t in_features, const 
   // More than 8 rows: work item = (row chunk, pair of panels), the pair multiplied together.
   if (rows > 8) {
     const int64_t pairs = (panels + 1) / 2;
-    at::parallel_for(0, chunks * pairs, 2, [&](int64_t begin, int64_t end) {
+    parallel_split_steal(chunks * pairs, [&](int64_t begin, int64_t end) {
       for (int64_t item = begin; item < end; ++item) {
         const int64_t p = 2 * (item % pairs), chunk = item / pairs;
         const int64_t n0 = p * kQ8Panel;
@@ -353,7 +353,7 @@ void block_linear_rows(const float* x, int64_t rows, int64_t in_features, const 
   }
 #endif
   // Work item = (row chunk, panel), panels innermost so a thread's consecutive items share x.
-  at::parallel_for(0, chunks * panels, 4, [&](int64_t begin, int64_t end) {
+  parallel_split_steal(chunks * panels, [&](int64_t begin, int64_t end) {
     for (int64_t item = begin; item < end; ++item) {
       const int64_t p = item % panels, chunk = item / panels;
       const int64_t n0 = p * kQ8Panel, width = std::min(kQ8Panel, out_features - n0);

@@ -214,6 +214,60 @@ inline void round_to_bf16_16(const float* in, at::BFloat16* out) {
   for (int j = 0; j < 16; ++j) out[j] = c10::BFloat16(in[j]);
 #endif
 }
+// Runs work(begin, end) over items 0..n-1 on the intra-op threads: each thread owns an even share of
+// consecutive items and works through it from the front, and a thread that finishes its own takes items from
+// the back of the largest share left. Items of equal cost still finish unevenly when one thread starts late or
+// runs slower (the step's serial work just done on its core, an interrupt); with a plain split the others wait
+// for it at the region's end. Each thread still walks consecutive items (shared inputs, prefetches running on
+// into its next item) until it steals.
+template <typename Work>
+void parallel_split_steal(int64_t n, Work work) {
+  const int64_t threads = std::min<int64_t>(n, at::get_num_threads());
+  if (threads <= 1 || n >= (int64_t{1} << 31)) {
+    if (n > 0) work(0, n);
+    return;
+  }
+  // Per share: [front, back) packed as front << 32 | back, changed by compare-and-swap; a cache line each, so
+  // an owner's updates do not evict the other shares' lines from their owners' caches.
+  struct alignas(64) Share {
+    std::atomic<uint64_t> range;
+  };
+  std::vector<Share> shares(threads);
+  for (int64_t t = 0; t < threads; ++t) {
+    const uint64_t front = n * t / threads, back = n * (t + 1) / threads;
+    shares[t].range.store(front << 32 | back, std::memory_order_relaxed);
+  }
+  // Takes one item from the front (own share) or the back (another's); -1 when that share is empty.
+  const auto take = [&](int64_t t, bool from_front) -> int64_t {
+    uint64_t packed = shares[t].range.load(std::memory_order_relaxed);
+    while (true) {
+      const uint64_t front = packed >> 32, back = packed & 0xFFFFFFFFu;
+      if (front >= back) return -1;
+      const uint64_t next = from_front ? (front + 1) << 32 | back : front << 32 | (back - 1);
+      if (shares[t].range.compare_exchange_weak(packed, next, std::memory_order_relaxed)) {
+        return static_cast<int64_t>(from_front ? front : back - 1);
+      }
+    }
+  };
+  at::parallel_for(0, threads, 1, [&](int64_t first, int64_t last) {
+    for (int64_t self = first; self < last; ++self) {
+      for (int64_t item = take(self, true); item >= 0; item = take(self, true)) work(item, item + 1);
+    }
+    while (true) {  // steal from the share with the most left
+      int64_t victim = -1;
+      uint64_t most = 0;
+      for (int64_t t = 0; t < threads; ++t) {
+        const uint64_t packed = shares[t].range.load(std::memory_order_relaxed);
+        const uint64_t left = (packed >> 32) < (packed & 0xFFFFFFFFu) ? (packed & 0xFFFFFFFFu) - (packed >> 32) : 0;
+        if (left > most) most = left, victim = t;
+      }
+      if (victim < 0) return;
+      const int64_t item = take(victim, false);
+      if (item >= 0) work(item, item + 1);
+    }
+  });
+}
+
 // Runs work(item, scratch) for items 0..n-1 on the intra-op threads. Items' costs differ widely, so an
 // even split would leave one thread idle while another finishes its long ones: threads instead take the
 // next item from a shared counter, in order of decreasing cost(item) (an item's result does not depend

@@ -408,11 +408,15 @@ void block_linear_dot(const float* x, int64_t rows, int64_t in_features, const u
   const int64_t panel_bytes = blocks * kDotBlockBytes<Bits>;  // either layout
   const int64_t panels = (out_features + kQ8Panel - 1) / kQ8Panel;
   const int64_t chunks = (rows + kDotRowChunk - 1) / kDotRowChunk;
-  QuantizedRows xq;
+  // The calling thread's, kept between calls: a fresh one would be allocated and zero-filled on this thread
+  // alone (the step's other threads waiting) before every projection. The work items below reach it through
+  // the reference (by name, a thread_local would be each worker thread's own).
+  thread_local QuantizedRows calling_thread_rows;
+  QuantizedRows& xq = calling_thread_rows;
   quantize_rows(x, rows, in_features, mins != nullptr, xq);
   const int a_zero = Bits == 8 ? kQ8DotZero : zero;
   // Work item = (row chunk, panel), panels innermost so a thread's consecutive items share x.
-  at::parallel_for(0, chunks * panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_split_steal(chunks * panels, [&](int64_t begin, int64_t end) {
     thread_local std::vector<uint8_t> repacked;
     if (!dot_layout && static_cast<int64_t>(repacked.size()) < panel_bytes) repacked.resize(panel_bytes);
     int64_t repacked_panel = -1;
