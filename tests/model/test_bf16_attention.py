@@ -1,8 +1,9 @@
 """Prefill attention in bfloat16 products, AMX-BF16 tiles or AVX-512 BF16 dot products where there is no AMX
 (`--block-matmul bfloat16` / `bfloat16-int8`, and every bfloat16 KV cache): paged_prefill_attention_bf16
-(scores from high and low bfloat16 parts of q and k, v and the probabilities
-rounded to bfloat16) against a float64 attention, over chunks with cached prefixes, sliding windows, every
-cache dtype and several head shapes; and the engine routing SmolLM2's prefill through it."""
+(scores from high and low bfloat16 parts of q and k over a float32 or float16 cache, from q rounded once over a
+bfloat16 one; v and the probabilities rounded to bfloat16) against a float64 attention, over chunks with cached
+prefixes, sliding windows, every cache dtype and several head shapes; and the engine routing SmolLM2's prefill
+through it."""
 from __future__ import annotations
 
 import math
@@ -74,13 +75,16 @@ def test_bf16_prefill_attention_matches_float64(bf16_attention, heads, kv_heads,
     gaps = torch.ones(q.shape[0], dtype=torch.bool)
     gaps[rows] = False
     assert out[gaps].isnan().all()  # rows outside the chunks untouched
-    expected = reference(q, kv, tables, ranges, lens, scale, window, rounded=("v",))[rows]
+    # Over a bfloat16 cache q * scale is rounded to bfloat16 once, like the keys it meets; over the others q and k
+    # keep a low part, for scores of about float32's precision.
+    rounded = ("q", "v") if cache_dtype == torch.bfloat16 else ("v",)
+    expected = reference(q, kv, tables, ranges, lens, scale, window, rounded=rounded)[rows]
     err = (out[rows].double() - expected).abs().max().item()
-    # The probabilities' bfloat16 rounding (2^-9 relative) leaves ~3e-3 on outputs of unit values; scores
-    # from q and k rounded to bfloat16 once would move them ~1e-2 (the softmax amplifies their error).
+    # The probabilities' bfloat16 rounding (2^-9 relative) leaves ~3e-3 on outputs of unit values; rounding q
+    # (or, over the wider caches, q and k) once more or less moves them ~1e-2 (the softmax amplifies its error).
     assert err < 6e-3, err
-    single = reference(q, kv, tables, ranges, lens, scale, window, rounded=("q", "k", "v"))[rows]
-    assert (single - expected).abs().max().item() > 2 * err
+    other = ("v",) if cache_dtype == torch.bfloat16 else ("q", "k", "v")
+    assert (reference(q, kv, tables, ranges, lens, scale, window, rounded=other)[rows] - expected).abs().max() > 2 * err
 
 
 def test_bf16_prefill_attention_refuses_what_it_cannot_run(bf16_attention):
@@ -105,14 +109,19 @@ class CountingKernels:
         return getattr(self._module, name)
 
 
-@pytest.mark.parametrize("block_matmul,kv_cache_dtype", [("bfloat16-int8", "float32"), ("int8", "bfloat16")])
+@pytest.mark.parametrize("block_matmul,kv_cache_dtype", [("bfloat16-int8", "float32"), ("float32", "bfloat16")])
 def test_engine_prefills_smollm2_through_the_bf16_kernel(bf16_attention, smollm2_path, smollm2_tokenizer,
                                                         block_matmul, kv_cache_dtype):
     """Under bfloat16-int8 (any cache), and over a bfloat16 cache (the default on CPUs with native bfloat16),
     every prefill chunk (a long one too, which float32 sends to SDPA) takes the bfloat16 kernel; greedy tokens
     equal those of the same engine with float32 prefill attention but where that engine's top two were within
-    0.2 (a near-tie the rounded probabilities may flip: the first prompt's first token over the bfloat16 cache),
-    and the first token's logprob moves by the rounding only."""
+    0.2 (a near-tie the rounded probabilities may flip), and the first token's logprob moves by the rounding
+    only (0.019 under bfloat16-int8, 0.002 under float32 matmuls, measured).
+
+    The bfloat16 cache runs under float32 matmuls: under int8 ones (the default) each attention output's
+    ~1e-3 rounding also flips some activations' own 8-bit rounding, and these prompts' first logprob then
+    moves by up to ~0.3 whichever way the attention rounds (with float32 attention, 0.18 between a bfloat16 and
+    a float32 cache)."""
     llm = LLM(str(smollm2_path), block_matmul=block_matmul, max_model_len=2048, num_kv_blocks=160,
               enable_prefix_caching=False, max_num_batched_tokens=1024, dtype="float32", kv_cache_dtype=kv_cache_dtype)
     runner = llm.llm_engine.core.core.runner
@@ -152,4 +161,4 @@ def test_engine_prefills_smollm2_through_the_bf16_kernel(bf16_attention, smollm2
             chosen = b.logprobs[i]
             assert a.token_ids[i] in chosen, (i, a.token_ids[i], chosen)
             assert chosen[b.token_ids[i]].logprob - chosen[a.token_ids[i]].logprob < 0.2
-    assert 0.0 < moved < 0.15
+    assert 0.0 < moved < 0.1

@@ -81,10 +81,10 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         self.kernels = kernels
         self.cache_dtype = cache_dtype
         # The bfloat16 prefill kernel runs where the CPU has AMX tiles or AVX-512 BF16 dot products; over a
-        # bfloat16 cache, whose keys and values are bfloat16 already, it takes every chunk: its scores keep
-        # float32's precision (q as high and low bfloat16 parts) and only the probabilities are rounded, faster
-        # than the float32 kernel (docs/benchmarks.md, "Every family on the fused decode stack"). Under the
-        # bfloat16 block matmuls it does so over any cache.
+        # bfloat16 cache, whose keys and values are bfloat16 already, it takes every chunk, with q rounded to
+        # bfloat16 as the keys were (vLLM's precision; perplexity within its noise) and the probabilities
+        # rounded, about twice the float32 kernel's speed (docs/benchmarks.md). Under the bfloat16 block matmuls it
+        # does so over any cache, scores there from high and low bfloat16 parts of q and k (float32's precision).
         self.bf16_path = getattr(kernels, "bf16_attention_path", lambda: "")()
         self.bf16_prefill = bool(self.bf16_path) and (bf16_block_matmul or cache_dtype == torch.bfloat16)
 

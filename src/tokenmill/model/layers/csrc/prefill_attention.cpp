@@ -413,9 +413,12 @@ namespace {
 // S^T = K Q^T (A: the key rows as bfloat16, straight from their copy; B: the item's queries, transposed
 // once into B's pair-interleaved layout), so each key's 16 scores are one vector over the 16 rows and the
 // softmax runs down the columns without horizontal reductions; then O += P V (A: P, transposed back to
-// rows; B: the value rows pair-interleaved). The scores take q * scale and k as high and low bfloat16 parts
-// (three products: about float32's precision, which the softmax's exponent needs); v and p are rounded to
-// bfloat16 (nearest-even, 2^-9 relative on the output); products accumulate in float32, the softmax is float32.
+// rows; B: the value rows pair-interleaved). Over a float32 or float16 cache the scores take q * scale and k as
+// high and low bfloat16 parts (three products: about float32's precision, which the softmax's exponent needs);
+// over a bfloat16 cache, whose keys were rounded to bfloat16 when they were stored, q * scale is rounded once
+// too (one product: vLLM's precision; the scores' error stays of the order the cache's rounding already gives
+// them, and perplexity moved within its noise, docs/benchmarks.md). v and p are rounded to bfloat16
+// (nearest-even, 2^-9 relative on the output); products accumulate in float32, the softmax is float32.
 constexpr int64_t kAmxKeys = 32;  // keys per tile step: the depth of one TDPBF16PS of P V
 constexpr int64_t kAmxPrefillTileRows = 96;  // query rows per work item: 6 blocks of 16 share each key tile's copy
 
@@ -501,9 +504,11 @@ void prefill_item_bf16(const PrefillItem& item, const q_t* q_base, int64_t q_row
   const int64_t pos0 = ctx_len - num_q + item.first;
   const int64_t h = item.kv_head, D = head_dim;
   // qt: per block of 16 rows, D/2 rows of 16 (q[m][2i], q[m][2i+1]) pairs: the B operand of S^T = K Q^T.
-  // qt_low: what rounding q * scale to bfloat16 left, rounded again (the scores' second term).
+  // qt_low (unless the keys are bfloat16 already): what rounding q * scale to bfloat16 left, rounded again (the
+  // scores' second term).
+  constexpr bool exact_keys = std::is_same_v<cache_t, at::BFloat16>;
   w.qt.assign(row_blocks * 16 * D, at::BFloat16(0.0f));
-  w.qt_low.assign(row_blocks * 16 * D, at::BFloat16(0.0f));
+  if (!exact_keys) w.qt_low.assign(row_blocks * 16 * D, at::BFloat16(0.0f));
   for (int64_t m = 0; m < rows; ++m) {
     const int64_t i = m / group, g = m % group;
     const q_t* src = q_base + (query_start + item.first + i) * q_row_stride + (h * group + g) * D;
@@ -512,7 +517,7 @@ void prefill_item_bf16(const PrefillItem& item, const q_t* q_base, int64_t q_row
       const float x = to_float(src[d]) * scale;
       const at::BFloat16 high(x);
       w.qt[first + (d / 2) * 32 + d % 2] = high;
-      w.qt_low[first + (d / 2) * 32 + d % 2] = at::BFloat16(x - static_cast<float>(high));
+      if (!exact_keys) w.qt_low[first + (d / 2) * 32 + d % 2] = at::BFloat16(x - static_cast<float>(high));
     }
   }
   w.acc.assign(row_blocks * 16 * D, 0.0f);
@@ -540,7 +545,6 @@ void prefill_item_bf16(const PrefillItem& item, const q_t* q_base, int64_t q_row
   const __m512i highs = _mm512_load_si512(high_index);
   const int64_t last_pos = pos0 + item.count - 1;
   const int64_t key_lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
-  constexpr bool exact_keys = std::is_same_v<cache_t, at::BFloat16>;
   Products::begin();
   for (int64_t t0 = key_lo / kAmxKeys * kAmxKeys; t0 <= last_pos; t0 += kAmxKeys) {
     const int64_t n = std::min(kAmxKeys, ctx_len - t0);
@@ -561,7 +565,7 @@ void prefill_item_bf16(const PrefillItem& item, const q_t* q_base, int64_t q_row
         _mm512_storeu_si512(row + 32, _mm512_permutex2var_epi16(a, highs, b));
       }
     for (int64_t rb = m0 / 16; rb * 16 < m1; ++rb) {
-      Products::scores(w.qt.data() + rb * 16 * D, w.qt_low.data() + rb * 16 * D, w.k.data(),
+      Products::scores(w.qt.data() + rb * 16 * D, exact_keys ? nullptr : w.qt_low.data() + rb * 16 * D, w.k.data(),
                        exact_keys ? nullptr : w.k_low.data(), D, s);
       for (int m = 0; m < 16; ++m) lane_pos[m] = static_cast<int32_t>(pos0 + (rb * 16 + m) / group);
       const int64_t block_first = lane_pos[0], block_last = lane_pos[15];
@@ -624,7 +628,8 @@ void prefill_item_bf16(const PrefillItem& item, const q_t* q_base, int64_t q_row
 
 #if defined(TOKENMILL_AMX)
 // TDPBF16PS: the scores as k q ~ k_high q_high + k_high q_low + k_low q_high (float32-like scores: the softmax
-// would turn bfloat16's 2^-9 error on a score of 20 into a 4% change of its weight), P V through pv.
+// would turn bfloat16's 2^-9 error on a score of 20 into a 4% change of its weight), or k q_high alone over a
+// bfloat16 cache (qt_low and k_low null); P V through pv.
 struct AmxProducts {
   static void begin() { load_amx_tile_config(); }
   static void end() { _tile_release(); }
@@ -635,13 +640,15 @@ struct AmxProducts {
     _tile_zero(1);
     for (int64_t c = 0; c < D / 32; ++c) {
       _tile_loadd(3, qt + c * 16 * 32, 64);
-      _tile_loadd(5, qt_low + c * 16 * 32, 64);
       _tile_loadd(2, k + 32 * c, k_stride);
       _tile_loadd(4, k + 16 * D + 32 * c, k_stride);
       _tile_dpbf16ps(0, 2, 3);
       _tile_dpbf16ps(1, 4, 3);
-      _tile_dpbf16ps(0, 2, 5);
-      _tile_dpbf16ps(1, 4, 5);
+      if (qt_low != nullptr) {
+        _tile_loadd(5, qt_low + c * 16 * 32, 64);
+        _tile_dpbf16ps(0, 2, 5);
+        _tile_dpbf16ps(1, 4, 5);
+      }
       if (k_low != nullptr) {
         _tile_loadd(6, k_low + 32 * c, k_stride);
         _tile_loadd(7, k_low + 16 * D + 32 * c, k_stride);
@@ -710,18 +717,24 @@ inline __m512i broadcast_pair(const at::BFloat16* p) {
   return _mm512_set1_epi32(pair);
 }
 
-// s[16 * j + m] = sum over pairs of q[m] . k[j] for the 16 keys at k (rows D apart): q_high and q_low are the
-// row block's pair-interleaved copies ([D / 2][16 pairs]); k_low (may be null) what k's rounding left.
+// s[16 * j + m] = sum over pairs of q[m] . k[j] for the 16 keys at k (rows D apart): qt and qt_low are the row
+// block's pair-interleaved copies of q's high and low parts ([D / 2][16 pairs]), k_low what k's rounding left;
+// kLowParts: both low parts are there (float32 / float16 cache), else neither (bfloat16 cache).
+template <bool kLowParts>
 inline void score_keys_dpbf16(const at::BFloat16* qt, const at::BFloat16* qt_low, const at::BFloat16* k,
                               const at::BFloat16* k_low, int64_t D, float* s) {
   __m512 acc[16];
   for (int j = 0; j < 16; ++j) acc[j] = _mm512_setzero_ps();
   for (int64_t i = 0; i < D / 2; ++i) {
-    const __m512i q = _mm512_loadu_si512(qt + 32 * i), ql = _mm512_loadu_si512(qt_low + 32 * i);
-    for (int j = 0; j < 16; ++j) {
-      const __m512i kj = broadcast_pair(k + j * D + 2 * i);
-      acc[j] = dot_bf16(dot_bf16(acc[j], q, kj), ql, kj);
-      if (k_low != nullptr) acc[j] = dot_bf16(acc[j], q, broadcast_pair(k_low + j * D + 2 * i));
+    const __m512i q = _mm512_loadu_si512(qt + 32 * i);
+    if constexpr (kLowParts) {
+      const __m512i ql = _mm512_loadu_si512(qt_low + 32 * i);
+      for (int j = 0; j < 16; ++j) {
+        const __m512i kj = broadcast_pair(k + j * D + 2 * i);
+        acc[j] = dot_bf16(dot_bf16(dot_bf16(acc[j], q, kj), ql, kj), q, broadcast_pair(k_low + j * D + 2 * i));
+      }
+    } else {
+      for (int j = 0; j < 16; ++j) acc[j] = dot_bf16(acc[j], q, broadcast_pair(k + j * D + 2 * i));
     }
   }
   for (int j = 0; j < 16; ++j) _mm512_store_ps(s + 16 * j, acc[j]);
@@ -763,9 +776,12 @@ struct DotProducts {
   static void end() {}
   static void scores(const at::BFloat16* qt, const at::BFloat16* qt_low, const at::BFloat16* k,
                      const at::BFloat16* k_low, int64_t D, float* s) {
-    for (int64_t half = 0; half < kAmxKeys / 16; ++half)
-      score_keys_dpbf16(qt, qt_low, k + half * 16 * D, k_low == nullptr ? nullptr : k_low + half * 16 * D, D,
-                        s + half * 256);
+    for (int64_t half = 0; half < kAmxKeys / 16; ++half) {
+      if (qt_low != nullptr)
+        score_keys_dpbf16<true>(qt, qt_low, k + half * 16 * D, k_low + half * 16 * D, D, s + half * 256);
+      else
+        score_keys_dpbf16<false>(qt, nullptr, k + half * 16 * D, nullptr, D, s + half * 256);
+    }
   }
   static void accumulate(const uint32_t* pa, const float* corr, const at::BFloat16* vv, int64_t D, int64_t valid,
                          float* acc, float* /*pv*/) {
