@@ -490,6 +490,30 @@ inline void transpose16x16_epi32(__m512i r[16]) {
 #endif  // TOKENMILL_AVX512
 
 #if defined(TOKENMILL_AMX) || defined(TOKENMILL_AVX512_BF16)
+// exp(x) for x <= 0 to about 2^-14 relative, for probabilities that are rounded to bfloat16 (2^-9) next: 2^n by
+// VSCALEFPS times a degree-4 polynomial on the remainder, 9 instructions where exp512's float32 accuracy takes
+// 17. Anything below -200, -inf (a masked score) included, comes out exactly 0.
+inline __m512 exp512_to_bf16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-200.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);  // |r| <= ln 2 / 2
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 24), r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 32 floats to bfloat16, nearest-even: a's 16 in the low half, b's in the high one.
+inline __m512i round_to_bf16_32(__m512 a, __m512 b) {
+#if defined(TOKENMILL_AVX512_BF16)
+  return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+#else
+  return _mm512_inserti64x4(_mm512_castsi256_si512(round_to_bf16_16(a)), round_to_bf16_16(b), 1);
+#endif
+}
+
 // prefill_item's work items and online softmax with bfloat16 products, for both product engines: Products
 // (AmxProducts: TDPBF16PS on tiles; DotProducts: VDPBF16PS on vectors) computes one row block's scores
 // S^T = K Q^T for a tile of kAmxKeys keys (s[16 * j + m]: key j, row m) and adds P V into the block's rows
@@ -598,14 +622,11 @@ void prefill_item_bf16(const PrefillItem& item, const q_t* q_base, int64_t q_row
       __m512i p_pairs[16];
       for (int64_t i = 0; i < kAmxKeys / 2; ++i) {
         const __m512 s0 = _mm512_load_ps(s + 32 * i), s1 = _mm512_load_ps(s + 32 * i + 16);
-        // exp512 clamps its argument, so a masked score would come out tiny, not 0: it is zeroed.
-        const __m512 p0 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s0, minus_inf, _CMP_NEQ_OQ),
-                                              exp512(_mm512_sub_ps(s0, base)));
-        const __m512 p1 = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(s1, minus_inf, _CMP_NEQ_OQ),
-                                              exp512(_mm512_sub_ps(s1, base)));
+        // A masked score (-inf) comes out exactly 0.
+        const __m512 p0 = exp512_to_bf16(_mm512_sub_ps(s0, base));
+        const __m512 p1 = exp512_to_bf16(_mm512_sub_ps(s1, base));
         sum = _mm512_add_ps(sum, _mm512_add_ps(p0, p1));
-        const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(round_to_bf16_16(p0)), round_to_bf16_16(p1), 1);
-        p_pairs[i] = _mm512_permutexvar_epi16(pairs, both);  // dword m: (p[m][2i], p[m][2i+1])
+        p_pairs[i] = _mm512_permutexvar_epi16(pairs, round_to_bf16_32(p0, p1));  // dword m: (p[m][2i], p[m][2i+1])
       }
       _mm512_storeu_ps(row_sum, _mm512_fmadd_ps(_mm512_loadu_ps(row_sum), c, sum));
       _mm512_storeu_ps(row_max, new_max);
