@@ -137,7 +137,8 @@ def test_an_adapter_on_the_embedded_gguf_matches_peft(smollm2_path, smollm2_hf, 
     got = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                        use_tqdm=False, lora_request=lora)[0]
     assert got.outputs[0].token_ids == want
-    assert fused_with_adapter.count(True) == 11  # every decode step ran the fused stack with the adapter's deltas
+    # The prefill step and every decode step ran the fused stack with the adapter's deltas.
+    assert fused_with_adapter.count(True) == 12
 
 
 @pytest.mark.parametrize("block_matmul, weights", [("float32", torch.float32), ("int8", torch.bfloat16)])

@@ -135,6 +135,7 @@ def test_engine_prefills_smollm2_through_the_bf16_kernel(bf16_attention, smollm2
     else:
         assert backend.bf16_prefill
         assert backend.describe() == f"cpu (prefill attention on {products} over the bfloat16 cache)"
+    runner.model._int8_decode = None  # the layers call the backend (the fused stack calls the kernels itself)
     counting = backend.kernels = CountingKernels(backend.kernels)
     prompts = ["The history of the Roman Empire spans many centuries. " * 12,
                "Write a short poem about the sea, the wind and the light on the water. " * 2,

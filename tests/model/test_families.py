@@ -424,3 +424,24 @@ def test_fused_decode_stack_is_bit_identical_to_the_layers(kernels, family_dirs,
     assert (family != "qwen3") == (len({id(meta) for meta in metas}) > 1)  # KV cache groups of local and global layers
     assert torch.equal(step.fused_hidden, step.layered_hidden)
     assert all(torch.equal(a, b) for a, b in zip(step.fused_caches, step.layered_caches))
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gemma2"])
+def test_fused_stack_runs_mixed_steps_bit_identical_to_the_layers(kernels, family_dirs, smollm2_tokenizer, family):
+    """A mixed step (decode rows, then prefill chunks) runs through the one-call stack too when every chunk takes a
+    C++ prefill kernel: here the float32 one (heads of 16), with Gemma 3's local layers' chunks windowed and
+    Gemma 2's scores soft-capped. Same hidden states and cache writes as the per-layer modules. (SmolLM2's
+    heads take the bfloat16 kernel: tests/model/test_q8_0.py.)"""
+    llm = LLM(str(family_dirs[family]), device="cpu", num_kv_blocks=64, max_model_len=192, quantization="q8_0",
+              max_num_batched_tokens=32, max_num_seqs=3, dtype="float32", block_matmul="int8",
+              kv_cache_dtype="bfloat16", enable_prefix_caching=False)
+    prompts = [smollm2_tokenizer.encode(p) for p in GOLDEN_PROMPTS[:5]]
+    step = decode_step_both_ways(llm, prompts, max_tokens=12, mixed=True)
+    meta = step.metas[0]
+    assert 0 < meta.num_decodes < step.args[0].numel() and meta.prefill_query_ranges and step.fused_ran
+    attn = llm.llm_engine.core.core.runner.model.layers[0].self_attn
+    assert attn.backend.stack_prefill_tables(meta, attn.head_dim, attn.softcap)[1] is False  # the float32 kernel
+    if family == "gemma3":  # KV cache groups of local and global layers; the chunks reach past the window
+        assert len({id(meta) for meta in step.metas}) > 1 and max(meta.prefill_context_lens) > 12
+    assert torch.equal(step.fused_hidden, step.layered_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(step.fused_caches, step.layered_caches))

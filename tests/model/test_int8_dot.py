@@ -251,3 +251,37 @@ def test_int8_matmul_option_is_validated():
 
     with pytest.raises(TokenmillError, match="block_matmul"):
         LLM(block_matmul="int4")
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float32"])
+def test_fused_stack_runs_mixed_steps_of_the_embedded_model(int8_simd, smollm2_tokenizer, kv_cache_dtype):
+    """The embedded model at its default int8 numerics: a mixed step (decode rows, then prefill chunks) runs
+    through the one-call stack, its chunks through the bfloat16 prefill kernel over a bfloat16 cache (where the
+    CPU has one) or the float32 kernel over a float32 cache, with the same hidden states and cache writes as the
+    per-layer modules. A float32 chunk of CPU_PREFILL_KERNEL_MAX_TOKENS or more goes to SDPA: that step stays
+    with the layers."""
+    from fused_decode import decode_step_both_ways
+    from model_factory import GOLDEN_PROMPTS
+    from tokenmill.model.layers.attention.cpu_backend import CPU_PREFILL_KERNEL_MAX_TOKENS
+
+    llm = LLM(max_model_len=1024, kv_cache_memory_bytes="64MiB", max_num_batched_tokens=48, max_num_seqs=3,
+              enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+    model = llm.llm_engine.core.core.runner.model
+    attn = model.layers[0].self_attn
+    step = decode_step_both_ways(llm, [smollm2_tokenizer.encode(p) for p in GOLDEN_PROMPTS[:6]], max_tokens=8,
+                                 mixed=True)
+    meta = step.metas[0]
+    assert 0 < meta.num_decodes < step.args[0].numel() and step.fused_ran
+    assert attn.backend.stack_prefill_tables(meta, attn.head_dim, attn.softcap)[1] == attn.backend.bf16_prefill
+    assert attn.backend.bf16_prefill == (kv_cache_dtype == "bfloat16" and bool(attn.backend.bf16_path))
+    assert torch.equal(step.fused_hidden, step.layered_hidden)
+    assert all(torch.equal(a, b) for a, b in zip(step.fused_caches, step.layered_caches))
+    if not attn.backend.bf16_prefill:
+        # The short prompt decodes while the long one's second chunk (986 tokens) prefills.
+        llm = LLM(max_model_len=2048, kv_cache_memory_bytes="96MiB", max_num_batched_tokens=1024, max_num_seqs=2,
+                  max_mixed_prefill_tokens=1024, enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
+        long_prompt = smollm2_tokenizer.encode("The history of the Roman Empire spans many centuries. " * 180)
+        assert 1024 + CPU_PREFILL_KERNEL_MAX_TOKENS <= len(long_prompt) <= 2000
+        step = decode_step_both_ways(llm, [smollm2_tokenizer.encode(GOLDEN_PROMPTS[0]), long_prompt], max_tokens=4,
+                                     mixed=True)
+        assert step.metas[0].prefill_split.torch_chunks and not step.fused_ran

@@ -4,8 +4,9 @@ everything the runner asks of a model in one place for every family.
 A family subclass only says how its HF config reads as a `DecoderSpec` (`build_spec`). The runner's
 hooks live here: `convert_linear_layers` (packed / block-int8 projections), `checkpoint_weight_names`
 (which checkpoint matrices a fused projection stacks), and `enable_int8_decode` (the whole stack as
-one C++ call for decode steps), which declines, with a log line naming the reason, for models whose
-layers the fused kernel does not implement (a partial rotary, mixture-of-experts MLPs).
+one C++ call for decode steps, and for steps that prefill where their chunks take the C++ kernels), which
+declines, with a log line naming the reason, for models whose layers the fused kernel does not implement (a
+partial rotary, mixture-of-experts MLPs).
 """
 from __future__ import annotations
 
@@ -21,8 +22,9 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.basic import RMSNorm, RotaryEmbedding
 from tokenmill.model.layers.decoder import DecoderLayer, DecoderSpec
-from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, BlockQuantEmbedding, BlockQuantLinear, Int8Blocks,
-                                          LinearFactory, replace_linear_layers)
+from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, Bf16TileInt8RowKernels, Bf16TileKernels,
+                                          BlockQuantEmbedding, BlockQuantLinear, Int8Blocks, LinearFactory,
+                                          replace_linear_layers)
 from tokenmill.model.layers.moe import expert_destination
 from tokenmill.model.layers.parallel import VocabParallelEmbedding, gather_logits, shard_spec
 
@@ -73,6 +75,10 @@ class DecoderForCausalLM(nn.Module):
         # (kernels, per-layer tensors, per-layer rotary cos and sin tables, per-layer windows), listed once
         self._int8_decode: Optional[tuple[Any, list[torch.Tensor], list[torch.Tensor], list[torch.Tensor],
                                           list[int]]] = None
+        # Whether the fused stack also runs steps that prefill (and decode steps of any size): its projections then
+        # take any number of rows, which holds unless the bfloat16 modes send steps of over 64 rows to other
+        # kernels than the stack's.
+        self.fused_stack_prefills = False
         self.lora_state: Optional[Any] = None  # --enable-lora: the step's rows' adapters (layers.lora.LoRAStepState)
         # LoRA's (A, Bᵀ), offsets and rank for the fused stack, listed at its first step with adapter rows (the
         # adapters' projections wrap the stack's after it is enabled) rather than every step.
@@ -88,11 +94,15 @@ class DecoderForCausalLM(nn.Module):
         read different block tables (KV cache groups of sliding-window and global layers)."""
         metas = meta if isinstance(meta, list) else [meta] * len(self.layers)
         rows = input_ids.numel()
-        if (self._int8_decode is not None and metas[0].num_decodes == rows <= BLOCK_KERNEL_MAX_ROWS
-                and metas[0].decode_block_tables is not None and self._fused_decode_fits(kv_caches)
+        if (self._int8_decode is not None and metas[0].decode_block_tables is not None
+                and self._fused_decode_fits(kv_caches)
                 and (self.lora_state is None or not self.lora_state.active
                      or self.lora_state.token_slots is not None)):  # adapters: the stack runs lora_add too
-            return self._forward_int8_decode(input_ids, positions, kv_caches, metas)
+            if metas[0].num_decodes == rows and (rows <= BLOCK_KERNEL_MAX_ROWS or self.fused_stack_prefills):
+                return self._forward_int8_decode(input_ids, positions, kv_caches, metas)
+            prefill = self._stack_prefill(metas, kv_caches) if metas[0].num_decodes < rows else None
+            if prefill is not None:
+                return self._forward_int8_decode(input_ids, positions, kv_caches, metas, prefill)
         x, residual = self.embed(input_ids), None
         for layer, kv_cache, layer_meta in zip(self.layers, kv_caches, metas):
             x, residual = layer(positions, x, residual, kv_cache, layer_meta)
@@ -125,12 +135,15 @@ class DecoderForCausalLM(nn.Module):
         return None
 
     def enable_int8_decode(self, kernels: Any) -> bool:
-        """Run decode-only steps of up to BLOCK_KERNEL_MAX_ROWS rows as one C++ call over the whole stack
-        (`decoder_decode_int8`).
+        """Run decode-only steps as one C++ call over the whole stack (`decoder_decode_int8`), and steps with
+        prefill chunks (beside decodes or alone) whose chunks all take the C++ prefill kernels; under the
+        bfloat16 block modes, whose projections of over BLOCK_KERNEL_MAX_ROWS rows take other kernels, decode-only
+        steps of up to that many rows only.
 
         Same kernels in the same order as the layers, so the same bits; it skips the Python and dispatch of
-        every layer, most of a small decode step's non-matmul time. Needs every projection in
-        block-quantized form and the rotary/norm kernels (use_cpu_kernels); returns whether it was enabled.
+        every layer, most of a small decode step's non-matmul time, during which the other cores wait. Needs
+        every projection in block-quantized form and the rotary/norm kernels (use_cpu_kernels); returns whether
+        it was enabled.
         """
         blocker = self.int8_decode_blocker()
         if self.tp is not None:
@@ -157,6 +170,7 @@ class DecoderForCausalLM(nn.Module):
         attns = [layer.self_attn for layer in self.layers]
         self._int8_decode = (kernels, params, [attn.rotary.cos for attn in attns], [attn.rotary.sin for attn in attns],
                              [attn.window or 0 for attn in attns])
+        self.fused_stack_prefills = not isinstance(kernels, (Bf16TileKernels, Bf16TileInt8RowKernels))
         return True
 
     def _fused_decode_fits(self, kv_caches: list[torch.Tensor]) -> bool:
@@ -164,18 +178,37 @@ class DecoderForCausalLM(nn.Module):
         of 8 tokens (the Python backend takes its torch path otherwise)."""
         return kv_caches[0].shape[2] % 8 == 0 or all(layer.self_attn.window is None for layer in self.layers)
 
+    def _stack_prefill(self, metas: list[AttentionMetadata],
+                       kv_caches: list[torch.Tensor]) -> Optional[tuple[list[Any], bool]]:
+        """A step's prefill chunks for the fused stack, per layer (its KV cache group's tables) with whether
+        the bfloat16 kernel takes them; None where the stack cannot run the step as the layers would: some chunk
+        goes to SDPA, the bfloat16 modes' projections, or blocks the prefill kernels do not read."""
+        attn = self.layers[0].self_attn
+        choose = getattr(attn.backend, "stack_prefill_tables", None)
+        if not self.fused_stack_prefills or choose is None or kv_caches[0].shape[2] % 8:
+            return None
+        chosen = [choose(meta, attn.head_dim, attn.softcap) for meta in metas]
+        if any(choice is None for choice in chosen):
+            return None
+        return [tables for tables, _ in chosen], chosen[0][1]
+
     def _forward_int8_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                             metas: list[AttentionMetadata]) -> torch.Tensor:
-        """metas: each layer's (its KV cache group's) attention metadata."""
+                             metas: list[AttentionMetadata],
+                             prefill: Optional[tuple[list[Any], bool]] = None) -> torch.Tensor:
+        """metas: each layer's (its KV cache group's) attention metadata; prefill: the step's prefill chunks
+        (_stack_prefill), None for a decode-only step."""
         kernels, params, cos, sin, windows = self._int8_decode
         attn = self.layers[0].self_attn
+        tables, bf16_prefill = prefill if prefill is not None else ([], False)
         return kernels.decoder_decode_int8(
             self.embed(input_ids), positions, [meta.slot_mapping for meta in metas],
             [meta.decode_block_tables for meta in metas], [meta.decode_context_lens for meta in metas],
             metas[0].decode_ranges, kv_caches, params,  # each row a one-token chunk, for windowed layers
             cos, sin, windows, self.norm.weight, attn.num_heads, attn.num_kv_heads,
             attn.head_dim, self.norm.eps, attn.scale, attn.softcap or 0.0, self.spec.activation != "silu",
-            getattr(kernels, "int8_activations", False), *self._stack_lora())
+            getattr(kernels, "int8_activations", False), *self._stack_lora(), metas[0].num_decodes,
+            [t.block_table for t in tables], tables[0].query_ranges if tables else torch.empty(0, 2, dtype=torch.int32),
+            [t.context_lens for t in tables], bf16_prefill)
 
     def _stack_lora(self) -> tuple[list[torch.Tensor], list[list[int]], torch.Tensor, int]:
         """The fused stack's LoRA arguments: every layer's (A, Bᵀ) of qkv, o, gate_up and down with their part

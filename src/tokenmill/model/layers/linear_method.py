@@ -222,6 +222,9 @@ class LinearMethods:
         if not self._runs_cpu_kernels(kernels):
             return ")"
         fused = getattr(self.model, "enable_int8_decode", lambda _: False)(kernels)
-        limit = BLOCK_KERNEL_MAX_ROWS
-        return f"; decode steps of up to {limit} rows run the decoder stack in one C++ call)" if fused else ")"
+        if not fused:
+            return ")"
+        if getattr(self.model, "fused_stack_prefills", False):
+            return "; decode and prefill steps run the decoder stack in one C++ call)"
+        return f"; decode steps of up to {BLOCK_KERNEL_MAX_ROWS} rows run the decoder stack in one C++ call)"
 

@@ -138,6 +138,16 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         for chunk in tables.torch_chunks:
             self._prefill_chunk_into(out, q, kv_cache, meta, chunk, scale, window, softcap)
 
+    def stack_prefill_tables(self, meta: CpuAttentionMetadata, head_dim: int,
+                             softcap: float | None) -> Optional[tuple[CpuPrefillTables, bool]]:
+        """For the fused decoder stack (`decoder_decode_int8`): the step's prefill chunks as prefill_into sends them,
+        (tables, whether the bfloat16 kernel takes them), when every chunk takes a C++ kernel; None when some
+        chunk goes to SDPA (a float32 chunk of CPU_PREFILL_KERNEL_MAX_TOKENS or more), which the stack does not
+        run."""
+        if self.bf16_prefill and not softcap and head_dim % 32 == 0:
+            return meta.prefill_all, True
+        return None if meta.prefill_split.torch_chunks else (meta.prefill_split, False)
+
     def decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: CpuAttentionMetadata,
                     scale: float, window: int | None = None, softcap: float | None = None) -> None:
         # The C++ decode kernel attends a whole context: a windowed layer uses it while the decode table's width

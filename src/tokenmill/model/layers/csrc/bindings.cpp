@@ -73,7 +73,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:]", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (residual updated in place)", nogil);
   m.def("decoder_decode_int8", &decoder_decode_int8,
-        "a whole decoder stack (block-quantized weights) for a decode-only step", nogil);
+        "a whole decoder stack (block-quantized weights) for a decode-only or mixed step", nogil);
   m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding in place on the first heads of each row",
         nogil);
 }

@@ -1,16 +1,21 @@
 #include "common.h"
 
-// ---- A whole decoder stack for a decode-only step with block-quantized weights --------------------
+// ---- A whole decoder stack for a step with block-quantized weights ----------------------------------
 // The same kernels, in the same order, as the Python layers (so the result is bit-identical), called
 // from one C++ loop: a decode step of a few rows spends most of its non-matmul time in Python and in
-// per-op dispatch, not in the kernels themselves.
+// per-op dispatch, not in the kernels themselves, and while one thread runs that Python the other cores
+// wait. A step with prefill chunks (after its decode rows, if it has any) runs here too when every chunk takes
+// one of the C++ prefill kernels (prefill_tables non-empty): its decode rows attend as a decode-only step's do,
+// its chunks through paged_prefill_attention_bf16 (bf16_prefill) or paged_prefill_attention, as the Python
+// backend sends them.
 //
 // layer_params holds kDecoderLayerParams tensors per layer: input norm weight; qkv q, scales, mins, bias;
 // o q, scales, mins, bias; post-attention norm weight; gate_up q, scales, mins, bias; down q, scales,
 // mins, bias; q norm and k norm weights (per head, before the rotary: Qwen3, Gemma 3); pre- and
 // post-feedforward norm weights (Gemma's sandwich: the post-attention norm then norms the attention output
-// alone). An empty (or undefined) tensor means none. Per layer: its KV cache group's slot mapping, block table
-// and context lengths, its rotary table (cos[l], sin[l]) and sliding window (0: none); a windowed layer whose decode table reaches past its window attends through the prefill
+// alone). An empty (or undefined) tensor means none. Per layer: its KV cache group's slot mapping, decode rows'
+// block table and context lengths (the first num_decodes rows), prefill chunks' block table and context
+// lengths (prefill_ranges: each chunk's rows), its rotary table (cos[l], sin[l]) and sliding window (0: none); a windowed layer whose decode table reaches past its window attends through the prefill
 // kernel, each row a one-token chunk (decode_ranges), as the Python backend does. gelu: GELU-tanh instead of
 // SiLU. int8_activations: every projection through block_linear_q8 (--block-matmul int8) instead of
 // block_linear. LoRA (--enable-lora, a step with adapter rows): lora_weights holds kLoRAParams tensors per layer,
@@ -104,7 +109,9 @@ torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions,
                                   int64_t num_kv_heads, int64_t head_dim, double eps, double scale, double softcap,
                                   bool gelu, bool int8_activations, std::vector<torch::Tensor> lora_weights,
                                   std::vector<std::vector<int64_t>> lora_offsets, torch::Tensor lora_slots,
-                                  int64_t lora_rank) {
+                                  int64_t lora_rank, int64_t num_decodes, std::vector<torch::Tensor> prefill_tables,
+                                  torch::Tensor prefill_ranges, std::vector<torch::Tensor> prefill_context_lens,
+                                  bool bf16_prefill) {
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous() && hidden.scalar_type() == torch::kFloat,
               "hidden: contiguous float32 [rows, hidden]");
   const size_t layers = kv_caches.size();
@@ -118,6 +125,11 @@ torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions,
               "LoRA: (A, Bt) of 4 projections per layer, their offsets, and one slot per row");
   const StackLoRA lora{&lora_weights, &lora_offsets, lora_slots, lora_rank};
   const int64_t rows = hidden.size(0);
+  const bool prefill = !prefill_tables.empty();
+  TORCH_CHECK(prefill ? prefill_tables.size() == layers && prefill_context_lens.size() == layers &&
+                            0 <= num_decodes && num_decodes < rows
+                      : num_decodes == rows,
+              "a decode-only step's rows are all decodes; a step that prefills has a prefill table and lengths per layer");
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, hidden_size = hidden.size(1);
   const torch::Tensor none = torch::empty({0}, hidden.options());
   torch::Tensor x = hidden, residual;
@@ -150,12 +162,26 @@ torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions,
     write_kv(qkv, q_size, kv_size, cache, slot_mapping.data_ptr<int64_t>());
     torch::Tensor query = qkv.narrow(1, 0, q_size).contiguous().view({rows, num_heads, head_dim});
     torch::Tensor attn;
-    if (windows[l] > 0 && block_tables[l].size(1) * cache.size(2) > windows[l]) {
-      attn = torch::empty_like(query);
-      paged_prefill_attention(query, cache, block_tables[l], decode_ranges, context_lens[l], scale, softcap,
-                              windows[l], attn);
-    } else {
+    const bool windowed_decodes = windows[l] > 0 && block_tables[l].size(1) * cache.size(2) > windows[l];
+    if (!prefill && !windowed_decodes) {
       attn = paged_decode_attention(query, cache, block_tables[l], context_lens[l], scale, softcap);
+    } else {
+      attn = torch::empty_like(query);
+      if (num_decodes > 0 && windowed_decodes) {
+        paged_prefill_attention(query, cache, block_tables[l], decode_ranges, context_lens[l], scale, softcap,
+                                windows[l], attn);
+      } else if (num_decodes > 0) {
+        attn.narrow(0, 0, num_decodes)
+            .copy_(paged_decode_attention(query.narrow(0, 0, num_decodes), cache, block_tables[l], context_lens[l],
+                                          scale, softcap));
+      }
+      if (prefill && bf16_prefill) {
+        paged_prefill_attention_bf16(query, cache, prefill_tables[l], prefill_ranges, prefill_context_lens[l], scale,
+                                     windows[l], attn);
+      } else if (prefill) {
+        paged_prefill_attention(query, cache, prefill_tables[l], prefill_ranges, prefill_context_lens[l], scale,
+                                softcap, windows[l], attn);
+      }
     }
     torch::Tensor attn_rows = attn.view({rows, q_size});
     h = stack_linear(attn_rows, w + 5, hidden_size, int8_activations);

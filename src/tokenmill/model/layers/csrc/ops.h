@@ -46,4 +46,6 @@ torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions,
                                   int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
                                   double softcap, bool gelu, bool int8_activations,
                                   std::vector<torch::Tensor> lora_weights, std::vector<std::vector<int64_t>> lora_offsets,
-                                  torch::Tensor lora_slots, int64_t lora_rank);
+                                  torch::Tensor lora_slots, int64_t lora_rank, int64_t num_decodes,
+                                  std::vector<torch::Tensor> prefill_tables, torch::Tensor prefill_ranges,
+                                  std::vector<torch::Tensor> prefill_context_lens, bool bf16_prefill);
