@@ -11,7 +11,10 @@ this tool says so). The phases partition the run:
 - model: linear layers (every nn.Linear inside the decoder)
 - model: attention (decode / prefill / other): the backend's attention over decoding requests, over
   prefill chunks, and the rest of its forward (KV cache writes)
-- model: other (embedding, norms, rotary, activation, residuals: forward minus the two above)
+- model: other (embedding, norms, rotary, activation, residuals: forward minus the two above); a step that runs
+  the fused C++ decoder stack (every decode step, and steps that prefill wherever their chunks take the C++
+  attention kernels: the defaults on CPU) shows here whole, its projections and attention included;
+  `--layer-by-layer` runs every step through the layers to split it (same bits, more host time)
 - logits: the LM head over the rows that sample
 - sampling: the sampler
 - update: Scheduler.update_from_output (append tokens, stop checks, free blocks)
@@ -136,6 +139,12 @@ def markdown_table(rows: list[dict[str, Any]], wall_s: float, steps: int) -> str
     return "\n".join(lines)
 
 
+def run_layer_by_layer(llm) -> None:
+    """Every step of llm through the per-layer modules from now on, not the fused C++ decoder stack (whose steps
+    time as one "model: other" call): the same bits, the phases apart."""
+    llm.llm_engine.core.core.runner.model._int8_decode = None
+
+
 def run(llm, requests, use_tqdm: bool = False) -> dict[str, Any]:
     from tokenmill.bench.throughput import run_offline_throughput, warm_up_llm
 
@@ -167,10 +176,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     add_engine_args(parser, ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "attention_backend", "packed_linear",
                              "quantization", "kv_cache_dtype", "block_matmul", "numerics"))
     parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N requests")
+    parser.add_argument("--layer-by-layer", action="store_true",
+                        help="run every step through the per-layer modules instead of the fused C++ decoder stack, "
+                        "so that its projections and attention are timed apart")
     parser.add_argument("--json", default=None, help="write the result here")
     args = parser.parse_args(argv)
 
     llm = LLM.from_config(engine_config_from_args(args))
+    if args.layer_by_layer:
+        run_layer_by_layer(llm)
     requests = load_workload(args.workload or default_workload_path(), args.num_prompts)
     out = run(llm, requests)
     out["engine_settings"] = effective(llm)

@@ -30,3 +30,23 @@ def test_phases_partition_the_run_and_unpatch(tiny_llama_dir):
     # every wrapper is gone: a second, unprofiled run behaves as before
     assert runner.model.forward == forward_before
     assert not any("forward" in vars(m) for m in runner.model.modules() if isinstance(m, torch.nn.Module))
+
+
+def test_fused_stack_steps_time_as_model_other_unless_layer_by_layer(tiny_gguf_path, tiny_llama_dir):
+    """At int8 numerics every step runs the fused C++ decoder stack: its projections and attention time under
+    "model: other"; run_layer_by_layer (--layer-by-layer) sends the steps through the layers, timed apart."""
+    requests = [WorkloadRequest(id=i, prompt_token_ids=list(range(5, 5 + n)), max_tokens=m)
+                for i, (n, m) in enumerate([(40, 6), (9, 4), (33, 3)])]
+    seconds, tokens = {}, {}
+    for layered in (False, True):
+        llm = LLM(str(tiny_gguf_path), tokenizer=str(tiny_llama_dir), num_kv_blocks=64, max_model_len=256,
+                  max_num_batched_tokens=16, block_matmul="int8", dtype="float32")
+        assert llm.llm_engine.core.core.runner.model._int8_decode is not None
+        if layered:
+            step_profile.run_layer_by_layer(llm)
+        out = step_profile.run(llm, requests)
+        seconds[layered] = {row["phase"]: row["seconds"] for row in out["phases"]}
+        tokens[layered] = out["throughput"]["output_tokens"]
+    assert seconds[False]["model: linear"] == 0 and seconds[False]["model: attention (prefill)"] == 0
+    assert seconds[True]["model: linear"] > 0 and seconds[True]["model: attention (prefill)"] > 0
+    assert tokens[False] == tokens[True] == 13

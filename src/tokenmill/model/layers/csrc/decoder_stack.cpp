@@ -15,7 +15,8 @@
 // post-feedforward norm weights (Gemma's sandwich: the post-attention norm then norms the attention output
 // alone). An empty (or undefined) tensor means none. Per layer: its KV cache group's slot mapping, decode rows'
 // block table and context lengths (the first num_decodes rows), prefill chunks' block table and context
-// lengths (prefill_ranges: each chunk's rows), its rotary table (cos[l], sin[l]) and sliding window (0: none); a windowed layer whose decode table reaches past its window attends through the prefill
+// lengths (prefill_ranges: each chunk's rows), its rotary table (cos[l], sin[l]) and sliding window (0: none);
+// a windowed layer whose decode table reaches past its window attends through the prefill
 // kernel, each row a one-token chunk (decode_ranges), as the Python backend does. gelu: GELU-tanh instead of
 // SiLU. int8_activations: every projection through block_linear_q8 (--block-matmul int8) instead of
 // block_linear. LoRA (--enable-lora, a step with adapter rows): lora_weights holds kLoRAParams tensors per layer,
@@ -129,7 +130,7 @@ torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions,
   TORCH_CHECK(prefill ? prefill_tables.size() == layers && prefill_context_lens.size() == layers &&
                             0 <= num_decodes && num_decodes < rows
                       : num_decodes == rows,
-              "a decode-only step's rows are all decodes; a step that prefills has a prefill table and lengths per layer");
+              "a decode-only step's rows are all decodes; a step that prefills has tables and lengths per layer");
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim, hidden_size = hidden.size(1);
   const torch::Tensor none = torch::empty({0}, hidden.options());
   torch::Tensor x = hidden, residual;
