@@ -108,8 +108,12 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
             decode_ranges=torch.stack((rows, rows + 1), dim=1),
             prefill_all=every, prefill_split=cpu_prefill_tables(ranges, lens, ids, CPU_PREFILL_KERNEL_MAX_TOKENS) if long_chunks else every)
 
-    def _bf16_prefill(self, q: torch.Tensor, softcap: float | None) -> bool:
-        return self.bf16_prefill and not softcap and q.shape[-1] % 32 == 0
+    def _prefill_tables(self, meta: CpuAttentionMetadata, head_dim: int,
+                        softcap: float | None) -> tuple[CpuPrefillTables, bool]:
+        """Where a layer's prefill chunks go: (their tables, whether the bfloat16 kernel takes the tables' kernel
+        chunks); the float32 kernel's tables send long chunks to SDPA (torch_chunks)."""
+        bf16 = self.bf16_prefill and not softcap and head_dim % 32 == 0
+        return (meta.prefill_all if bf16 else meta.prefill_split), bf16
 
     @staticmethod
     def _prefill_kernel_fits(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
@@ -127,8 +131,7 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         if not self._prefill_kernel_fits(out, q, kv_cache):
             super().prefill_into(out, q, kv_cache, meta, scale, window, softcap)
             return
-        bf16 = self._bf16_prefill(q, softcap)
-        tables = meta.prefill_all if bf16 else meta.prefill_split
+        tables, bf16 = self._prefill_tables(meta, q.shape[-1], softcap)
         if tables.kernel_chunks and bf16:
             self.kernels.paged_prefill_attention_bf16(q, kv_cache, tables.block_table, tables.query_ranges,
                                                       tables.context_lens, scale, window or 0, out)
@@ -144,9 +147,8 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         (tables, whether the bfloat16 kernel takes them), when every chunk takes a C++ kernel; None when some
         chunk goes to SDPA (a float32 chunk of CPU_PREFILL_KERNEL_MAX_TOKENS or more), which the stack does not
         run."""
-        if self.bf16_prefill and not softcap and head_dim % 32 == 0:
-            return meta.prefill_all, True
-        return None if meta.prefill_split.torch_chunks else (meta.prefill_split, False)
+        tables, bf16 = self._prefill_tables(meta, head_dim, softcap)
+        return None if tables.torch_chunks else (tables, bf16)
 
     def decode_into(self, out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor, meta: CpuAttentionMetadata,
                     scale: float, window: int | None = None, softcap: float | None = None) -> None:
