@@ -2,8 +2,8 @@
 (`--block-matmul bfloat16` / `bfloat16-int8`, and every bfloat16 KV cache): paged_prefill_attention_bf16
 (scores from high and low bfloat16 parts of q and k over a float32 or float16 cache, from q rounded once over a
 bfloat16 one; v and the probabilities rounded to bfloat16) against a float64 attention, over chunks with cached
-prefixes, sliding windows, every cache dtype and several head shapes; and the engine routing SmolLM2's prefill
-through it."""
+prefixes, sliding windows, every cache dtype and several head shapes; the decode kernel's bfloat16 products over
+a bfloat16 cache (AVX-512 BF16); and the engine routing SmolLM2's prefill through it."""
 from __future__ import annotations
 
 import math
@@ -22,9 +22,9 @@ def bf16_attention(kernels):
     return kernels
 
 
-def reference(q, kv, tables, ranges, lens, scale, window, rounded=()):
+def reference(q, kv, tables, ranges, lens, scale, window, rounded=(), softcap=0.0):
     """float64 causal attention per chunk over its gathered context, with the inputs named in `rounded`
-    ("q" for q * scale, "k", "v") rounded to bfloat16 first."""
+    ("q" for q * scale, "k", "v") rounded to bfloat16 first; scores soft-capped where softcap > 0."""
     out = torch.zeros(q.shape, dtype=torch.float64)
     head_dim, block_size, num_kv_heads = q.shape[2], kv.shape[2], kv.shape[3]
     group = q.shape[1] // num_kv_heads
@@ -40,6 +40,7 @@ def reference(q, kv, tables, ranges, lens, scale, window, rounded=()):
         keys = keys.double().repeat_interleave(group, 1)
         values = values.double().repeat_interleave(group, 1)
         scores = torch.einsum("qhd,khd->hqk", query.double(), keys)
+        scores = torch.tanh(scores / softcap) * softcap if softcap else scores
         pos = torch.arange(length - (end - start), length)[:, None]
         key = torch.arange(length)[None]
         visible = (key <= pos) & ((key > pos - window) if window else True)
@@ -96,6 +97,42 @@ def test_bf16_prefill_attention_refuses_what_it_cannot_run(bf16_attention):
                                                     torch.tensor([4], dtype=torch.int32), 1.0, 0, torch.empty_like(q))
 
 
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 1, 256), (16, 2, 128)])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size,softcap", [(16, 0.0), (5, 0.0), (16, 8.0)])
+def test_bf16_decode_attention_matches_float64(kernels, heads, kv_heads, head_dim, q_dtype, block_size, softcap):
+    """paged_decode_attention over a bfloat16 cache, where the CPU has AVX-512 BF16: q * scale rounded to bfloat16
+    once as the bfloat16 prefill kernel rounds it, the probabilities rounded for P V. Contexts of 1 to 301 tokens
+    (ends mid-block, mid-way through 16 keys, odd lengths whose last token has no partner; blocks of 5 put a
+    pair's tokens in different blocks), a bfloat16 query (a bfloat16 model) too, soft-capped scores."""
+    if not kernels.bf16_decode_attention_available():
+        pytest.skip("no AVX-512 BF16 on this CPU (or this build)")
+    gen = torch.Generator().manual_seed(heads * head_dim + block_size)
+    lengths = [1, 2, 15, 16, 17, 33, 100, 301]
+    max_blocks = -(-max(lengths) // block_size)
+    num_blocks = len(lengths) * max_blocks + 3
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    tables = torch.randperm(num_blocks, generator=gen)[:len(lengths) * max_blocks].int().view(len(lengths), -1)
+    q = (torch.randn(len(lengths), heads, head_dim, generator=gen) * 4).to(q_dtype)
+    lens = torch.tensor(lengths, dtype=torch.int32)
+    scale = head_dim ** -0.5
+    out = kernels.paged_decode_attention(q, kv, tables, lens, scale, softcap)
+    assert out.dtype == q_dtype
+    rows = torch.arange(len(lengths), dtype=torch.int32)
+    ranges = torch.stack((rows, rows + 1), dim=1)  # each request's token as a one-query chunk at its context's end
+    expected = reference(q, kv, tables, ranges, lens, scale, 0, rounded=("q",), softcap=softcap)
+    err = (out.double() - expected).abs().max().item()
+    # The probabilities' rounding leaves up to ~3e-3 on these outputs, the bfloat16 output's own rounding up to
+    # ~9e-3 (measured); scores from the unrounded q move a float32 query's outputs 9e-3 to 2.4e-2. (A bfloat16 q
+    # times these heads' scales, powers of two but for 128's, is exact in bfloat16 already.)
+    if q_dtype == torch.bfloat16:
+        assert err < 1.5e-2, err
+    else:
+        assert err < 5e-3, err
+        unrounded = reference(q, kv, tables, ranges, lens, scale, 0, softcap=softcap)
+        assert (unrounded - expected).abs().max() > 2 * err
+
+
 class CountingKernels:
     def __init__(self, module) -> None:
         self._module = module
@@ -134,7 +171,10 @@ def test_engine_prefills_smollm2_through_the_bf16_kernel(bf16_attention, smollm2
         assert backend.bf16_prefill and backend.describe() == f"cpu (prefill attention on {products})"
     else:
         assert backend.bf16_prefill
-        assert backend.describe() == f"cpu (prefill attention on {products} over the bfloat16 cache)"
+        assert backend.bf16_decode  # every CPU with these products has AVX-512 BF16
+        attention = f"prefill and decode attention on {products}" if products.startswith("AVX") else \
+            f"prefill attention on {products} and decode attention on AVX-512 BF16 dot products"
+        assert backend.describe() == f"cpu ({attention} over the bfloat16 cache)"
     runner.model._int8_decode = None  # the layers call the backend (the fused stack calls the kernels itself)
     counting = backend.kernels = CountingKernels(backend.kernels)
     prompts = ["The history of the Roman Empire spans many centuries. " * 12,

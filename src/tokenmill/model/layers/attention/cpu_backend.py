@@ -87,14 +87,22 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         # does so over any cache, scores there from high and low bfloat16 parts of q and k (float32's precision).
         self.bf16_path = getattr(kernels, "bf16_attention_path", lambda: "")()
         self.bf16_prefill = bool(self.bf16_path) and (bf16_block_matmul or cache_dtype == torch.bfloat16)
+        # The decode kernel takes the same precision over a bfloat16 cache, on AVX-512 BF16 dot products (the
+        # kernel's own choice; recorded here for describe()).
+        self.bf16_decode = cache_dtype == torch.bfloat16 and \
+            getattr(kernels, "bf16_decode_attention_available", lambda: False)()
 
     def describe(self) -> str:
+        over = " over the bfloat16 cache" if self.cache_dtype == torch.bfloat16 else ""
+        prefill_products = _PRODUCTS.get(self.bf16_path, self.bf16_path)
+        if self.bf16_prefill and self.bf16_decode and prefill_products == _PRODUCTS["avx512_bf16"]:
+            return f"cpu (prefill and decode attention on {prefill_products}{over})"
         if self.bf16_prefill:
-            over = " over the bfloat16 cache" if self.cache_dtype == torch.bfloat16 else ""
-            prefill = f"prefill attention on {_PRODUCTS.get(self.bf16_path, self.bf16_path)}{over}"
+            prefill = f"prefill attention on {prefill_products}"
         else:
             prefill = f"prefill attention in float32 (C++ kernel below {CPU_PREFILL_KERNEL_MAX_TOKENS} tokens, SDPA above)"
-        return f"cpu ({prefill})"
+        decode = f" and decode attention on {_PRODUCTS['avx512_bf16']}" if self.bf16_decode else ""
+        return f"cpu ({prefill}{decode}{over if self.bf16_prefill or self.bf16_decode else ''})"
 
     def prepare_metadata(self, inputs: AttentionInputs) -> CpuAttentionMetadata:
         common = AttentionMetadata.common_fields(inputs)

@@ -66,6 +66,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "paged_prefill_attention (no soft-cap) on AMX tiles or AVX-512 BF16 dot products: scores from high and low bfloat16 parts of q and k, "
         "v and the probabilities rounded to bfloat16", py::arg("query"), py::arg("kv_cache"), py::arg("block_tables"), py::arg("query_ranges"),
         py::arg("context_lens"), py::arg("scale"), py::arg("window"), py::arg("out"), nogil);
+  m.def("bf16_decode_attention_available", &bf16_decode_attention_available,
+        "whether paged_decode_attention multiplies in bfloat16 products over a bfloat16 cache here (AVX-512 BF16)");
   m.def("bf16_attention_available", &bf16_attention_available,
         "whether paged_prefill_attention_bf16 runs here (AMX-BF16 tiles the CPU grants, or AVX-512 BF16)");
   m.def("bf16_attention_path", &bf16_attention_path,

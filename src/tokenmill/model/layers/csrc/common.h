@@ -214,6 +214,48 @@ inline void round_to_bf16_16(const float* in, at::BFloat16* out) {
   for (int j = 0; j < 16; ++j) out[j] = c10::BFloat16(in[j]);
 #endif
 }
+
+#if defined(TOKENMILL_AMX) || defined(TOKENMILL_AVX512_BF16)
+// exp(x) for x <= 0 to about 2^-14 relative, for probabilities that are rounded to bfloat16 (2^-9) next: 2^n by
+// VSCALEFPS times a degree-4 polynomial on the remainder, 9 instructions where exp512's float32 accuracy takes
+// 17. Anything below -200, -inf (a masked score) included, comes out exactly 0.
+inline __m512 exp512_to_bf16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-200.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);  // |r| <= ln 2 / 2
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 24), r, _mm512_set1_ps(1.0f / 6));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// 32 floats to bfloat16, nearest-even: a's 16 in the low half, b's in the high one.
+inline __m512i round_to_bf16_32(__m512 a, __m512 b) {
+#if defined(TOKENMILL_AVX512_BF16)
+  return (__m512i)_mm512_cvtne2ps_pbh(b, a);
+#else
+  return _mm512_inserti64x4(_mm512_castsi256_si512(round_to_bf16_16(a)), round_to_bf16_16(b), 1);
+#endif
+}
+#endif
+
+#if defined(TOKENMILL_AVX512_BF16)
+// acc + the products of a's and b's bfloat16 pairs (VDPBF16PS).
+inline __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
+  // A value cast (same-size vector types), not a reference one: through a reference GCC stores the operand and
+  // loads it again before every use, which doubled the loads of the value loop.
+  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
+}
+
+inline __m512i broadcast_pair(const at::BFloat16* p) {
+  int32_t pair;
+  std::memcpy(&pair, p, sizeof(pair));
+  return _mm512_set1_epi32(pair);
+}
+#endif
+
 // Runs work(begin, end) over items 0..n-1 on the intra-op threads: each thread owns an even share of
 // consecutive items and works through it from the front, and a thread that finishes its own takes items from
 // the back of the largest share left. Items of equal cost still finish unevenly when one thread starts late or

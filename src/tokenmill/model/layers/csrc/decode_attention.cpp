@@ -12,6 +12,7 @@
 // Work item = a request (or, with few requests, a (request, kv head) pair), taken longest first by
 // whichever thread is free: the `group` query heads that share a KV head are scored together, so
 // each K/V row is loaded once per group. Softmax is exact (two passes over the scores in fp32).
+// Over a bfloat16 cache, where the CPU has AVX-512 BF16, the products are bfloat16 ones (decode_one_dpbf16).
 
 #include "common.h"
 
@@ -268,12 +269,181 @@ void decode_one(const q_t* __restrict__ q,               // [(h1 - h0) * group, 
       out[j * head_dim + d] = static_cast<q_t>(acc[j * head_dim + d] * inv_sum[j]);
 }
 
+
+#if defined(TOKENMILL_AVX512_BF16)
+// ---- decode attention over a bfloat16 cache on VDPBF16PS (CPUs with AVX-512 BF16) ------------------------------
+// The prefill kernels' precision over a bfloat16 cache (prefill_item_bf16), so a prompt's tokens and the tokens
+// decoded after it meet the same arithmetic: q * scale rounded to bfloat16 once (the keys were rounded when they
+// were stored), scores as sums of bfloat16 pair products in float32, a float32 softmax whose probabilities are
+// rounded to bfloat16 for P V, float32 accumulation. Each VDPBF16PS multiplies 32 cached values as they lie in
+// the cache, where decode_one widens every value to float32 first and multiplies 8 per FMA: a fraction of the
+// instructions, and a step's decode attention a quarter shorter where the cache streams from memory
+// (docs/benchmarks.md, "Decode attention in bfloat16 products").
+//
+// Keys go 16 at a time: per query and key one accumulator of 16 pair sums (head_dim / 32 products), the 16
+// accumulators summed across lanes at once by sum_lanes_16. Values go two tokens at a time: VPUNPCK{L,H}WD
+// interleave rows t and t + 1 into (v_t[d], v_t+1[d]) pairs, which a broadcast (p_t, p_t+1) pair multiplies;
+// the interleave permutes the dimensions within each 128-bit lane, which the output undoes once.
+
+struct DecodeScratchBf16 {
+  std::vector<int64_t> rows;     // token t's row offset in a plane of the cache
+  std::vector<at::BFloat16> qb;  // q * scale rounded, [num_q][head_dim]
+  std::vector<at::BFloat16> pb;  // probabilities rounded, [num_q][padded + 2]
+  std::vector<float> scores;     // [num_q][padded]
+  std::vector<float> acc;        // [num_q][head_dim], each 32 dimensions in the interleave's order
+};
+
+// Lane j of the result = the sum of a[j]'s 16 lanes (pairs within 128-bit lanes first, then across).
+inline __m512 sum_lanes_16(const __m512 (&a)[16]) {
+  __m512 b[8];  // 128-bit lane L of b[i]: partial sums of a[2i] (elements 0, 2) and a[2i + 1] (1, 3)
+  for (int i = 0; i < 8; ++i)
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  __m512 c[4];  // 128-bit lane L of c[i]: lane L's sums of a[4i .. 4i + 3]
+  for (int i = 0; i < 4; ++i) {
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  __m512 d[2];  // d[i]: a[8i .. 8i + 3] over lanes 0-1 and 2-3, then a[8i + 4 .. 8i + 7] likewise
+  for (int i = 0; i < 2; ++i)
+    d[i] = _mm512_add_ps(_mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0x88),
+                         _mm512_shuffle_f32x4(c[2 * i], c[2 * i + 1], 0xdd));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
+}
+
+// Asks for `bytes` of the rows of tokens [t, t + n) into L2, as prefetch_block_rows does per block.
+inline void prefetch_token_rows(const at::BFloat16* plane, const int64_t* rows, int64_t t, int64_t n, int64_t bytes) {
+  for (int64_t i = 0; i < n; ++i) {
+    const char* row = reinterpret_cast<const char*>(plane + rows[t + i]);
+    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
+  }
+}
+
+template <typename q_t>
+void decode_one_dpbf16(const q_t* __restrict__ q, const at::BFloat16* __restrict__ k_cache,
+                       const at::BFloat16* __restrict__ v_cache, const int32_t* __restrict__ blocks, int64_t ctx_len,
+                       int64_t block_size, int64_t token_stride, int64_t h0, int64_t h1, int64_t group, int64_t D,
+                       float scale, float softcap, q_t* __restrict__ out, DecodeScratchBf16& w) {
+  constexpr int64_t kKeys = 16;
+  constexpr int64_t kAhead = kKvPrefetchBlocks * kKeys;  // how many tokens ahead the prefetches ask for
+  const int64_t num_q = (h1 - h0) * group;
+  const int64_t padded = (ctx_len + kKeys - 1) / kKeys * kKeys;
+  const int64_t head_bytes = (h1 - h0) * D * static_cast<int64_t>(sizeof(at::BFloat16));
+  // Row offsets of the context's tokens (heads h0.. included); past the context, token 0's row: finite values
+  // whose scores are never read and whose probabilities are 0.
+  w.rows.resize(padded + 1);
+  for (int64_t t = 0; t < ctx_len; ++t)
+    w.rows[t] = (blocks[t / block_size] * block_size + t % block_size) * token_stride + h0 * D;
+  for (int64_t t = ctx_len; t <= padded; ++t) w.rows[t] = w.rows[0];
+  const int64_t* rows = w.rows.data();
+  w.qb.resize(num_q * D);
+  for (int64_t i = 0; i < num_q * D; ++i) w.qb[i] = at::BFloat16(to_float(q[i]) * scale);
+  w.scores.resize(num_q * padded);
+
+  // Pass 1: scores, 16 keys at a time; the rows kAhead tokens on are asked for, a share per query.
+  prefetch_token_rows(k_cache, rows, 0, std::min<int64_t>(kAhead, ctx_len), head_bytes);
+  for (int64_t t0 = 0; t0 < ctx_len; t0 += kKeys) {
+    const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(kKeys, ctx_len - t0 - kAhead));
+    for (int64_t j = 0; j < num_q; ++j) {
+      const int64_t first = ahead * j / num_q, last = ahead * (j + 1) / num_q;
+      prefetch_token_rows(k_cache, rows, t0 + kAhead + first, last - first, head_bytes);
+      const at::BFloat16* k = k_cache + (j / group) * D;
+      const at::BFloat16* qj = w.qb.data() + j * D;
+      __m512 acc[kKeys];
+      for (int i = 0; i < kKeys; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t c = 0; c < D; c += 32) {
+        const __m512i qv = _mm512_loadu_si512(qj + c);
+#pragma GCC unroll 16
+        for (int i = 0; i < kKeys; ++i) acc[i] = dot_bf16(acc[i], qv, _mm512_loadu_si512(k + rows[t0 + i] + c));
+      }
+      _mm512_storeu_ps(w.scores.data() + j * padded + t0, sum_lanes_16(acc));
+    }
+  }
+  if (softcap > 0.0f)
+    for (int64_t j = 0; j < num_q; ++j)
+      for (int64_t t = 0; t < ctx_len; ++t) {
+        float& s = w.scores[j * padded + t];
+        s = std::tanh(s / softcap) * softcap;
+      }
+
+  // Pass 2: probabilities, rounded to bfloat16 (zero past the context), while the first V rows are on their way.
+  prefetch_token_rows(v_cache, rows, 0, std::min<int64_t>(kAhead, ctx_len), head_bytes);
+  const int64_t p_stride = padded + 2;
+  w.pb.resize(num_q * p_stride);
+  std::vector<float> inv_sum(num_q);
+  for (int64_t j = 0; j < num_q; ++j) {
+    const float* s = w.scores.data() + j * padded;
+    const __m512 base = _mm512_set1_ps(max_of(s, ctx_len));
+    __m512 sum = _mm512_setzero_ps();
+    at::BFloat16* pj = w.pb.data() + j * p_stride;
+    for (int64_t t = 0; t < padded; t += kKeys) {
+      const __mmask16 valid = ctx_len - t >= kKeys ? __mmask16(0xFFFF) : __mmask16((1u << (ctx_len - t)) - 1);
+      const __m512 p = _mm512_maskz_mov_ps(valid, exp512_to_bf16(_mm512_sub_ps(_mm512_loadu_ps(s + t), base)));
+      sum = _mm512_add_ps(sum, p);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(pj + t), (__m256i)_mm512_cvtneps_pbh(p));
+    }
+    pj[padded] = pj[padded + 1] = at::BFloat16(0.0f);
+    inv_sum[j] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+
+  // Pass 3: acc_j += sum_t p[j][t] v_t, two tokens per product, 16 tokens per step.
+  w.acc.assign(num_q * D, 0.0f);
+  for (int64_t t0 = 0; t0 < ctx_len; t0 += kKeys) {
+    const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(kKeys, ctx_len - t0 - kAhead));
+    prefetch_token_rows(v_cache, rows, t0 + kAhead, ahead, head_bytes);
+    for (int64_t h = 0; h < h1 - h0; ++h)
+      for (int64_t c = 0; c < D; c += 32) {
+        __m512i lo[kKeys / 2], hi[kKeys / 2];
+        for (int i = 0; i < kKeys / 2; ++i) {
+          const __m512i a = _mm512_loadu_si512(v_cache + rows[t0 + 2 * i] + h * D + c);
+          const __m512i b = _mm512_loadu_si512(v_cache + rows[t0 + 2 * i + 1] + h * D + c);
+          lo[i] = _mm512_unpacklo_epi16(a, b);
+          hi[i] = _mm512_unpackhi_epi16(a, b);
+        }
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t j = h * group + g;
+          float* a = w.acc.data() + j * D + c;
+          __m512 a_lo = _mm512_loadu_ps(a), a_hi = _mm512_loadu_ps(a + 16);
+          const at::BFloat16* pj = w.pb.data() + j * p_stride + t0;
+          for (int i = 0; i < kKeys / 2; ++i) {
+            const __m512i p = broadcast_pair(pj + 2 * i);
+            a_lo = dot_bf16(a_lo, lo[i], p);
+            a_hi = dot_bf16(a_hi, hi[i], p);
+          }
+          _mm512_storeu_ps(a, a_lo);
+          _mm512_storeu_ps(a + 16, a_hi);
+        }
+      }
+  }
+  // Dimension 8L + i of a 32-dimension chunk is lane 4L + i of its low half (i < 4), else of its high half.
+  alignas(64) int32_t first_index[16], second_index[16];
+  for (int d = 0; d < 32; ++d) {
+    const int lane = 4 * (d / 8) + d % 4 + (d % 8 < 4 ? 0 : 16);
+    (d < 16 ? first_index[d] : second_index[d - 16]) = lane;
+  }
+  const __m512i first_lanes = _mm512_load_si512(first_index), second_lanes = _mm512_load_si512(second_index);
+  for (int64_t j = 0; j < num_q; ++j) {
+    const __m512 inv = _mm512_set1_ps(inv_sum[j]);
+    for (int64_t c = 0; c < D; c += 32) {
+      const float* a = w.acc.data() + j * D + c;
+      const __m512 a_lo = _mm512_loadu_ps(a), a_hi = _mm512_loadu_ps(a + 16);
+      alignas(64) float o[32];
+      _mm512_store_ps(o, _mm512_mul_ps(_mm512_permutex2var_ps(a_lo, first_lanes, a_hi), inv));
+      _mm512_store_ps(o + 16, _mm512_mul_ps(_mm512_permutex2var_ps(a_lo, second_lanes, a_hi), inv));
+      for (int d = 0; d < 32; ++d) out[j * D + c + d] = static_cast<q_t>(o[d]);
+    }
+  }
+}
+#endif  // TOKENMILL_AVX512_BF16
+
 }  // namespace
 
 namespace {
 
 struct DecodeScratch {
   std::vector<float> scores, acc, qf;
+#if defined(TOKENMILL_AVX512_BF16)
+  DecodeScratchBf16 bf16;
+#endif
 };
 
 template <typename q_t, typename cache_t>
@@ -305,6 +475,16 @@ void run_paged_decode(const torch::Tensor& query, const torch::Tensor& kv_cache,
         const int64_t b = item / items_per_request;
         const int64_t h0 = (item % items_per_request) * heads_per_item, h1 = h0 + heads_per_item;
         const int64_t q_offset = (b * num_heads + h0 * group) * head_dim;
+#if defined(TOKENMILL_AVX512_BF16)
+        if constexpr (std::is_same_v<cache_t, at::BFloat16>) {
+          if (head_dim % 32 == 0) {
+            decode_one_dpbf16<q_t>(q_base + q_offset, k_base, v_base, tables + b * max_blocks, lens[b], block_size,
+                                   token_stride, h0, h1, group, head_dim, static_cast<float>(scale),
+                                   static_cast<float>(softcap), out_base + q_offset, w.bf16);
+            return;
+          }
+        }
+#endif
         decode_one<q_t, cache_t>(q_base + q_offset, k_base, v_base, tables + b * max_blocks, lens[b], block_size,
                                  token_stride, h0, h1, group, head_dim, static_cast<float>(scale),
                                  static_cast<float>(softcap), out_base + q_offset, w.scores, w.acc, w.qf);
@@ -313,7 +493,8 @@ void run_paged_decode(const torch::Tensor& query, const torch::Tensor& kv_cache,
 }  // namespace
 
 // query and kv_cache of one dtype (float32, bfloat16, float16), or a float32 query over a bfloat16 or
-// float16 cache. The output has the query's dtype.
+// float16 cache. The output has the query's dtype. Over a bfloat16 cache with head_dim a multiple of 32, on CPUs
+// with AVX-512 BF16, in bfloat16 products (decode_one_dpbf16); otherwise in float32 products.
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, double softcap) {
   TORCH_CHECK(query.dim() == 3 && query.is_contiguous(), "query must be contiguous [batch, heads, dim]");
@@ -328,4 +509,12 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
     run_paged_decode<q_t, cache_t>(query, kv_cache, block_tables, context_lens, scale, softcap, out);
   });
   return out;
+}
+
+bool bf16_decode_attention_available() {
+#if defined(TOKENMILL_AVX512_BF16)
+  return true;
+#else
+  return false;
+#endif
 }

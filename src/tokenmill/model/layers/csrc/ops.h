@@ -9,6 +9,7 @@
 // decode_attention.cpp
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, double softcap);
+bool bf16_decode_attention_available();
 // prefill_attention.cpp
 void paged_prefill_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                              torch::Tensor query_ranges, torch::Tensor context_lens, double scale, double softcap,

@@ -490,30 +490,6 @@ inline void transpose16x16_epi32(__m512i r[16]) {
 #endif  // TOKENMILL_AVX512
 
 #if defined(TOKENMILL_AMX) || defined(TOKENMILL_AVX512_BF16)
-// exp(x) for x <= 0 to about 2^-14 relative, for probabilities that are rounded to bfloat16 (2^-9) next: 2^n by
-// VSCALEFPS times a degree-4 polynomial on the remainder, 9 instructions where exp512's float32 accuracy takes
-// 17. Anything below -200, -inf (a masked score) included, comes out exactly 0.
-inline __m512 exp512_to_bf16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-200.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693147181f), x);  // |r| <= ln 2 / 2
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(1.0f / 24), r, _mm512_set1_ps(1.0f / 6));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
-// 32 floats to bfloat16, nearest-even: a's 16 in the low half, b's in the high one.
-inline __m512i round_to_bf16_32(__m512 a, __m512 b) {
-#if defined(TOKENMILL_AVX512_BF16)
-  return (__m512i)_mm512_cvtne2ps_pbh(b, a);
-#else
-  return _mm512_inserti64x4(_mm512_castsi256_si512(round_to_bf16_16(a)), round_to_bf16_16(b), 1);
-#endif
-}
-
 // prefill_item's work items and online softmax with bfloat16 products, for both product engines: Products
 // (AmxProducts: TDPBF16PS on tiles; DotProducts: VDPBF16PS on vectors) computes one row block's scores
 // S^T = K Q^T for a tile of kAmxKeys keys (s[16 * j + m]: key j, row m) and adds P V into the block's rows
@@ -726,17 +702,6 @@ void run_paged_prefill_amx(const torch::Tensor& query, const torch::Tensor& kv_c
 // k[j][2i+1]) over the pairs i (q from the same pair-interleaved copy; k's pair broadcast), so the scores come
 // out as S^T again and the same column-wise softmax follows; then each row's P pairs, broadcast, times the
 // pair-interleaved V rows. Same values as the AMX kernel up to the order of float32 additions.
-inline __m512 dot_bf16(__m512 acc, __m512i a, __m512i b) {
-  // A value cast (same-size vector types), not a reference one: through a reference GCC stores the operand and
-  // loads it again before every use, which doubled the loads of the value loop.
-  return _mm512_dpbf16_ps(acc, (__m512bh)a, (__m512bh)b);
-}
-
-inline __m512i broadcast_pair(const at::BFloat16* p) {
-  int32_t pair;
-  std::memcpy(&pair, p, sizeof(pair));
-  return _mm512_set1_epi32(pair);
-}
 
 // s[16 * j + m] = sum over pairs of q[m] . k[j] for the 16 keys at k (rows D apart): qt and qt_low are the row
 // block's pair-interleaved copies of q's high and low parts ([D / 2][16 pairs]), k_low what k's rounding left;
