@@ -133,7 +133,8 @@ run_tokenmill() {
 build_llama_cpp() {
   local server="$BENCH/llama.cpp/build/bin/llama-server"
   if [ ! -x "$server" ] || [ ! -x "$BENCH/llama.cpp/build/bin/llama-perplexity" ]; then
-    log "building llama.cpp from llama-cpp-python==$LLAMA_CPP_VERSION's sdist (~12 min on 2 cores)"
+    # To stderr: the caller takes this function's stdout as the server's path.
+    log "building llama.cpp from llama-cpp-python==$LLAMA_CPP_VERSION's sdist (~6-12 min on 2 cores)" >&2
     "$PY" -m pip download --quiet --no-deps --no-binary :all: "llama-cpp-python==$LLAMA_CPP_VERSION" -d "$BENCH/sdist"
     rm -rf "$BENCH/llama.cpp" && mkdir -p "$BENCH/llama.cpp"
     tar -xzf "$BENCH"/sdist/llama_cpp_python-"$LLAMA_CPP_VERSION".tar.gz -C "$BENCH/sdist"
