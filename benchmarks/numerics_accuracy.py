@@ -66,11 +66,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--file", default=str(DEFAULT_TEXT))
     parser.add_argument("--context-size", type=int, default=512)
     parser.add_argument("--max-chunks", type=int, default=None)
-    parser.add_argument("--modes", default=",".join(DEFAULT_MODES))
+    parser.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                        help="comma-separated: 'default', 'exact' or BLOCK_MATMUL:KV_CACHE_DTYPE pairs")
     parser.add_argument("--llama-perplexity", default=str(repo_root() / ".bench/llama.cpp/build/bin/llama-perplexity"))
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None)
     args = parser.parse_args(argv)
+    # "exact" names the exact mode's pair (float32 matmuls over a float32 cache).
+    modes = ["float32:float32" if mode == "exact" else mode for mode in args.modes.split(",")]
+    for mode in modes:
+        if mode != "default" and len(mode.split(":")) != 2:
+            parser.error(f"mode {mode!r}: expected 'default', 'exact' or BLOCK_MATMUL:KV_CACHE_DTYPE "
+                         f"(e.g. int8:bfloat16)")
 
     from tokenmill.model.default_model import default_model_path
 
@@ -78,7 +85,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     text_path = Path(args.file)
     text = text_path.read_text(encoding="utf-8")
     rows = []
-    for mode in args.modes.split(","):
+    for mode in modes:
         rows.append(engine_perplexity(str(model_path), text, args.context_size, args.max_chunks, mode))
         print(json.dumps(rows[-1]), flush=True)
     binary = Path(args.llama_perplexity)
