@@ -93,16 +93,17 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
             getattr(kernels, "bf16_decode_attention_available", lambda: False)()
 
     def describe(self) -> str:
-        over = " over the bfloat16 cache" if self.cache_dtype == torch.bfloat16 else ""
-        prefill_products = _PRODUCTS.get(self.bf16_path, self.bf16_path)
-        if self.bf16_prefill and self.bf16_decode and prefill_products == _PRODUCTS["avx512_bf16"]:
-            return f"cpu (prefill and decode attention on {prefill_products}{over})"
+        products, decode_products = _PRODUCTS.get(self.bf16_path, self.bf16_path), _PRODUCTS["avx512_bf16"]
         if self.bf16_prefill:
-            prefill = f"prefill attention on {prefill_products}"
+            attention = f"prefill attention on {products}"
         else:
-            prefill = f"prefill attention in float32 (C++ kernel below {CPU_PREFILL_KERNEL_MAX_TOKENS} tokens, SDPA above)"
-        decode = f" and decode attention on {_PRODUCTS['avx512_bf16']}" if self.bf16_decode else ""
-        return f"cpu ({prefill}{decode}{over if self.bf16_prefill or self.bf16_decode else ''})"
+            attention = f"prefill attention in float32 (C++ kernel below {CPU_PREFILL_KERNEL_MAX_TOKENS} tokens, SDPA above)"
+        if self.bf16_decode and self.bf16_prefill and products == decode_products:
+            attention = f"prefill and decode attention on {products}"
+        elif self.bf16_decode:
+            attention += f" and decode attention on {decode_products}"
+        bf16_cache = self.cache_dtype == torch.bfloat16 and (self.bf16_prefill or self.bf16_decode)
+        return f"cpu ({attention}{' over the bfloat16 cache' if bf16_cache else ''})"
 
     def prepare_metadata(self, inputs: AttentionInputs) -> CpuAttentionMetadata:
         common = AttentionMetadata.common_fields(inputs)

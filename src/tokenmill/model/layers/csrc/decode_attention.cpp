@@ -288,9 +288,10 @@ void decode_one(const q_t* __restrict__ q,               // [(h1 - h0) * group, 
 struct DecodeScratchBf16 {
   std::vector<int64_t> rows;     // token t's row offset in a plane of the cache
   std::vector<at::BFloat16> qb;  // q * scale rounded, [num_q][head_dim]
-  std::vector<at::BFloat16> pb;  // probabilities rounded, [num_q][padded + 2]
+  std::vector<at::BFloat16> pb;  // probabilities rounded, [num_q][padded]
   std::vector<float> scores;     // [num_q][padded]
   std::vector<float> acc;        // [num_q][head_dim], each 32 dimensions in the interleave's order
+  std::vector<float> inv_sum;    // [num_q]
 };
 
 // Lane j of the result = the sum of a[j]'s 16 lanes (pairs within 128-bit lanes first, then across).
@@ -330,10 +331,10 @@ void decode_one_dpbf16(const q_t* __restrict__ q, const at::BFloat16* __restrict
   const int64_t head_bytes = (h1 - h0) * D * static_cast<int64_t>(sizeof(at::BFloat16));
   // Row offsets of the context's tokens (heads h0.. included); past the context, token 0's row: finite values
   // whose scores are never read and whose probabilities are 0.
-  w.rows.resize(padded + 1);
+  w.rows.resize(padded);
   for (int64_t t = 0; t < ctx_len; ++t)
     w.rows[t] = (blocks[t / block_size] * block_size + t % block_size) * token_stride + h0 * D;
-  for (int64_t t = ctx_len; t <= padded; ++t) w.rows[t] = w.rows[0];
+  for (int64_t t = ctx_len; t < padded; ++t) w.rows[t] = w.rows[0];
   const int64_t* rows = w.rows.data();
   w.qb.resize(num_q * D);
   for (int64_t i = 0; i < num_q * D; ++i) w.qb[i] = at::BFloat16(to_float(q[i]) * scale);
@@ -367,22 +368,20 @@ void decode_one_dpbf16(const q_t* __restrict__ q, const at::BFloat16* __restrict
 
   // Pass 2: probabilities, rounded to bfloat16 (zero past the context), while the first V rows are on their way.
   prefetch_token_rows(v_cache, rows, 0, std::min<int64_t>(kAhead, ctx_len), head_bytes);
-  const int64_t p_stride = padded + 2;
-  w.pb.resize(num_q * p_stride);
-  std::vector<float> inv_sum(num_q);
+  w.pb.resize(num_q * padded);
+  w.inv_sum.resize(num_q);
   for (int64_t j = 0; j < num_q; ++j) {
     const float* s = w.scores.data() + j * padded;
     const __m512 base = _mm512_set1_ps(max_of(s, ctx_len));
     __m512 sum = _mm512_setzero_ps();
-    at::BFloat16* pj = w.pb.data() + j * p_stride;
+    at::BFloat16* pj = w.pb.data() + j * padded;
     for (int64_t t = 0; t < padded; t += kKeys) {
       const __mmask16 valid = ctx_len - t >= kKeys ? __mmask16(0xFFFF) : __mmask16((1u << (ctx_len - t)) - 1);
       const __m512 p = _mm512_maskz_mov_ps(valid, exp512_to_bf16(_mm512_sub_ps(_mm512_loadu_ps(s + t), base)));
       sum = _mm512_add_ps(sum, p);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(pj + t), (__m256i)_mm512_cvtneps_pbh(p));
     }
-    pj[padded] = pj[padded + 1] = at::BFloat16(0.0f);
-    inv_sum[j] = 1.0f / _mm512_reduce_add_ps(sum);
+    w.inv_sum[j] = 1.0f / _mm512_reduce_add_ps(sum);
   }
 
   // Pass 3: acc_j += sum_t p[j][t] v_t, two tokens per product, 16 tokens per step.
@@ -403,7 +402,7 @@ void decode_one_dpbf16(const q_t* __restrict__ q, const at::BFloat16* __restrict
           const int64_t j = h * group + g;
           float* a = w.acc.data() + j * D + c;
           __m512 a_lo = _mm512_loadu_ps(a), a_hi = _mm512_loadu_ps(a + 16);
-          const at::BFloat16* pj = w.pb.data() + j * p_stride + t0;
+          const at::BFloat16* pj = w.pb.data() + j * padded + t0;
           for (int i = 0; i < kKeys / 2; ++i) {
             const __m512i p = broadcast_pair(pj + 2 * i);
             a_lo = dot_bf16(a_lo, lo[i], p);
@@ -422,7 +421,7 @@ void decode_one_dpbf16(const q_t* __restrict__ q, const at::BFloat16* __restrict
   }
   const __m512i first_lanes = _mm512_load_si512(first_index), second_lanes = _mm512_load_si512(second_index);
   for (int64_t j = 0; j < num_q; ++j) {
-    const __m512 inv = _mm512_set1_ps(inv_sum[j]);
+    const __m512 inv = _mm512_set1_ps(w.inv_sum[j]);
     for (int64_t c = 0; c < D; c += 32) {
       const float* a = w.acc.data() + j * D + c;
       const __m512 a_lo = _mm512_loadu_ps(a), a_hi = _mm512_loadu_ps(a + 16);
