@@ -118,6 +118,11 @@ def test_bf16_decode_attention_matches_float64(kernels, heads, kv_heads, head_di
     scale = head_dim ** -0.5
     out = kernels.paged_decode_attention(q, kv, tables, lens, scale, softcap)
     assert out.dtype == q_dtype
+    # A request alone (a work item per KV head) gets the bits it gets in the batch (a work item per request).
+    for row in (0, 5, 7):
+        alone = kernels.paged_decode_attention(q[row:row + 1].contiguous(), kv, tables[row:row + 1].contiguous(),
+                                               lens[row:row + 1], scale, softcap)
+        assert torch.equal(out[row], alone[0])
     rows = torch.arange(len(lengths), dtype=torch.int32)
     ranges = torch.stack((rows, rows + 1), dim=1)  # each request's token as a one-query chunk at its context's end
     expected = reference(q, kv, tables, ranges, lens, scale, 0, rounded=("q",), softcap=softcap)
