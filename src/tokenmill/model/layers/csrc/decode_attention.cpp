@@ -311,12 +311,9 @@ inline __m512 sum_lanes_16(const __m512 (&a)[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d[0], d[1], 0x88), _mm512_shuffle_f32x4(d[0], d[1], 0xdd));
 }
 
-// Asks for `bytes` of the rows of tokens [t, t + n) into L2, as prefetch_block_rows does per block.
-inline void prefetch_token_rows(const at::BFloat16* plane, const int64_t* rows, int64_t t, int64_t n, int64_t bytes) {
-  for (int64_t i = 0; i < n; ++i) {
-    const char* row = reinterpret_cast<const char*>(plane + rows[t + i]);
-    for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(row + off, 0, 2);
-  }
+// prefetch_block_rows for the rows of tokens [t, t + n), `width` values of each, wherever their blocks lie.
+inline void prefetch_token_rows(const at::BFloat16* plane, const int64_t* rows, int64_t t, int64_t n, int64_t width) {
+  for (int64_t i = 0; i < n; ++i) prefetch_block_rows(plane + rows[t + i], 1, 0, width);
 }
 
 template <typename q_t>
@@ -328,7 +325,7 @@ void decode_one_dpbf16(const q_t* __restrict__ q, const at::BFloat16* __restrict
   constexpr int64_t kAhead = kKvPrefetchBlocks * kKeys;  // how many tokens ahead the prefetches ask for
   const int64_t num_q = (h1 - h0) * group;
   const int64_t padded = (ctx_len + kKeys - 1) / kKeys * kKeys;
-  const int64_t head_bytes = (h1 - h0) * D * static_cast<int64_t>(sizeof(at::BFloat16));
+  const int64_t heads_width = (h1 - h0) * D;  // the item's heads of one token's row, side by side
   // Row offsets of the context's tokens (heads h0.. included); past the context, token 0's row: finite values
   // whose scores are never read and whose probabilities are 0.
   w.rows.resize(padded);
@@ -341,12 +338,12 @@ void decode_one_dpbf16(const q_t* __restrict__ q, const at::BFloat16* __restrict
   w.scores.resize(num_q * padded);
 
   // Pass 1: scores, 16 keys at a time; the rows kAhead tokens on are asked for, a share per query.
-  prefetch_token_rows(k_cache, rows, 0, std::min<int64_t>(kAhead, ctx_len), head_bytes);
+  prefetch_token_rows(k_cache, rows, 0, std::min<int64_t>(kAhead, ctx_len), heads_width);
   for (int64_t t0 = 0; t0 < ctx_len; t0 += kKeys) {
     const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(kKeys, ctx_len - t0 - kAhead));
     for (int64_t j = 0; j < num_q; ++j) {
       const int64_t first = ahead * j / num_q, last = ahead * (j + 1) / num_q;
-      prefetch_token_rows(k_cache, rows, t0 + kAhead + first, last - first, head_bytes);
+      prefetch_token_rows(k_cache, rows, t0 + kAhead + first, last - first, heads_width);
       const at::BFloat16* k = k_cache + (j / group) * D;
       const at::BFloat16* qj = w.qb.data() + j * D;
       __m512 acc[kKeys];
@@ -367,7 +364,7 @@ void decode_one_dpbf16(const q_t* __restrict__ q, const at::BFloat16* __restrict
       }
 
   // Pass 2: probabilities, rounded to bfloat16 (zero past the context), while the first V rows are on their way.
-  prefetch_token_rows(v_cache, rows, 0, std::min<int64_t>(kAhead, ctx_len), head_bytes);
+  prefetch_token_rows(v_cache, rows, 0, std::min<int64_t>(kAhead, ctx_len), heads_width);
   w.pb.resize(num_q * padded);
   w.inv_sum.resize(num_q);
   for (int64_t j = 0; j < num_q; ++j) {
@@ -388,7 +385,7 @@ void decode_one_dpbf16(const q_t* __restrict__ q, const at::BFloat16* __restrict
   w.acc.assign(num_q * D, 0.0f);
   for (int64_t t0 = 0; t0 < ctx_len; t0 += kKeys) {
     const int64_t ahead = std::max<int64_t>(0, std::min<int64_t>(kKeys, ctx_len - t0 - kAhead));
-    prefetch_token_rows(v_cache, rows, t0 + kAhead, ahead, head_bytes);
+    prefetch_token_rows(v_cache, rows, t0 + kAhead, ahead, heads_width);
     for (int64_t h = 0; h < h1 - h0; ++h)
       for (int64_t c = 0; c < D; c += 32) {
         __m512i lo[kKeys / 2], hi[kKeys / 2];
