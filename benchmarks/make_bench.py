@@ -3,8 +3,9 @@
 The fixed workload (../shared/bench/workload-64.jsonl) runs through tokenmill's `LLM.generate`, a
 naive one-at-a-time `generate` loop and static left-padded batches of 16, all on the same weights,
 dtype and threads, in one process, one after another (tokenmill at its default numerics, which it
-chooses from the hardware and the report names, unless --dtype is given; its dense run, the weights
-dequantized, in the exact mode, float32 like the baselines); with float32, tokenmill also runs once more
+chooses from the hardware and the report names, unless --dtype is given; where those keep weights in
+blocks (a GGUF's, or a dense model's rounded to Q8_0), a dense run too, the weights as the baselines hold
+them, in the exact mode, float32 like the baselines); with float32, tokenmill also runs once more
 with Q8_0 weights and a float16 KV cache (`--no-quantized` to skip), reported apart. Prints a
 table, refreshes the `bench:engine-core` section of docs/benchmarks.md and writes the raw numbers
 to bench-results/engine-core.json.

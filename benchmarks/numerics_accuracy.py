@@ -3,7 +3,8 @@
     python -m benchmarks.numerics_accuracy [--model M] [--file F] [--context-size 512] [--max-chunks N]
         [--modes float32:float32,int8:bfloat16,...] [--llama-perplexity PATH] [--markdown OUT]
 
-Each mode is `block_matmul:kv_cache_dtype`, run through `tokenmill eval perplexity`'s scoring
+Each mode is `block_matmul:kv_cache_dtype`, optionally after a weights format (`q8_0/int8:bfloat16`,
+`none/default`: `--quantization` for that run), run through `tokenmill eval perplexity`'s scoring
 (entrypoints/eval_cli.py) one engine at a time; `default` runs the engine at its defaults (what this
 machine resolves them to). llama.cpp's figure comes from its own binary on the same GGUF, text and
 context size (built by `make bench-peers` at .bench/llama.cpp/build/bin/llama-perplexity); it is left out
@@ -23,6 +24,7 @@ from typing import Optional
 
 from benchmarks.paths import repo_root
 from benchmarks.tables import markdown_table
+from tokenmill.config import QUANTIZATIONS
 
 DEFAULT_TEXT = Path("/usr/share/common-licenses/GPL-3")
 DEFAULT_MODES = ("float32:float32", "float32:float16", "float32:bfloat16", "int8:float32", "int8:float16",
@@ -35,9 +37,12 @@ def engine_perplexity(model: Optional[str], text: str, context_size: int, max_ch
     from tokenmill.entrypoints.eval_cli import evaluate_perplexity
 
     options = {}
-    if mode != "default":
-        block_matmul, kv_cache_dtype = mode.split(":")
+    quantization, _, numerics = mode.rpartition("/")
+    if numerics != "default":
+        block_matmul, kv_cache_dtype = numerics.split(":")
         options = dict(dtype="float32", block_matmul=block_matmul, kv_cache_dtype=kv_cache_dtype)
+    if quantization:
+        options["quantization"] = quantization
     llm = LLM(model, max_model_len=context_size + 1, kv_cache_memory_bytes=256 * 2**20, enable_prefix_caching=False,
               **options)
     result = evaluate_perplexity(llm, text, context_size, max_chunks)
@@ -75,9 +80,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     # "exact" names the exact mode's pair (float32 matmuls over a float32 cache).
     modes = ["float32:float32" if mode == "exact" else mode for mode in args.modes.split(",")]
     for mode in modes:
-        if mode != "default" and len(mode.split(":")) != 2:
+        quantization, _, numerics = mode.rpartition("/")
+        if (numerics != "default" and len(numerics.split(":")) != 2) or quantization not in ("", *QUANTIZATIONS):
             parser.error(f"mode {mode!r}: expected 'default', 'exact' or BLOCK_MATMUL:KV_CACHE_DTYPE "
-                         f"(e.g. int8:bfloat16)")
+                         f"(e.g. int8:bfloat16), optionally after QUANTIZATION/ (e.g. q8_0/default)")
 
     from tokenmill.model.default_model import default_model_path
 
@@ -96,8 +102,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     table = []
     for row in rows:
         chosen = row["numerics"]
-        label = (f"default ({chosen['block_matmul']['value']}, KV {chosen['kv_cache_dtype']['value']})"
-                 if row["mode"] == "default" else row["mode"].replace(":", ", KV "))
+        quantization, _, numerics = row["mode"].rpartition("/")
+        matmul = (chosen["block_matmul"]["value"] if chosen.get("weights", {}).get("value") != "as stored"
+                  or chosen["block_matmul"]["value"] != "float32" else f"{chosen['dtype']['value']} dense")
+        label = (f"default ({matmul}, KV {chosen['kv_cache_dtype']['value']})"
+                 if numerics == "default" else numerics.replace(":", ", KV "))
+        weights = chosen.get("weights", {}).get("value")
+        label = f"{quantization or weights or 'as stored'} weights, {label}" if quantization or weights else label
         vs_exact = f"{row['perplexity'] / exact - 1:+.2%}" if exact else "-"
         vs_llama = f"{row['perplexity'] / llama - 1:+.2%}" if llama else "-"
         table.append([label, f"{row['perplexity']:.4f} ± {row['stderr']:.4f}", vs_exact, vs_llama,

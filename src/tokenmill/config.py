@@ -278,8 +278,9 @@ class EngineConfig:
     tokenizer: Optional[str] = option(None, "tokenizer directory (default: the model's)")
     dtype: str = option(
         "auto", "weights and activations; auto: float32 under block-quantized weights the CPU kernels run (a GGUF's "
-        "kept blocks, q8_0), else bfloat16 where the hardware has it natively (CUDA, CPUs with AVX-512 BF16 or AMX), "
-        "else float32 (chosen at start-up and logged; --numerics exact pins float32)", choices=DTYPES)
+        "kept blocks, q8_0, dense weights rounded to Q8_0 by default), else bfloat16 where the hardware has it "
+        "natively (CUDA, CPUs with AVX-512 BF16 or AMX), else float32 (chosen at start-up and logged; --numerics "
+        "exact pins float32)", choices=DTYPES)
     device: Optional[str] = option(None, "default: cuda when available, else cpu", choices=DEVICES)
     max_model_len: Optional[int] = option(None, "longest sequence, prompt and output (default: the model's)",
                                           bound="positive")
@@ -356,8 +357,10 @@ class EngineConfig:
     quantization: Optional[str] = option(
         None, "weights. Unset: a GGUF's Q8_0/Q4_0/Q4_1/Q5_0/Q5_1/Q4_K/Q5_K matrices stay quantized as stored where "
         "tokenmill's int8 kernels run (CPU, float32) or its triton kernel does (CUDA), other tensors are "
-        "dequantized; gguf: insist on that; q8_0: "
-        "round any model's projection and LM-head weights to Q8_0 at load; none: dequantize everything to --dtype",
+        "dequantized; dense weights (safetensors, a float GGUF) are rounded to Q8_0 at load on a CPU whose int8 "
+        "dot kernels run (--numerics auto, --dtype and --block-matmul unset; not for mixtures of experts), else "
+        "kept; gguf: insist on kept blocks; q8_0: round any model's projection, LM-head and embedding weights to "
+        "Q8_0 at load, as they stream in; none: keep dense weights and dequantize blocks to --dtype",
         choices=QUANTIZATIONS, aliases=("-q",))
     numerics: str = option(
         "auto", "auto: --dtype, --block-matmul and --kv-cache-dtype left at auto take the fastest path this machine "

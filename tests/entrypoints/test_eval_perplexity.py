@@ -79,7 +79,7 @@ def test_the_command_prints_and_writes_the_result(tiny_llama_dir, tmp_path):
     assert result.stdout.startswith("perplexity ") and "over 93 tokens (3 windows of 64" in result.stdout
     body = json.loads(out.read_text())
     assert body["windows"] == 3 and body["tokens_scored"] == 93 and body["perplexity"] > 1.0
-    assert set(body["numerics"]) == {"dtype", "block_matmul", "kv_cache_dtype"}
+    assert set(body["numerics"]) == {"weights", "dtype", "block_matmul", "kv_cache_dtype"}
 
     short = tmp_path / "short.txt"
     short.write_text("too short")

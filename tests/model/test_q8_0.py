@@ -26,11 +26,26 @@ def test_quantize_q8_0_format():
     assert int(q.abs().max()) == 127  # each block's largest magnitude maps to +-127
     assert scales[1, 0] == 0 and torch.all(q[1, :32] == 0)
     blocks = weight.reshape(5, 2, 32)
-    torch.testing.assert_close(scales, blocks.abs().amax(-1) / 127)
+    torch.testing.assert_close(scales, (blocks.abs().amax(-1) / 127).half().float(), rtol=0, atol=0)
     error = (dequantize_q8_0(q, scales) - weight).reshape(5, 2, 32).abs()
-    assert torch.all(error <= scales.unsqueeze(-1) / 2 + 1e-7)  # round-to-nearest: half a step at most
+    # Round-to-nearest on the unrounded scale, then the scale rounded to float16 (2^-11 relative, x127).
+    assert torch.all(error <= scales.unsqueeze(-1) * (0.5 + 127 * 2**-11) + 1e-7)
     with pytest.raises(ValueError):
         quantize_q8_0(torch.randn(4, 48))
+
+
+def test_quantize_q8_0_writes_what_gguf_writes():
+    """The same integers and float16 scales as gguf-py's Q8_0 quantizer (llama.cpp's reference): a dense model
+    served with --quantization q8_0 runs the weights its Q8_0 GGUF would hold."""
+    import gguf
+    import numpy as np
+
+    weight = torch.randn(48, 256, generator=torch.Generator().manual_seed(1)) * 0.02
+    weight[3, 64:96] = 0.0
+    q, scales = quantize_q8_0(weight)
+    raw = gguf.quants.quantize(weight.numpy(), gguf.GGMLQuantizationType.Q8_0).reshape(48, 8, 34)
+    assert torch.equal(scales, torch.from_numpy(raw[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)))
+    assert torch.equal(q, torch.from_numpy(raw[:, :, 2:].copy().view(np.int8).reshape(48, 256)))
 
 
 def test_pack_int8_blocks_panels_of_sixteen_features():
@@ -92,14 +107,15 @@ def test_q8_0_kernel_rejects_bad_shapes(kernels):
 
 
 def test_q8_0_engine_matches_hf_on_the_dequantized_weights(kernels, tiny_llama_dir, smollm2_tokenizer):
-    """Greedy tokens equal HF generate on the same Q8_0-rounded weights: decode steps with few
-    requests take the kernel's row path, long prefill chunks its dequantized tiles; both must agree with HF."""
+    """Greedy tokens equal HF generate on the same Q8_0-rounded weights (the projections, the LM head and the
+    token embedding, as a Q8_0 GGUF holds them): decode steps with few requests take the kernel's row path, long
+    prefill chunks its dequantized tiles; both must agree with HF."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         for module in hf.modules():
-            if isinstance(module, torch.nn.Linear):
+            if isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
                 module.weight.copy_(dequantize_q8_0(*quantize_q8_0(module.weight)))
     llm = LLM(str(tiny_llama_dir), max_num_batched_tokens=24, num_kv_blocks=64, max_model_len=512,
               quantization="q8_0", numerics="exact")
@@ -142,3 +158,44 @@ def test_int8_fused_decode_stack_is_bit_identical_to_the_layers(request, kernels
     assert torch.equal(step.fused_hidden, step.layered_hidden)
     # the same K/V written to the same slots
     assert all(torch.equal(a, b) for a, b in zip(step.fused_caches, step.layered_caches))
+
+
+def test_q8_0_rounds_each_matrix_as_the_checkpoint_streams_in(tiny_llama_dir):
+    """--quantization q8_0 on a dense checkpoint: every projection (fused ones from their parts), the LM head and
+    the embedding hold the checkpoint's tensors rounded to Q8_0, and the model keeps no float parameter of
+    them (each was passed on as a shape-only tensor, never written)."""
+    from safetensors.torch import load_file
+
+    from tokenmill.model.layers.linear import BlockQuantEmbedding
+
+    llm = LLM(str(tiny_llama_dir), quantization="q8_0", num_kv_blocks=16)
+    runner = llm.llm_engine.core.core.runner
+    model = runner.model
+    assert not [name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
+    assert isinstance(model.embed_tokens, BlockQuantEmbedding)
+    assert runner.linear_layers.startswith("Q8_0 weights rounded as they loaded")
+    float_matrices = [name for name, p in model.named_parameters() if p.dim() == 2]
+    assert float_matrices == [], float_matrices
+    stored = load_file(str(tiny_llama_dir / "model.safetensors"))
+    layer = model.layers[0]
+    for fused, parts in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
+        module = next(m for n, m in getattr(layer, fused).named_children() if isinstance(m, BlockQuantLinear))
+        expected = torch.cat([stored[f"model.layers.0.{fused}.{part}.weight"] for part in parts])
+        q, scales = quantize_q8_0(expected)
+        blocks = module.blocks()
+        assert torch.equal(blocks.q, q) and torch.equal(blocks.scales, scales)
+
+
+def test_round_while_loading_passes_on_what_it_does_not_round(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), quantization="none", num_kv_blocks=16)
+    methods = llm.llm_engine.core.core.runner.linear_methods
+    q_proj, norm, odd = torch.randn(64, 64), torch.randn(64), torch.randn(64, 48)
+    blocks = {}
+    out = dict(methods.round_while_loading([("model.layers.0.self_attn.q_proj.weight", q_proj),
+                                            ("model.layers.0.input_layernorm.weight", norm),
+                                            ("model.layers.0.mlp.down_proj.weight", odd)], blocks))
+    assert out["model.layers.0.self_attn.q_proj.weight"].device.type == "meta"
+    assert out["model.layers.0.input_layernorm.weight"] is norm  # not a matrix of a linear layer
+    assert out["model.layers.0.mlp.down_proj.weight"] is odd  # 48 inputs: not whole 32-value blocks
+    assert list(blocks) == ["model.layers.0.self_attn.q_proj.weight"]
+    assert torch.equal(blocks["model.layers.0.self_attn.q_proj.weight"].q, quantize_q8_0(q_proj)[0])

@@ -35,14 +35,45 @@ def test_block_quantized_weights_by_cpu(flags, expected):
 
 
 @pytest.mark.parametrize("flags, expected", [
+    (XEON_AMX, ("q8_0", "float32", "bfloat16-int8", "bfloat16")),
+    (EPYC_ZEN4, ("q8_0", "float32", "int8", "bfloat16")),
+    (AVX512_VNNI, ("q8_0", "float32", "int8", "float16")),
+    (ALDER_LAKE, ("q8_0", "float32", "int8", "float16")),
+    (AVX2, ("q8_0", "float32", "int8", "float16")),
+    (OLD_X86, ("as stored", "float32", "float32", "float16")),
+], ids=["amx", "avx512-vnni-bf16", "avx512-vnni", "avx-vnni", "avx2", "no-avx2"])
+def test_dense_weights_by_cpu(flags, expected):
+    """A safetensors model: rounded to Q8_0 at load wherever the int8 dot kernels run (faster than 16-bit
+    weights at 1B, perplexity within 0.5% of them; docs/benchmarks.md), else dense."""
+    numerics = resolve_numerics(EngineConfig(), Hardware.for_cpu_flags(flags), block_weights=False)
+    assert (numerics.weights.value, *choose(flags, block_weights=False)) == expected
+    assert numerics.apply(EngineConfig()).quantization == (None if expected[0] == "as stored" else "q8_0")
+
+
+@pytest.mark.parametrize("flags, expected", [
     (XEON_AMX, ("bfloat16", "float32", "bfloat16")),
     (EPYC_ZEN4, ("bfloat16", "float32", "bfloat16")),
     (AVX512_VNNI, ("float32", "float32", "float16")),
     (AVX2, ("float32", "float32", "float16")),
 ], ids=["amx", "avx512-vnni-bf16", "avx512-vnni", "avx2"])
-def test_dense_weights_by_cpu(flags, expected):
-    """A safetensors model (or --quantization none): bfloat16 where the CPU has it natively, as vLLM does."""
-    assert choose(flags, block_weights=False) == expected
+def test_dense_weights_kept_dense_by_cpu(flags, expected):
+    """--quantization none keeps a dense model's weights: bfloat16 where the CPU has it natively, as vLLM does."""
+    assert choose(flags, block_weights=False, quantization="none") == expected
+
+
+def test_dense_weights_stay_dense_where_asked_or_where_q8_0_cannot_pay():
+    def weights(flags=EPYC_ZEN4, cpu_kernels=True, experts=False, **options):
+        numerics = resolve_numerics(EngineConfig(**options), Hardware.for_cpu_flags(flags, cpu_kernels),
+                                    block_weights=False, experts=experts)
+        return numerics.weights.value
+    assert weights(dtype="bfloat16") == weights(dtype="float32") == "as stored"
+    assert weights(block_matmul="float32") == "as stored"  # the blocks would be widened back to float32
+    assert weights(block_matmul="int8") == "q8_0"
+    assert weights(experts=True) == "as stored"  # experts stay dense: the model keeps its bfloat16
+    assert weights(cpu_kernels=False) == weights(OLD_X86) == "as stored"
+    assert weights(numerics="exact") == "as stored"
+    cuda = resolve_numerics(EngineConfig(), Hardware("cuda", cuda_bf16=True), block_weights=False)
+    assert cuda.weights.value == "as stored" and cuda.dtype.value == "bfloat16"
 
 
 def test_without_the_cpp_kernels_everything_stays_float32():
@@ -87,7 +118,7 @@ def test_cuda_keeps_its_own_dtype_and_cache():
 def test_every_choice_says_why():
     numerics = resolve_numerics(EngineConfig(), Hardware.for_cpu_flags(EPYC_ZEN4), block_weights=True)
     assert numerics.describe() == (
-        "dtype: float32 (block-quantized weights: the C++ block kernels compute in float32); block matmul: int8 "
+        "weights: as stored (the file's block-quantized matrices); dtype: float32 (block-quantized weights: the C++ block kernels compute in float32); block matmul: int8 "
         "(avx512_vnni); kv cache dtype: bfloat16 (16-bit cache under a float32 model, native bfloat16 (avx512_bf16))")
     assert numerics.as_dict()["block_matmul"] == {"value": "int8", "reason": "avx512_vnni"}
     applied = numerics.apply(EngineConfig())
@@ -126,8 +157,11 @@ def test_a_dense_model_here_runs_the_chosen_dtype(tiny_llama_dir):
 
     llm = LLM(str(tiny_llama_dir), num_kv_blocks=16)
     chosen = resolve_numerics(EngineConfig(), detect_hardware("cpu", "auto"), block_weights=False)
+    assert llm.llm_engine.numerics == chosen.as_dict()
     runner = llm.llm_engine.core.core.runner
     assert runner.dtype == getattr(torch, chosen.dtype.value)
+    rounded = [layer for layer in runner.model.modules() if type(layer).__name__ == "BlockQuantLinear"]
+    assert bool(rounded) == (chosen.weights.value == "q8_0")
     assert runner.kv_caches[0].dtype == getattr(torch, chosen.kv_cache_dtype.value)
     out = llm.generate({"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3, temperature=0, ignore_eos=True),
                        use_tqdm=False)

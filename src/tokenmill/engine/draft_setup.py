@@ -10,7 +10,7 @@ import logging
 from tokenmill.config import EngineConfig, SpeculativeConfig
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.loader import ModelSource, load_model_source
-from tokenmill.runner.numerics import Hardware, Numerics, resolve_numerics
+from tokenmill.runner.numerics import Hardware, Numerics, has_experts, resolve_numerics
 
 logger = logging.getLogger("tokenmill")
 
@@ -44,12 +44,12 @@ def resolve_draft(config: EngineConfig, target_source, hardware: Hardware,
                                    draft_kv_cache_dtype=target.kv_cache_dtype.value,
                                    draft_quantization=config.quantization), source
     blocks = source.has_int8_block_matrices()
-    # The fastest numerics of a dense draft: its weights rounded to Q8_0 at load, for the int8 dot products.
-    quantization = "q8_0" if (spec.numerics == "auto" and not blocks and hardware.device_type == "cpu"
-                              and hardware.int8_dot is not None) else None
+    # The draft's fastest numerics, as the target's are chosen (a dense draft's weights rounded to Q8_0 at
+    # load where the int8 dot products run).
     wanted = dataclasses.replace(config, numerics=spec.numerics, dtype="auto", block_matmul="auto",
-                                 kv_cache_dtype="auto", quantization=quantization, speculative_config=None)
-    numerics = resolve_numerics(wanted, hardware, blocks or quantization is not None)
+                                 kv_cache_dtype="auto", quantization=None, speculative_config=None)
+    numerics = resolve_numerics(wanted, hardware, blocks, experts=has_experts(source.hf_config))
+    quantization = "q8_0" if numerics.weights.value == "q8_0" else None
     if spec.method == "qspec" and (numerics.dtype.value, numerics.block_matmul.value) == (
             target.dtype.value, target.block_matmul.value):
         raise ModelLoadError(

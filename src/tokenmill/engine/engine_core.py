@@ -31,7 +31,7 @@ from tokenmill.engine.draft_setup import resolve_draft
 from tokenmill.engine.executor import make_executor
 from tokenmill.engine.kv_offload import open_kv_tier
 from tokenmill.runner.model_runner import resolve_device
-from tokenmill.runner.numerics import detect_hardware, resolve_numerics
+from tokenmill.runner.numerics import detect_hardware, has_experts, resolve_numerics
 from tokenmill.spec_decode import adaptive
 from tokenmill.spec_decode.ngram import NgramProposer, can_speculate
 from tokenmill.structured.backend import allocate_token_bitmask
@@ -125,9 +125,8 @@ class EngineCore:
         max_model_len = derive_max_model_len(config, hf_config)
         config = config.with_resolved_defaults(device.type, max_model_len)
         hardware = detect_hardware(device.type, config.attention_backend)
-        block_weights = config.quantization == "q8_0" or (
-            config.quantization in (None, "gguf") and source.has_int8_block_matrices())
-        self.numerics = resolve_numerics(config, hardware, block_weights)
+        file_blocks = config.quantization in (None, "gguf") and source.has_int8_block_matrices()
+        self.numerics = resolve_numerics(config, hardware, file_blocks, experts=has_experts(hf_config))
         logger.info("numerics on %s: %s", hardware.describe(), self.numerics.describe())
         config = self.numerics.apply(config)
         draft_source = None

@@ -120,11 +120,16 @@ class ModelRunner:
 
     def load_checkpoint(self, source, draft_source=None) -> None:
         """Streams `source`'s weights into the model. A GGUF's block-quantized matrices are kept as stored
-        where this runner multiplies them so (`keeps_int8_blocks`), without a float copy; a tensor-parallel
+        where this runner multiplies them so (`keeps_int8_blocks`), without a float copy, and so are matrices
+        `--quantization q8_0` rounds as they arrive (`round_while_loading`); a tensor-parallel
         rank reads their float values too, for a shard whose inputs do not fall on 32-value blocks.
         draft_source: with a draft model (speculative decoding), its source, loaded on the rank that samples."""
-        int8_blocks = {} if self.linear_methods.keeps_int8_blocks(source.is_gguf) else None
-        self.load_weights(source.iter_weights(self.dtype, int8_blocks, dense_kept=self.tp is not None), int8_blocks)
+        rounds = self.linear_methods.rounds_at_load()
+        int8_blocks = {} if rounds or self.linear_methods.keeps_int8_blocks(source.is_gguf) else None
+        weights = source.iter_weights(self.dtype, int8_blocks, dense_kept=self.tp is not None)
+        if rounds:  # --quantization q8_0: each matrix rounded as it arrives, no float copy of the model
+            weights = self.linear_methods.round_while_loading(weights, int8_blocks)
+        self.load_weights(weights, int8_blocks)
         if self._draft_config is not None:
             from tokenmill.runner.drafter import Drafter
 

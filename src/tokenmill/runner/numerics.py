@@ -1,11 +1,15 @@
 """How the engine computes, chosen once at start-up from the hardware: the model's dtype, the arithmetic of
 block-quantized matmuls (`--block-matmul`) and the KV cache's dtype.
 
-Each of the three options left at `auto` takes the fastest path this machine runs whose accuracy is
-measured (docs/benchmarks.md, "Accuracy of the numerics"); `--numerics exact` pins all three to float32,
-which matches HF transformers' float32 outputs token for token. On a CPU:
+Each of the options left at `auto` takes the fastest path this machine runs whose accuracy is measured
+(docs/benchmarks.md, "Accuracy of the numerics"); `--numerics exact` pins the weights as stored and the
+other three to float32, which matches HF transformers' float32 outputs token for token. On a CPU:
 
     option          auto picks                                                      because
+    quantization    q8_0           dense weights (safetensors, a float GGUF) where  1.6-1.9x the 16-bit model's
+                                   the int8 dot kernels run, --dtype and            speed at 1B, perplexity
+                                   --block-matmul left at auto, no experts          within 0.5% of it
+                    as stored      elsewhere (a GGUF's kept blocks stay so)
     block_matmul    bfloat16-int8  with AMX-BF16 and the int8 dot kernels           tiles for prefill, int8 rows for decode
                     int8           with the int8 dot kernels (AVX-512 VNNI, AVX2)   integer dot products, as llama.cpp
                     float32        elsewhere, or when no weights are block-quantized
@@ -81,16 +85,23 @@ class Choice:
     reason: str
 
 
+# The weights' value where they load as the file holds them (`--quantization` unset keeps it unset).
+AS_STORED = "as stored"
+
+
 @dataclass(frozen=True, slots=True)
 class Numerics:
     dtype: Choice
     block_matmul: Choice
     kv_cache_dtype: Choice
+    weights: Choice = Choice(AS_STORED, "the file's")
 
     def apply(self, config: EngineConfig) -> EngineConfig:
-        """A new config holding the three resolved values (`auto` no longer appears in them)."""
+        """A new config holding the resolved values (`auto` no longer appears in them; dense weights chosen
+        for Q8_0 carry `--quantization q8_0`)."""
+        quantization = config.quantization if self.weights.value == AS_STORED else self.weights.value
         return dataclasses.replace(config, dtype=self.dtype.value, block_matmul=self.block_matmul.value,
-                                   kv_cache_dtype=self.kv_cache_dtype.value)
+                                   kv_cache_dtype=self.kv_cache_dtype.value, quantization=quantization)
 
     def as_dict(self) -> dict[str, dict[str, str]]:
         """{"dtype": {"value": ..., "reason": ...}, ...}: what /stats reports."""
@@ -101,20 +112,49 @@ class Numerics:
         return "; ".join(f"{name.replace('_', ' ')}: {choice.value} ({choice.reason})" for name, choice in self._items())
 
     def _items(self):
-        return (("dtype", self.dtype), ("block_matmul", self.block_matmul), ("kv_cache_dtype", self.kv_cache_dtype))
+        return (("weights", self.weights), ("dtype", self.dtype), ("block_matmul", self.block_matmul),
+                ("kv_cache_dtype", self.kv_cache_dtype))
 
 
-def resolve_numerics(config: EngineConfig, hardware: Hardware, block_weights: bool) -> Numerics:
-    """The dtype, block matmul and KV cache dtype this engine runs. block_weights: whether the model's
-    projections are block-quantized when the kernels for them run (a GGUF with matrices in a kept type and
-    `--quantization` unset or gguf, or `--quantization q8_0`). Explicit values are kept; `auto` ones are
-    chosen from `hardware`; `--numerics exact` pins all three to float32."""
+def resolve_numerics(config: EngineConfig, hardware: Hardware, block_weights: bool,
+                     experts: bool = False) -> Numerics:
+    """The weights' format, dtype, block matmul and KV cache dtype this engine runs. block_weights: whether
+    the file's matrices are in a type the block kernels keep as stored (a GGUF's Q8_0, Q4_K ...; with
+    `--quantization` unset or gguf); experts: the model has mixture-of-experts layers (whose experts stay
+    dense under every conversion). Explicit values are kept; `auto` ones are chosen from `hardware`;
+    `--numerics exact` pins dtype, block matmul and KV cache to float32 and loads the weights as stored."""
     if config.numerics == "exact":  # the config refuses any other explicit value with it
         exact = Choice(EXACT, "--numerics exact")
-        return Numerics(exact, exact, exact)
-    dtype = _dtype(config, hardware, block_weights)
+        weights = (Choice(config.quantization, "--quantization") if config.quantization is not None
+                   else Choice(AS_STORED, "--numerics exact"))
+        return Numerics(exact, exact, exact, weights)
+    weights = _weights(config, hardware, block_weights, experts)
+    block_weights = block_weights or weights.value == "q8_0"
+    dtype = _dtype(config, hardware, block_weights, weights.value == "q8_0")
     blocks_run = block_weights and _blocks_run(hardware, dtype.value)
-    return Numerics(dtype, _block_matmul(config, hardware, blocks_run), _kv_cache_dtype(config, hardware, dtype.value))
+    return Numerics(dtype, _block_matmul(config, hardware, blocks_run), _kv_cache_dtype(config, hardware, dtype.value),
+                    weights)
+
+
+def _weights(config: EngineConfig, hardware: Hardware, file_blocks: bool, experts: bool) -> Choice:
+    """Whether dense weights are rounded to Q8_0 at load: where the int8 dot kernels run, that is faster than
+    16-bit weights at every batch size measured (a 1B model: 1.9x at one stream, 1.6x at 16 on AVX-512 BF16;
+    more against float32 on AVX2) and its perplexity stays within 0.5% of the 16-bit model's
+    (docs/benchmarks.md, "Dense checkpoints")."""
+    if config.quantization is not None:
+        return Choice(config.quantization, "--quantization")
+    if file_blocks:
+        return Choice(AS_STORED, "the file's block-quantized matrices")
+    if hardware.device_type != "cpu":
+        return Choice(AS_STORED, f"dense weights on {hardware.device_type}")
+    if hardware.int8_dot is None or not hardware.cpu_kernels:
+        return Choice(AS_STORED, "dense weights; no int8 dot-product kernels on this CPU")
+    if config.dtype != "auto" or config.block_matmul == "float32":
+        return Choice(AS_STORED, "dense weights, as --dtype / --block-matmul ask")
+    if experts:
+        return Choice(AS_STORED, "dense weights; the experts of a mixture stay dense, so the model keeps its dtype")
+    return Choice("q8_0", f"dense weights rounded to Q8_0 at load for int8 dot products ({hardware.int8_dot}); "
+                          "--quantization none keeps them dense")
 
 
 def _blocks_run(hardware: Hardware, dtype: str) -> bool:
@@ -123,7 +163,7 @@ def _blocks_run(hardware: Hardware, dtype: str) -> bool:
     return hardware.device_type != "cpu" or (hardware.cpu_kernels and dtype == "float32")
 
 
-def _dtype(config: EngineConfig, hardware: Hardware, block_weights: bool) -> Choice:
+def _dtype(config: EngineConfig, hardware: Hardware, block_weights: bool, q8_0: bool) -> Choice:
     if config.dtype != "auto":
         return Choice(config.dtype, "--dtype")
     if hardware.device_type == "cuda":
@@ -132,8 +172,8 @@ def _dtype(config: EngineConfig, hardware: Hardware, block_weights: bool) -> Cho
         return Choice("float32", f"{hardware.device_type}")
     if block_weights and hardware.cpu_kernels:
         return Choice("float32", "block-quantized weights: the C++ block kernels compute in float32")
-    if config.quantization == "q8_0":
-        return Choice("float32", "--quantization q8_0 runs on the C++ block kernels, in float32")
+    if q8_0:
+        return Choice("float32", "Q8_0 weights run on the C++ block kernels, in float32")
     bf16 = hardware.native_bf16
     if bf16 is not None and hardware.cpu_kernels:
         return Choice("bfloat16", f"dense weights, native bfloat16 ({bf16})")
@@ -167,6 +207,11 @@ def _kv_cache_dtype(config: EngineConfig, hardware: Hardware, dtype: str) -> Cho
     if bf16 is not None:
         return Choice("bfloat16", f"16-bit cache under a float32 model, native bfloat16 ({bf16})")
     return Choice("float16", "16-bit cache under a float32 model, no native bfloat16")
+
+
+def has_experts(hf_config) -> bool:
+    """Whether a model has mixture-of-experts layers (Mixtral's num_local_experts, Qwen3-MoE's num_experts)."""
+    return bool(getattr(hf_config, "num_local_experts", None) or getattr(hf_config, "num_experts", None))
 
 
 def detect_hardware(device_type: str, attention_backend: str) -> Hardware:

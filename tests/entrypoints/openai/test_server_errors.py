@@ -205,8 +205,9 @@ def test_models_tokenize_version_stats(http, smollm2_tokenizer):
     stats = http.get("/stats").json()
     assert {"num_requests_running", "num_requests_waiting", "kv_cache_usage"} <= set(stats)
     # the shared server runs --numerics exact
-    assert stats["numerics"] == {name: {"value": "float32", "reason": "--numerics exact"}
-                                 for name in ("dtype", "block_matmul", "kv_cache_dtype")}
+    assert stats["numerics"] == {**{name: {"value": "float32", "reason": "--numerics exact"}
+                                    for name in ("dtype", "block_matmul", "kv_cache_dtype")},
+                                 "weights": {"value": "as stored", "reason": "--numerics exact"}}
 
 
 def test_openapi_schema_describes_the_api(http):

@@ -142,15 +142,18 @@ class Int8Blocks:
 
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGUF's Q8_0: per block of 32 inputs, scale = max|w| / 127 and q = round(w / scale)."""
+    """GGUF's Q8_0, as llama.cpp and gguf-py write it: per block of 32 inputs d = max|w| / 127,
+    q = round(w / d), and d stored as float16 (returned as float32 holding that float16 value, so the
+    integer kernels read 2-byte scales, as from a Q8_0 file)."""
     out_features, in_features = weight.shape
     if in_features % QUANT_BLOCK:
         raise ValueError(f"Q8_0 needs in_features divisible by {QUANT_BLOCK}, got {in_features}")
     blocks = weight.detach().float().reshape(out_features, in_features // QUANT_BLOCK, QUANT_BLOCK)
-    scales = blocks.abs().amax(dim=-1) / 127.0
-    safe = torch.where(scales == 0, torch.ones_like(scales), scales)
-    q = torch.round(blocks / safe.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return q.reshape(out_features, in_features).contiguous(), scales.contiguous()
+    low, high = torch.aminmax(blocks, dim=-1)  # one pass for max|w|, no |w| copy
+    d = torch.maximum(-low, high).div_(127.0)
+    safe = torch.where(d == 0, torch.ones_like(d), d)
+    q = blocks.div(safe.unsqueeze(-1)).round_().to(torch.int8)  # |w| / d <= 127: no clamp needed
+    return q.reshape(out_features, in_features), d.to(torch.float16).float()
 
 
 def dequantize_q8_0(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

@@ -4,12 +4,14 @@ blocks, `--quantization q8_0`) multiplied by tokenmill's C++ kernels in the arit
 names (float32, int8 dot products, bfloat16 tiles, or both by step size), or by the triton kernel on CUDA.
 
 The runner builds a `LinearMethods` for its model and attention backend, asks it which GGUF matrices to keep
-as stored (`keeps_int8_blocks`) and, once the weights are loaded, has it convert the layers (`apply`); it
-never looks at which kernels exist.
+as stored (`keeps_int8_blocks`) or which to round to Q8_0 as they stream in (`rounds_at_load`,
+`round_while_loading`) and, once the weights are loaded, has it convert the layers (`apply`); it never looks at
+which kernels exist.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable, Iterator
 from functools import cached_property
 from typing import Optional
 
@@ -18,8 +20,8 @@ import torch
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, INT8_DOT_PATHS, QUANT_BLOCK, Bf16TileInt8RowKernels,
                                           Bf16TileKernels, BlockQuantLinear, Int8ActivationKernels, Int8Blocks,
-                                          PackedLinear, dense_linear, onednn_packing_supported, runs_bf16_tiles,
-                                          runs_int8_dot)
+                                          PackedLinear, dense_linear, onednn_packing_supported, quantize_q8_0,
+                                          runs_bf16_tiles, runs_int8_dot)
 
 logger = logging.getLogger("tokenmill")
 
@@ -44,8 +46,16 @@ class LinearMethods:
         self.packed_linear_rows = packed_linear_rows
         self.tp = tp
         self.packed_linear = False  # dense layers hold oneDNN-packed weights
-        self.num_gguf_layers_kept = 0  # linear layers holding a GGUF's own blocks
+        self.num_gguf_layers_kept = 0  # linear layers holding a GGUF's own blocks (or blocks rounded at load)
         self._block_matmul_kernels = None  # what --block-matmul runs the block layers with
+        # The checkpoint tensors a Q8_0 GGUF would hold in blocks: the linear layers' (named before `apply`
+        # converts them), the LM head's and the token embedding.
+        self._matrix_names: set[str] = set()
+        if hasattr(model, "checkpoint_weight_names"):
+            self._matrix_names = {"model.embed_tokens.weight", *model.checkpoint_weight_names("lm_head")}
+            for module_name, module in model.named_modules():
+                if isinstance(module, torch.nn.Linear):
+                    self._matrix_names.update(model.checkpoint_weight_names(module_name))
 
     def _int8_kernels(self):
         """tokenmill's C++ kernels when block-int8 layers can run here (CPU backend, float32), else None;
@@ -121,6 +131,25 @@ class LinearMethods:
             return True
         return self.quantization is None and is_gguf and self.block_kernels is not None
 
+    def rounds_at_load(self) -> bool:
+        """Whether `--quantization q8_0` rounds each matrix as the checkpoint streams in (one process, the C++
+        or triton kernels to run it): the model never holds a float copy of its projections. A tensor-parallel
+        rank rounds its shards after loading instead."""
+        return self.quantization == "q8_0" and self.tp is None and self.block_kernels is not None
+
+    def round_while_loading(self, weights: Iterable[tuple[str, torch.Tensor]],
+                            int8_blocks: dict[str, Int8Blocks]) -> Iterator[tuple[str, torch.Tensor]]:
+        """`weights` with each projection matrix (the LM head and the token embedding included, as a Q8_0
+        GGUF holds them) rounded to Q8_0 into `int8_blocks` and passed on as a shape-only `meta` tensor, which
+        the model counts as loaded without writing its float parameter. Matrices whose inputs are not whole
+        32-value blocks pass on as they are (those layers stay dense)."""
+        for name, tensor in weights:
+            if name in self._matrix_names and tensor.dim() == 2 and tensor.shape[1] % QUANT_BLOCK == 0 \
+                    and tensor.device.type != "meta":
+                int8_blocks[name] = Int8Blocks(*quantize_q8_0(tensor))
+                tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+            yield name, tensor
+
     def apply(self, int8_blocks: Optional[dict[str, Int8Blocks]] = None) -> str:
         """Builds every linear layer of the model (its weights loaded; `int8_blocks`: the checkpoint matrices
         kept in block-int8 form, emptied as the layers take them) and returns how they run."""
@@ -128,13 +157,14 @@ class LinearMethods:
         rows = self.packed_linear_rows or 64
         kernels = self.block_kernels
         device = None if self.device.type == "cpu" else self.device  # where the packed tensors live
-        if self.quantization == "q8_0":
+        if self.quantization == "q8_0" and not int8_blocks:  # a tensor-parallel shard: rounded here
             if kernels is None:
                 raise ModelLoadError(f"--quantization q8_0 {INT8_KERNELS_NEEDED}")
             def make_q8_0(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Module:
-                if self.tp is not None and weight.shape[1] % QUANT_BLOCK:
-                    # A row-parallel shard whose inputs do not fill whole 32-value blocks.
-                    logger.info("%s: %d input features per rank are not whole Q8_0 blocks; the layer stays dense",
+                if weight.shape[1] % QUANT_BLOCK:
+                    # Inputs that do not fill whole 32-value blocks (a small model's width, or a row-parallel
+                    # shard of one).
+                    logger.info("%s: %d input features are not whole Q8_0 blocks; the layer stays dense",
                                 name, weight.shape[1])
                     return dense_linear(weight, bias, self.packed_linear_rows)
                 return BlockQuantLinear.from_weight(weight, bias, kernels, device)
@@ -178,6 +208,10 @@ class LinearMethods:
             kept = ", ".join(f"{count} at {bits} bits" for bits, count in sorted(widths.items()))
             if requantized:
                 kept += f", {len(requantized)} rounded to Q8_0 at load"
+            if self.quantization == "q8_0":
+                return (f"Q8_0 weights rounded as they loaded in {self.num_gguf_layers_kept} layers ({embedding[2:]}"
+                        + ("; " if embedding else "") + self._block_kernel_paths(kernels)
+                        + self._enable_int8_decode(kernels))
             return (f"GGUF weights kept quantized in {self.num_gguf_layers_kept} layers ({kept}{embedding}; "
                     + self._block_kernel_paths(kernels)
                     + self._enable_int8_decode(kernels))
