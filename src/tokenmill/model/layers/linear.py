@@ -182,9 +182,10 @@ def pack_blocks(blocks: Int8Blocks, bits: Optional[int] = None, layout: str = "r
     [panel][block][8][64]. 4-bit: uint8 [panel][block][4][64], group u holding inputs 8u..8u+3 in the low
     nibbles and 8u+4..8u+7 in the high ones.
 
-    Scales (and mins) as float32 [panel][block][16]; in the dot layout as float16 where every one of them is
-    a float16 value (GGUF's Q4_0, Q4_1 and Q8_0 store them so; Q4_K's products of two scales are not), which
-    halves the bytes they add per weight (0.25 to 0.125 for 4-bit blocks with mins)."""
+    Scales (and mins) as float32 [panel][block][16]; in the dot layout (read only with activations rounded
+    to int8) as float16: exactly for GGUF's Q4_0, Q4_1 and Q8_0, which store them so, and rounded for Q4_K's
+    and Q5_K's products of two scales (`_fits_float16`), which halves the bytes they add per weight (0.25 to
+    0.125 for 4-bit blocks with mins); scales that would overflow float16 stay float32."""
     if layout not in ("rows", "dot"):
         raise ValueError(f"block layout is 'rows' or 'dot', not {layout!r}")
     bits = blocks.storage_bits() if bits is None else bits
@@ -212,13 +213,17 @@ def pack_blocks(blocks: Int8Blocks, bits: Optional[int] = None, layout: str = "r
         packed_q = packed_q.contiguous()
     packed_scales = _pack_panel_values(scales, panels)
     packed_mins = None if mins is None else _pack_panel_values(mins, panels)
-    if layout == "dot" and all(_exact_in_float16(t) for t in (packed_scales, packed_mins) if t is not None):
+    if layout == "dot" and all(_fits_float16(t) for t in (packed_scales, packed_mins) if t is not None):
         packed_scales, packed_mins = (None if t is None else t.half() for t in (packed_scales, packed_mins))
     return packed_q, packed_scales, packed_mins
 
 
-def _exact_in_float16(values: torch.Tensor) -> bool:
-    return bool(torch.equal(values.half().float(), values))
+def _fits_float16(values: torch.Tensor) -> bool:
+    """Whether float16 holds the dot layout's scales: every one finite there (no overflow). Those scales are
+    read only where activations are rounded to int8 (a 2^-8 step), so a Q4_K or Q5_K product of two scales
+    rounded to float16 (2^-11 relative; at most 2^-25 absolute below float16's normal range, where a block's
+    weights are that small too) moves a weight by a small fraction of what rounding x moves its product."""
+    return bool(torch.all(torch.isfinite(values.half())))
 
 
 def packed_layout(q: torch.Tensor) -> str:
@@ -340,8 +345,9 @@ class Int8ActivationKernels:
     block of 32 inputs (scale max|x| / 127, as llama.cpp rounds activations for its quantized matmuls)
     and multiplies the weight's integers with AVX-512 VNNI (VPDPBUSD) or AVX2 (VPMADDUBSW), whichever
     the kernels were built for; the fused decode stack does the same. The weights' values are unchanged
-    (`BlockQuantLinear` keeps them in the dot products' layout, `weight_layout`, with float16 scales where
-    exact); the outputs differ from the float32 path by that rounding of x (the same bits on either path)."""
+    (`BlockQuantLinear` keeps them in the dot products' layout, `weight_layout`, with float16 scales: exact
+    for Q4_0/Q4_1/Q8_0 blocks, within 2^-11 for Q4_K/Q5_K's); the outputs differ from the float32 path by that
+    rounding of x (the same bits on either path)."""
 
     int8_activations = True
     weight_layout = "dot"  # BlockQuantLinear keeps the weights as the dot products read them: no repacking per step
