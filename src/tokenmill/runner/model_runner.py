@@ -124,10 +124,10 @@ class ModelRunner:
         `--quantization q8_0` rounds as they arrive (`round_while_loading`); a tensor-parallel
         rank reads their float values too, for a shard whose inputs do not fall on 32-value blocks.
         draft_source: with a draft model (speculative decoding), its source, loaded on the rank that samples."""
-        rounds = self.linear_methods.rounds_at_load()
+        rounds = self.linear_methods.rounds_at_load(source.is_gguf)
         int8_blocks = {} if rounds or self.linear_methods.keeps_int8_blocks(source.is_gguf) else None
         weights = source.iter_weights(self.dtype, int8_blocks, dense_kept=self.tp is not None)
-        if rounds:  # --quantization q8_0: each matrix rounded as it arrives, no float copy of the model
+        if rounds:  # Q8_0 rounding (--quantization q8_0, a GGUF's Q6_K/F16 matrices): as each arrives, no float copy
             weights = self.linear_methods.round_while_loading(weights, int8_blocks)
         self.load_weights(weights, int8_blocks)
         if self._draft_config is not None:

@@ -51,6 +51,7 @@ class LinearMethods:
         # The checkpoint tensors a Q8_0 GGUF would hold in blocks: the linear layers' (named before `apply`
         # converts them), the LM head's and the token embedding.
         self._matrix_names: set[str] = set()
+        self._rounded_at_load: set[str] = set()  # what round_while_loading rounded
         if hasattr(model, "checkpoint_weight_names"):
             self._matrix_names = {"model.embed_tokens.weight", *model.checkpoint_weight_names("lm_head")}
             for module_name, module in model.named_modules():
@@ -131,11 +132,16 @@ class LinearMethods:
             return True
         return self.quantization is None and is_gguf and self.block_kernels is not None
 
-    def rounds_at_load(self) -> bool:
-        """Whether `--quantization q8_0` rounds each matrix as the checkpoint streams in (one process, the C++
-        or triton kernels to run it): the model never holds a float copy of its projections. A tensor-parallel
-        rank rounds its shards after loading instead."""
-        return self.quantization == "q8_0" and self.tp is None and self.block_kernels is not None
+    def rounds_at_load(self, is_gguf: bool) -> bool:
+        """Whether matrices are rounded to Q8_0 as the checkpoint streams in (one process, the C++ or triton
+        kernels to run them), so the model never holds a float copy of them: every matrix under `--quantization
+        q8_0`, and a GGUF's matrices in types the blocks cannot hold as stored (Q6_K, F16) where activations are
+        rounded to int8 anyway. A tensor-parallel rank rounds its shards after loading instead."""
+        if self.tp is not None or self.block_kernels is None:
+            return False
+        if self.quantization == "q8_0":
+            return True
+        return self.keeps_int8_blocks(is_gguf) and getattr(self.block_kernels, "int8_activations", False)
 
     def round_while_loading(self, weights: Iterable[tuple[str, torch.Tensor]],
                             int8_blocks: dict[str, Int8Blocks]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -147,6 +153,7 @@ class LinearMethods:
             if name in self._matrix_names and tensor.dim() == 2 and tensor.shape[1] % QUANT_BLOCK == 0 \
                     and tensor.device.type != "meta":
                 int8_blocks[name] = Int8Blocks(*quantize_q8_0(tensor))
+                self._rounded_at_load.add(name)
                 tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
             yield name, tensor
 
@@ -182,11 +189,17 @@ class LinearMethods:
             requantize = getattr(kernels, "int8_activations", False)
 
             def make(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Module:
-                parts = [int8_blocks.get(part) for part in self.model.checkpoint_weight_names(name)]
+                names = self.model.checkpoint_weight_names(name)
+                parts = [int8_blocks.get(part) for part in names]
                 if all(part is not None for part in parts):
+                    if self._rounded_at_load.intersection(names) and self.quantization != "q8_0":
+                        requantized.append(name)
                     self.num_gguf_layers_kept += 1
                     layer = BlockQuantLinear(Int8Blocks.cat(parts) if len(parts) > 1 else parts[0], bias, kernels,
                                              device)
+                    if name != "lm_head":  # each layer's blocks freed once packed (the head's may be the embedding's)
+                        for part in names:
+                            int8_blocks.pop(part, None)
                     widths[layer.bits] = widths.get(layer.bits, 0) + 1
                     return layer
                 # A matrix GGUF blocks do not cover (a Q6_K head, an F16 projection) stays dense; parts of it
