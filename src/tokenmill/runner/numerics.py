@@ -6,7 +6,7 @@ Each of the options left at `auto` takes the fastest path this machine runs whos
 other three to float32, which matches HF transformers' float32 outputs token for token. On a CPU:
 
     option          auto picks                                                      because
-    quantization    q8_0           dense weights (safetensors, a float GGUF) where  1.6-1.9x the 16-bit model's
+    quantization    q8_0           dense weights (safetensors, a float GGUF) where  1.4-1.9x the 16-bit model's
                                    the int8 dot kernels run, --dtype and            speed at 1B, perplexity
                                    --block-matmul left at auto, no experts          within 0.5% of it
                     as stored      elsewhere (a GGUF's kept blocks stay so)
@@ -138,8 +138,8 @@ def resolve_numerics(config: EngineConfig, hardware: Hardware, block_weights: bo
 
 def _weights(config: EngineConfig, hardware: Hardware, file_blocks: bool, experts: bool) -> Choice:
     """Whether dense weights are rounded to Q8_0 at load: where the int8 dot kernels run, that is faster than
-    16-bit weights at every batch size measured (a 1B model: 1.9x at one stream, 1.6x at 16 on AVX-512 BF16;
-    more against float32 on AVX2) and its perplexity stays within 0.5% of the 16-bit model's
+    16-bit weights at every batch size measured (a 1B model: 1.4-1.9x at one stream, 1.6x at 16 on AVX-512
+    BF16; more against float32 on AVX2) and its perplexity stays within 0.5% of the 16-bit model's
     (docs/benchmarks.md, "Dense checkpoints")."""
     if config.quantization is not None:
         return Choice(config.quantization, "--quantization")
