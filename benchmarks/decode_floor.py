@@ -48,33 +48,17 @@ def read_bandwidth(buffer_bytes: int = 1 << 30, passes: int = 6, threads: Option
 
 
 def weight_bytes_per_token(model: Any) -> int:
-    """Bytes of the model's tensors one decode token reads: every tensor once (shared storage counted once),
-    less an embedding table that is not also the LM head (a token reads one row of it)."""
-    sizes = _tensor_bytes(model)
+    """Bytes of the model's tensors one decode token reads: every weight and buffer once (shared storage
+    counted once), less an embedding table that is not also the LM head (a token reads one row of it)."""
+    from tokenmill.runner.model_memory import tensor_storages
+
+    weights, buffers = tensor_storages(model)
     embedding = getattr(model, "embed_tokens", None)
     head = getattr(model, "lm_head", None)
-    embedding_only = set(_tensor_bytes(embedding)) if embedding is not None else set()
+    embedding_only = set(tensor_storages(embedding)[0]) if embedding is not None else set()
     if head is not None:  # a tied head is the embedding's table: read whole every token
-        embedding_only -= set(_tensor_bytes(head))
-    return sum(size for ptr, size in sizes.items() if ptr not in embedding_only)
-
-
-def _tensor_bytes(module: Any) -> dict[int, int]:
-    """{storage address: bytes} of every tensor a module and its children hold (parameters, buffers, and plain
-    tensor attributes, which the block-quantized layers use)."""
-    import torch
-
-    sizes: dict[int, int] = {}
-    for child in module.modules():
-        tensors = list(child.parameters(recurse=False)) + list(child.buffers(recurse=False))
-        tensors += [t for t in vars(child).values() if isinstance(t, torch.Tensor)]
-        for tensor in tensors:
-            try:
-                ptr, size = tensor.untyped_storage().data_ptr(), tensor.untyped_storage().nbytes()
-            except NotImplementedError:  # oneDNN's packed weights: opaque, about their elements' bytes
-                ptr, size = id(tensor), tensor.numel() * tensor.element_size()
-            sizes[ptr] = max(sizes.get(ptr, 0), size)
-    return sizes
+        embedding_only -= set(tensor_storages(head)[0])
+    return sum(size for ptr, size in {**buffers, **weights}.items() if ptr not in embedding_only)
 
 
 def one_stream_decode(llm: Any, output_len: int, rounds: int, warm_up: bool = True) -> list[float]:

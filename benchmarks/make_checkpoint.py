@@ -27,7 +27,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -44,9 +44,7 @@ class Shape:
     architecture: str
     config: dict[str, Any]
     published_parameters: int | None  # None for a shape no published model has
-    gguf_arch: str
     source: str  # where the numbers come from
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 SHAPES: dict[str, Shape] = {
@@ -54,35 +52,35 @@ SHAPES: dict[str, Shape] = {
         hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
         head_dim=64, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=131072, rms_norm_eps=1e-5,
         rope_parameters=dict(rope_theta=500000.0, factor=32.0, **LLAMA3_ROPE)),
-        1_235_814_400, "llama", "meta-llama/Llama-3.2-1B config.json"),
+        1_235_814_400, "meta-llama/Llama-3.2-1B config.json"),
     "llama-3.2-3b": Shape("LlamaForCausalLM", dict(
         hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8,
         head_dim=128, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=131072, rms_norm_eps=1e-5,
         rope_parameters=dict(rope_theta=500000.0, factor=32.0, **LLAMA3_ROPE)),
-        3_212_749_824, "llama", "meta-llama/Llama-3.2-3B config.json"),
+        3_212_749_824, "meta-llama/Llama-3.2-3B config.json"),
     "llama-3.1-8b": Shape("LlamaForCausalLM", dict(
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False,
         max_position_embeddings=131072, rms_norm_eps=1e-5,
         rope_parameters=dict(rope_theta=500000.0, factor=8.0, **LLAMA3_ROPE)),
-        8_030_261_248, "llama", "meta-llama/Llama-3.1-8B config.json"),
+        8_030_261_248, "meta-llama/Llama-3.1-8B config.json"),
     "qwen2.5-1.5b": Shape("Qwen2ForCausalLM", dict(
         hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
         vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
         rope_parameters=dict(rope_type="default", rope_theta=1000000.0), use_sliding_window=False),
-        1_543_714_304, "qwen2", "Qwen/Qwen2.5-1.5B config.json"),
+        1_543_714_304, "Qwen/Qwen2.5-1.5B config.json"),
     "qwen2.5-7b": Shape("Qwen2ForCausalLM", dict(
         hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
         num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False, max_position_embeddings=32768,
         rms_norm_eps=1e-6, rope_parameters=dict(rope_type="default", rope_theta=1000000.0), use_sliding_window=False),
-        7_615_616_512, "qwen2", "Qwen/Qwen2.5-7B config.json"),
+        7_615_616_512, "Qwen/Qwen2.5-7B config.json"),
     "gemma-3-1b": Shape("Gemma3ForCausalLM", dict(
         hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
         head_dim=256, vocab_size=262144, tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-6,
         sliding_window=512, query_pre_attn_scalar=256, hidden_activation="gelu_pytorch_tanh",
         rope_parameters=dict(full_attention=dict(rope_type="default", rope_theta=1000000.0),
                              sliding_attention=dict(rope_type="default", rope_theta=10000.0))),
-        999_885_952, "gemma3", "google/gemma-3-1b-pt config.json"),
+        999_885_952, "google/gemma-3-1b-pt config.json"),
     # No published MoE of this size runs on every engine here; this is Mixtral's layout (8 experts, 2 per
     # token, no window) at 2.8B parameters, 0.9B of them active per token.
     "mixtral-style-3b": Shape("MixtralForCausalLM", dict(
@@ -90,7 +88,7 @@ SHAPES: dict[str, Shape] = {
         head_dim=64, vocab_size=128256, tie_word_embeddings=True, max_position_embeddings=32768, rms_norm_eps=1e-5,
         num_local_experts=8, num_experts_per_tok=2, sliding_window=None,
         rope_parameters=dict(rope_type="default", rope_theta=1000000.0)),
-        None, "llama", "Mixtral-8x7B's layout at a smaller width"),
+        None, "Mixtral-8x7B's layout at a smaller width"),
 }
 FORMATS = ("safetensors", "gguf-q8_0", "gguf-q4_0", "gguf-q4_k_m")
 WEIGHT_STD = 0.02
@@ -124,12 +122,16 @@ _MODEL_TYPES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Gemma
                 "MixtralForCausalLM": "mixtral"}
 
 
+def _head_dim(config: dict[str, Any]) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
 def tensor_specs(config: dict[str, Any]) -> list[TensorSpec]:
     """Every tensor of the checkpoint, with HF's names in HF's order (Mixtral's as its checkpoints name them)."""
     arch = config["architectures"][0]
     hidden, inter = config["hidden_size"], config["intermediate_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
+    head_dim = _head_dim(config)
     specs = [TensorSpec("model.embed_tokens.weight", (config["vocab_size"], hidden), "matrix")]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -267,8 +269,7 @@ def gguf_tensors(config: dict[str, Any], fmt: str) -> list[GgufTensor]:
         out.append(GgufTensor(f"{name}.weight", (len(parts), *parts[0].shape),
                               _gguf_type(fmt, "matrix", role, layer, layers), "matrix"))
     if config["architectures"][0] == "LlamaForCausalLM" and config["rope_parameters"].get("rope_type") == "llama3":
-        head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-        out.append(GgufTensor("rope_freqs.weight", (head_dim // 2,), "F32", "rope"))
+        out.append(GgufTensor("rope_freqs.weight", (_head_dim(config) // 2,), "F32", "rope"))
     return out
 
 
@@ -293,17 +294,16 @@ def write_gguf(path: Path, config: dict[str, Any], fmt: str, seed: int) -> Path:
     """One GGUF written tensor by tensor (gguf-py's writer, tensor infos first, then each tensor's data)."""
     import gguf
 
-    arch = SHAPES_BY_ARCH[config["architectures"][0]]
+    arch = GGUF_ARCHITECTURES[config["architectures"][0]]
     tensors = gguf_tensors(config, fmt)
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf_shape_writer(path, arch, config)
     _add_metadata(writer, arch, config, fmt)
     for tensor in tensors:
         qtype = gguf.GGMLQuantizationType[tensor.qtype]
         block, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-        *lead, rows, cols = tensor.shape if len(tensor.shape) > 1 else (1, tensor.shape[0])
-        byte_shape = (*lead, rows, cols // block * block_bytes)
-        writer.add_tensor_info(tensor.name, byte_shape if len(tensor.shape) > 1 else (byte_shape[-1],), np.dtype(np.uint8),
-                               math.prod(byte_shape), raw_dtype=qtype)
+        *lead, cols = tensor.shape  # bytes per row: the blocks of its columns
+        byte_shape = (*lead, cols // block * block_bytes)
+        writer.add_tensor_info(tensor.name, byte_shape, np.dtype(np.uint8), math.prod(byte_shape), raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
@@ -314,23 +314,32 @@ def write_gguf(path: Path, config: dict[str, Any], fmt: str, seed: int) -> Path:
     return path
 
 
-SHAPES_BY_ARCH = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                  "Gemma3ForCausalLM": "gemma3"}
+# llama.cpp's `general.architecture` per HF architecture (it writes Mixtral as a Llama with experts).
+GGUF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+                      "Gemma3ForCausalLM": "gemma3"}
 
 
-def _add_metadata(writer, arch: str, config: dict[str, Any], fmt: str) -> None:
+def gguf_shape_writer(path: Path, arch: str, config: dict[str, Any]):
+    """A gguf-py writer holding the shape metadata every family's GGUF carries, from HF config fields."""
     import gguf
 
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    rope = config["rope_parameters"]
-    writer.add_name(f"random {config['architectures'][0]}")
-    writer.add_file_type(gguf.LlamaFileType[_FILE_TYPES[fmt]])
+    writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(config["num_hidden_layers"])
     writer.add_context_length(config["max_position_embeddings"])
     writer.add_embedding_length(config["hidden_size"])
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(config["num_attention_heads"])
     writer.add_head_count_kv(config["num_key_value_heads"])
+    return writer
+
+
+def _add_metadata(writer, arch: str, config: dict[str, Any], fmt: str) -> None:
+    import gguf
+
+    head_dim = _head_dim(config)
+    rope = config["rope_parameters"]
+    writer.add_name(f"random {config['architectures'][0]}")
+    writer.add_file_type(gguf.LlamaFileType[_FILE_TYPES[fmt]])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_rope_freq_base(rope["full_attention"]["rope_theta"] if "full_attention" in rope else rope["rope_theta"])
     writer.add_vocab_size(config["vocab_size"])
@@ -425,7 +434,7 @@ def random_blocks(rng: np.random.Generator, qtype: str, shape: tuple[int, ...]) 
 def _llama3_rope_factors(config: dict[str, Any]) -> np.ndarray:
     """The per-frequency divisors llama.cpp's converter stores for llama3 rope scaling (rope_freqs)."""
     rope = config["rope_parameters"]
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    head_dim = _head_dim(config)
     freqs = rope["rope_theta"] ** -(np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
     wavelen = 2 * math.pi / freqs
     original = rope["original_max_position_embeddings"]

@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from benchmarks.make_checkpoint import gguf_shape_writer
+
 
 def build_tiny_llama(directory: Path, tokenizer, *, seed: int = 0, **overrides) -> Path:
     """A random LlamaForCausalLM small enough for CPU tests, saved as safetensors with a tokenizer."""
@@ -112,20 +114,6 @@ def default_tensor_type(hf_name: str):
     return T.Q8_0  # attention projections, q/k included, so the unpermute runs after dequantization
 
 
-def _gguf_writer(path: Path, arch: str, config: dict):
-    """A GGUF writer with the shape metadata every family shares."""
-    import gguf
-
-    writer = gguf.GGUFWriter(str(path), arch)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_head_count_kv(config["num_key_value_heads"])
-    return writer
-
-
 def write_gguf(path: Path, hf_dir: Path, *, arch: str = "llama", rope_linear: float | None = None,
                tensor_type=None) -> dict:
     """Convert a tiny HF checkpoint the way llama.cpp would (names, permuted q/k, quantized).
@@ -136,7 +124,7 @@ def write_gguf(path: Path, hf_dir: Path, *, arch: str = "llama", rope_linear: fl
 
     config = json.loads((hf_dir / "config.json").read_text())
     tensors = load_file(str(hf_dir / "model.safetensors"))
-    writer = _gguf_writer(path, arch, config)
+    writer = gguf_shape_writer(path, arch, config)
     writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
     writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
     writer.add_bos_token_id(config["bos_token_id"])
@@ -350,7 +338,7 @@ def write_family_gguf(path: Path, hf_dir: Path, arch: str) -> dict[str, torch.Te
     names = _FAMILY_NAMES.get(arch, _FAMILY_GGUF_NAMES)
     gemma = arch in ("gemma2", "gemma3")
     permuted = _GGUF_ARCH.get(arch) == "llama"
-    writer = _gguf_writer(path, _GGUF_ARCH.get(arch, arch), config)
+    writer = gguf_shape_writer(path, _GGUF_ARCH.get(arch, arch), config)
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)

@@ -8,6 +8,7 @@ import torch
 
 from benchmarks import decode_floor
 from tokenmill import LLM
+from tokenmill.runner.model_memory import tensor_storages
 
 
 def _model(llm):
@@ -18,13 +19,14 @@ def test_an_untied_embedding_is_left_out_and_a_tied_one_is_the_head(tiny_llama_d
     untied = LLM(str(tiny_llama_dir), num_kv_blocks=16, numerics="exact")
     model = _model(untied)
     assert model.lm_head is not None
-    everything = sum(decode_floor._tensor_bytes(model).values())
+    everything = sum({**tensor_storages(model)[1], **tensor_storages(model)[0]}.values())
     embedding = model.embed_tokens.weight
     assert decode_floor.weight_bytes_per_token(model) == everything - embedding.numel() * embedding.element_size()
     tied = LLM(str(smollm2_path), num_kv_blocks=16)  # the embedded GGUF: the head's blocks are the embedding
     model = _model(tied)
-    assert decode_floor.weight_bytes_per_token(model) == sum(decode_floor._tensor_bytes(model).values())
-    head = sum(decode_floor._tensor_bytes(model.lm_head).values())
+    weights, buffers = tensor_storages(model)
+    assert decode_floor.weight_bytes_per_token(model) == sum({**buffers, **weights}.values())
+    head = sum(tensor_storages(model.lm_head)[0].values())
     assert head > 0.15 * decode_floor.weight_bytes_per_token(model)  # 49,152 x 576 blocks: a large share
 
 

@@ -94,7 +94,7 @@ class Numerics:
     dtype: Choice
     block_matmul: Choice
     kv_cache_dtype: Choice
-    weights: Choice = Choice(AS_STORED, "the file's")
+    weights: Choice
 
     def apply(self, config: EngineConfig) -> EngineConfig:
         """A new config holding the resolved values (`auto` no longer appears in them; dense weights chosen

@@ -222,9 +222,9 @@ class LinearMethods:
             if requantized:
                 kept += f", {len(requantized)} rounded to Q8_0 at load"
             if self.quantization == "q8_0":
-                return (f"Q8_0 weights rounded as they loaded in {self.num_gguf_layers_kept} layers ({embedding[2:]}"
-                        + ("; " if embedding else "") + self._block_kernel_paths(kernels)
-                        + self._enable_int8_decode(kernels))
+                read = "embeddings read from the blocks; " if embedded else ""
+                return (f"Q8_0 weights rounded as they loaded in {self.num_gguf_layers_kept} layers ({read}"
+                        + self._block_kernel_paths(kernels) + self._enable_int8_decode(kernels))
             return (f"GGUF weights kept quantized in {self.num_gguf_layers_kept} layers ({kept}{embedding}; "
                     + self._block_kernel_paths(kernels)
                     + self._enable_int8_decode(kernels))
