@@ -122,6 +122,7 @@ def test_special_values_and_aliases():
     assert parse("-q", "none").quantization == "none"
     assert parse("--kv-cache-dtype", "fp16").kv_cache_dtype == "float16"
     assert parse("--kv-cache-dtype", "bf16").kv_cache_dtype == "bfloat16"
+    assert parse("--kv-cache-dtype", "q8_0").kv_cache_dtype == "int8"
     assert parse("--enable-prefix-caching", "--packed-linear").enable_prefix_caching is True
     assert parse("--seed", "-1").seed == -1
     assert parse("--max-logprobs", "5").max_logprobs == 5
@@ -159,7 +160,7 @@ def test_bad_flags_are_argparse_errors(argv, message):
     ({"dtype": "fp64"}, "dtype must be one of auto, float32, bfloat16, float16, got 'fp64'"),
     ({"quantization": "int4"}, "quantization must be one of gguf, q8_0, none (or unset), got 'int4'"),
     ({"scheduling_policy": "lifo"}, "scheduling_policy must be one of fcfs, priority, fair, lpm, got 'lifo'"),
-    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of auto, float32, float16, bfloat16, got 'fp8'"),
+    ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype must be one of auto, float32, float16, bfloat16, int8, got 'fp8'"),
     ({"max_num_seqs": 0}, "max_num_seqs must be positive, got 0"),
     ({"gpu_memory_utilization": 1.5}, "gpu_memory_utilization must be in (0, 1], got 1.5"),
     ({"swap_space": -1}, "swap_space must be non-negative, got -1"),

@@ -49,8 +49,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "cpu", "triton")
 QUANTIZATIONS = ("gguf", "q8_0", "none")  # or None (unset)
 BLOCK_MATMULS = ("auto", "float32", "int8", "bfloat16", "bfloat16-int8")
 NUMERICS = ("auto", "exact")
-KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
-KV_CACHE_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+KV_CACHE_DTYPE_ALIASES = {"fp32": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
+                          "q8_0": "int8"}
 PREEMPTION_MODES = ("swap", "recompute")
 
 DEFAULT_CPU_KV_CACHE_BYTES = 2 * 1024**3
@@ -380,7 +381,9 @@ class EngineConfig:
     kv_cache_dtype: str = option(
         "auto", "KV cache storage; auto: on CPU a 16-bit cache under a float32 model (bfloat16 where the CPU has "
         "native bfloat16, else float16: half the memory and half the bytes a decode step reads; attention still "
-        "computes in float32), elsewhere the model's dtype",
+        "computes in float32), elsewhere the model's dtype. int8 (alias q8_0): 8-bit values with a float16 scale "
+        "per token and head, about twice a 16-bit cache's tokens in the same memory (--kv-cache-memory); read by "
+        "the C++ CPU kernels and the torch backend",
         choices=KV_CACHE_DTYPES, convert=_kv_cache_dtype)
     structured_outputs_fast_forward: bool = option(
         True, "structured outputs: append the tokens a grammar forces (JSON keys, punctuation) without a model "

@@ -98,3 +98,17 @@ def test_generation_after_abort_and_preemption_on_cuda(tiny_llama_dir):
                 max_num_batched_tokens=32, preemption_mode="recompute")
     assert greedy(small, prompts, 40) == reference
     assert small.llm_engine.core.core.scheduler.num_preemptions > 0
+
+
+def test_int8_kv_cache_on_cuda_takes_the_torch_backend_and_matches_the_cpu(tiny_llama_dir, smollm2_tokenizer):
+    """--kv-cache-dtype int8 on the GPU: `auto` takes the torch backend (the triton kernels read float caches), whose
+    greedy tokens equal the CPU engine's over the same int8 cache (float32 model, one quantization rule)."""
+    prompt_ids = [smollm2_tokenizer.encode(p) for p in PROMPTS[:4]]
+    llms = {device: LLM(str(tiny_llama_dir), device=device, dtype="float32", kv_cache_dtype="int8",
+                        attention_backend="torch", num_kv_blocks=64, max_model_len=512)
+            for device in ("cpu", "cuda")}
+    auto = LLM(str(tiny_llama_dir), device="cuda", dtype="float32", kv_cache_dtype="int8", num_kv_blocks=64,
+               max_model_len=512)
+    assert auto.llm_engine.core.core.runner.attention_backend.name == "torch"
+    assert auto.llm_engine.core.core.runner.kv_caches[0].dtype == torch.int8
+    assert greedy(llms["cuda"], prompt_ids, 12) == greedy(llms["cpu"], prompt_ids, 12)

@@ -264,11 +264,11 @@ def test_int8_matmul_option_is_validated():
         LLM(block_matmul="int4")
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("kv_cache_dtype", ["bfloat16", "float32", "int8"])
 def test_fused_stack_runs_mixed_steps_of_the_embedded_model(int8_simd, smollm2_tokenizer, kv_cache_dtype):
     """The embedded model at its default int8 numerics: a mixed step (decode rows, then prefill chunks) runs
     through the one-call stack, its chunks through the bfloat16 prefill kernel over a bfloat16 cache (where the
-    CPU has one) or the float32 kernel over a float32 cache, with the same hidden states and cache writes as the
+    CPU has one) or the float32 kernel over a float32 or int8 cache, with the same hidden states and cache writes as the
     per-layer modules. A float32 chunk of CPU_PREFILL_KERNEL_MAX_TOKENS or more goes to SDPA: that step stays
     with the layers."""
     from fused_decode import decode_step_both_ways

@@ -134,13 +134,14 @@ def test_q8_0_needs_cpu_kernels(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("weights,kv_cache_dtype", [("q8_0", "float32"), ("q8_0", "float16"), ("q8_0", "bfloat16"),
-                                                    ("gguf", "auto")])
+                                                    ("q8_0", "int8"), ("gguf", "auto")])
 def test_int8_fused_decode_stack_is_bit_identical_to_the_layers(request, kernels, tiny_llama_dir, smollm2_tokenizer,
                                                                 weights, kv_cache_dtype):
     """Decode-only steps of up to BLOCK_KERNEL_MAX_ROWS rows run the whole decoder stack in one C++ call;
     it must produce the very same hidden states and cache writes as the per-layer modules (same
     kernels, same order), here on a decode step of three requests whose contexts end mid-block, with
-    a float32 cache and with 16-bit ones (rounded as torch rounds), and with a GGUF's own blocks
+    a float32 cache, with 16-bit ones (rounded as torch rounds) and an int8 one (quantized as kv_int8 does), and
+    with a GGUF's own blocks
     (scales and mins: tests/conftest.py's mixed file)."""
     if weights == "gguf":
         llm = LLM(str(request.getfixturevalue("tiny_gguf_path")), tokenizer=str(tiny_llama_dir), num_kv_blocks=64,
@@ -151,6 +152,8 @@ def test_int8_fused_decode_stack_is_bit_identical_to_the_layers(request, kernels
     model = llm.llm_engine.core.core.runner.model
     assert model._int8_decode is not None
     expected_dtype = torch.float32 if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
+    assert all(cache.shape[-1] == model.layers[0].self_attn.head_dim + (2 if kv_cache_dtype == "int8" else 0)
+               for cache in llm.llm_engine.core.core.runner.kv_caches)
     assert all(cache.dtype == expected_dtype for cache in llm.llm_engine.core.core.runner.kv_caches)
     step = decode_step_both_ways(llm, [smollm2_tokenizer.encode(p) for p in GOLDEN_PROMPTS[:3]], max_tokens=6)
     assert step.fused_calls >= 5  # every decode step after the prefills

@@ -194,8 +194,8 @@ class EngineCore:
         self._pending: list[EngineCoreOutput] = []
         tokens = num_blocks * config.block_size
         logger.info(
-            "KV cache: %d blocks of %d tokens (%d tokens, %.1f MiB), max concurrency %.2fx at max_model_len=%d",
-            num_blocks, config.block_size, tokens, num_blocks * self.bytes_per_block / 2**20,
+            "KV cache (%s): %d blocks of %d tokens (%d tokens, %.1f MiB), max concurrency %.2fx at max_model_len=%d",
+            config.kv_cache_dtype, num_blocks, config.block_size, tokens, num_blocks * self.bytes_per_block / 2**20,
             tokens / self.max_model_len, self.max_model_len)
         self.memory = self.executor.warm_up(config.max_num_batched_tokens)
         logger.info("memory: %s", self.memory.describe())

@@ -323,7 +323,8 @@ def _add_plan(subparsers: Any) -> None:
     parser.add_argument("--target-ttft-ms", type=float, default=None, help="P95 TTFT target (needs --profile)")
     parser.add_argument("--headroom", type=float, default=0.3, help="fraction of memory kept free (default: 0.3)")
     parser.add_argument("--dtype", default="auto", help="weights: auto, float32, float16, bfloat16, fp8, int8, int4")
-    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the activation dtype) or fp8, ...")
+    parser.add_argument("--kv-cache-dtype", default="auto",
+                        help="auto (the activation dtype), float32, float16, bfloat16 or int8 (as the engine stores it)")
     parser.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None, help="default: smallest that fits")
     parser.add_argument("--profile", default=None, help="a `bench sweep` JSON measured on this model and device")

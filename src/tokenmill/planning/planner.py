@@ -1,6 +1,7 @@
 """`tokenmill plan`: how many devices a model needs to hold a given concurrency at a given context length.
 
-    KV bytes/token  = 2 (K and V) × layers × KV heads × head_dim × KV dtype bytes
+    KV bytes/token  = 2 (K and V) × layers × KV heads × head_dim × KV dtype bytes   (int8: (head_dim + 2) × 1 B,
+                                                                                   the row's float16 scale)
     weights         = parameters × weight dtype bytes
     usable/device   = device memory × (1 − headroom)        headroom: activations, graphs, fragmentation, bursts
     KV/device       = usable/device − weights / TP
@@ -26,8 +27,12 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.planning.gpus import DeviceSpec
 
 DTYPE_BYTES: dict[str, float] = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
-KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8")
-_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16"}
+# The KV cache dtypes the engine stores (--kv-cache-dtype); an int8 row carries a float16 scale per token and
+# head (model/layers/kv_int8.py: KV_INT8_SCALE_BYTES, kept torch-free here).
+KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+KV_INT8_SCALE_BYTES = 2
+_DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
+                  "q8_0": "int8"}
 MAX_TENSOR_PARALLEL = 64
 SCALE_OUT_WINDOW = "5 min"
 
@@ -43,8 +48,9 @@ class ModelSpec:
     max_position_embeddings: Optional[int] = None
     default_dtype: str = "bfloat16"
 
-    def kv_bytes_per_token(self, dtype_bytes: float) -> int:
-        return int(2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes)
+    def kv_bytes_per_token(self, dtype_bytes: float, row_extra_bytes: int = 0) -> int:
+        """row_extra_bytes: bytes stored beside each (token, head) row's values (an int8 cache's scale)."""
+        return int(2 * self.num_layers * self.num_kv_heads * (self.head_dim * dtype_bytes + row_extra_bytes))
 
 
 # Numbers from each model's published config.json and safetensors parameter count.
@@ -176,7 +182,8 @@ def _check(inputs: PlanInputs) -> tuple[str, str, int]:
     if kv_dtype == "auto":  # the KV cache is kept in the activation dtype, never in a weight-only format
         kv_dtype = dtype if dtype in ("float32", "float16", "bfloat16") else "bfloat16"
     if kv_dtype not in KV_DTYPES:
-        raise InvalidRequestError(f"--kv-cache-dtype must be one of {', '.join(KV_DTYPES)}")
+        raise InvalidRequestError(f"--kv-cache-dtype must be one of {', '.join(KV_DTYPES)} (the caches the engine "
+                                  f"stores), got {inputs.kv_cache_dtype!r}")
     length = inputs.max_model_len or inputs.model.max_position_embeddings
     if not length or length < 1:
         raise InvalidRequestError("give --max-model-len (the model's config has no max_position_embeddings)")
@@ -218,7 +225,7 @@ def make_plan(inputs: PlanInputs) -> dict[str, Any]:
     model, device = inputs.model, inputs.device
     dtype, kv_dtype, length = _check(inputs)
     weight_bytes = model.num_params * DTYPE_BYTES[dtype]
-    kv_token = model.kv_bytes_per_token(DTYPE_BYTES[kv_dtype])
+    kv_token = model.kv_bytes_per_token(DTYPE_BYTES[kv_dtype], KV_INT8_SCALE_BYTES if kv_dtype == "int8" else 0)
     seq_tokens = math.ceil(length / inputs.block_size) * inputs.block_size
     tp = inputs.tensor_parallel_size or choose_tensor_parallel(model, device, inputs.headroom, weight_bytes,
                                                                kv_token, seq_tokens)
@@ -356,7 +363,9 @@ def _count(n: int) -> str:
 def format_plan(plan: dict[str, Any]) -> str:
     model, device = plan["model"], plan["device"]
     bw = f", {device['bandwidth_gbps']:g} GB/s" if device.get("bandwidth_gbps") else ""
-    kv_formula = (f"{model['num_layers']} layers × {model['num_kv_heads']} KV heads × {model['head_dim']} dim "
+    row = f"({model['head_dim']} + {KV_INT8_SCALE_BYTES} scale)" if plan["kv_cache_dtype"] == "int8" else \
+        str(model["head_dim"])
+    kv_formula = (f"{model['num_layers']} layers × {model['num_kv_heads']} KV heads × {row} dim "
                   f"× 2 × {DTYPE_BYTES[plan['kv_cache_dtype']]:g} B")
     rows = [
         ("model", f"{model['name']} ({_count(model['num_params'])} parameters)"),

@@ -1,5 +1,6 @@
-"""The KV tensors: one per layer, [2, num_blocks, block_size, num_kv_heads, head_dim]; blocks as bytes for
-the prefix cache's second tier (core.kv_tier)."""
+"""The KV tensors: one per layer, [2, num_blocks, block_size, num_kv_heads, row] (row = head_dim, or an int8
+cache's head_dim + its scale: model.layers.kv_int8); blocks as bytes for the prefix cache's second tier
+(core.kv_tier)."""
 from __future__ import annotations
 
 import logging
@@ -9,6 +10,7 @@ from typing import Optional
 import torch
 
 from tokenmill.distributed.parallel_state import TensorParallelGroup
+from tokenmill.model.layers.kv_int8 import kv_row_width
 
 logger = logging.getLogger("tokenmill")
 
@@ -22,22 +24,27 @@ class KVCacheSpec:
     dtype: torch.dtype
 
     @property
+    def row_width(self) -> int:
+        """Elements of one (token, head) row: head_dim, and an int8 cache's scale bytes."""
+        return kv_row_width(self.head_dim, self.dtype)
+
+    @property
     def bytes_per_block(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.row_width * element
 
     def num_blocks_for(self, memory_bytes: int) -> int:
         return max(0, memory_bytes // self.bytes_per_block)
 
 
 def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
-    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (2, num_blocks, spec.block_size, spec.num_kv_heads, spec.row_width)
     return [torch.zeros(shape, dtype=spec.dtype, device=device) for _ in range(spec.num_layers)]
 
 
 def kv_block_bytes(caches: list[torch.Tensor], block_ids: list[int]) -> torch.Tensor:
     """The blocks' K/V in every layer tensor as a uint8 [blocks, bytes] tensor on the caches' device, each
-    row laid out [layers, 2, block_size, num_kv_heads, head_dim] in the cache's dtype."""
+    row laid out [layers, 2, block_size, num_kv_heads, row] in the cache's dtype."""
     ids = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
     stacked = torch.stack([cache[:, ids] for cache in caches])  # [layers, 2, n, ...]
     per_block = stacked.transpose(0, 2).transpose(1, 2).contiguous()  # [n, layers, 2, ...]
@@ -76,7 +83,7 @@ def kv_blocks_in(caches: list[torch.Tensor], loads: list[tuple[int, bytes]], spe
                  rank: int = 0) -> None:
     """Copies each (block id, payload) (kv_blocks_out's layout) into the block in every layer tensor. Under
     tensor parallelism a payload holds every rank's shard in rank order; this rank's is the rank-th."""
-    shape = (len(loads), spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+    shape = (len(loads), spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.row_width)
     size = spec.bytes_per_block
     # (bytes arrive from a decoded message; torch reads only writable buffers without a warning)
     device = caches[0].device

@@ -31,6 +31,7 @@ from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs
 logger = logging.getLogger("tokenmill")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+KV_CACHE_DTYPES = {**DTYPES, "int8": torch.int8}
 
 
 def resolve_device(name: Optional[str]) -> torch.device:
@@ -57,7 +58,8 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.hf_config = hf_config
         model_class = get_model_class(architecture)
-        self.attention_backend = get_attention_backend(device, config.attention_backend, DTYPES[config.kv_cache_dtype],
+        self.attention_backend = get_attention_backend(device, config.attention_backend,
+                                                       KV_CACHE_DTYPES[config.kv_cache_dtype],
                                                        config.block_matmul in ("bfloat16", "bfloat16-int8"))
         logger.info("attention backend: %s", self.attention_backend.describe())
         # Parameters are allocated but not initialized: the checkpoint overwrites them, and those a GGUF's
@@ -75,7 +77,7 @@ class ModelRunner:
             # The backend runs on tokenmill's C++ CPU kernels: norms, rotary and activation use them too.
             use_cpu_kernels(self.model, kernels)
         attn = self.model.layers[0].self_attn
-        cache_dtype = DTYPES[config.kv_cache_dtype]
+        cache_dtype = KV_CACHE_DTYPES[config.kv_cache_dtype]
         # Layers with the same sliding window share a block table (core.kv_cache_groups); a block holds the
         # K/V of one group's layers, kept in layers_per_group tensors that every group shares.
         self.kv_layout = plan_kv_cache_groups(self.model.spec.layer_windows)

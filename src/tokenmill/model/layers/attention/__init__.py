@@ -23,11 +23,14 @@ def get_attention_backend(device: torch.device, name: str = "auto", cache_dtype:
     """`auto`: the triton kernels on CUDA when triton imports; on CPU the C++ paged kernels when they
     build here; else the portable torch backend. An explicit choice that cannot run raises, naming why.
     cache_dtype, bf16_block_matmul: the KV cache's dtype, and whether block-quantized projections multiply
-    prefill steps in bfloat16 (the C++ backend then attends prefill chunks in bfloat16 products too).
+    prefill steps in bfloat16 (the C++ backend then attends prefill chunks in bfloat16 products too). An int8
+    cache (kv_int8) is read by the C++ kernels and the torch backend; on CUDA `auto` takes the torch one.
     """
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose from {', '.join(ATTENTION_BACKENDS)}")
-    if name == "triton" or (name == "auto" and device.type == "cuda"):
+    if name == "triton" and cache_dtype == torch.int8:
+        raise ValueError("the triton attention backend does not read an int8 KV cache; use --attention-backend torch")
+    if name == "triton" or (name == "auto" and device.type == "cuda" and cache_dtype != torch.int8):
         from tokenmill.model.layers.attention import triton_backend
 
         if name == "triton" or triton_backend.triton_unavailable_reason(device) is None:

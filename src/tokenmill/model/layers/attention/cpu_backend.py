@@ -86,7 +86,9 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         # rounded, about twice the float32 kernel's speed (docs/benchmarks.md). Under the bfloat16 block matmuls it
         # does so over any cache, scores there from high and low bfloat16 parts of q and k (float32's precision).
         self.bf16_path = getattr(kernels, "bf16_attention_path", lambda: "")()
-        self.bf16_prefill = bool(self.bf16_path) and (bf16_block_matmul or cache_dtype == torch.bfloat16)
+        # An int8 cache's rows are dequantized by the float32 kernels, which every chunk then takes.
+        self.bf16_prefill = bool(self.bf16_path) and (bf16_block_matmul or cache_dtype == torch.bfloat16) and \
+            cache_dtype != torch.int8
         # The decode kernel takes the same precision over a bfloat16 cache, on AVX-512 BF16 dot products (the
         # kernel's own choice; recorded here for describe()).
         self.bf16_decode = cache_dtype == torch.bfloat16 and \
@@ -102,6 +104,9 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
             attention = f"prefill and decode attention on {products}"
         elif self.bf16_decode:
             attention += f" and decode attention on {decode_products}"
+        if self.cache_dtype == torch.int8:
+            return ("cpu (prefill and decode attention in float32 over the int8 cache, rows dequantized as they are "
+                    f"read; SDPA for chunks of {CPU_PREFILL_KERNEL_MAX_TOKENS} tokens and more)")
         bf16_cache = self.cache_dtype == torch.bfloat16 and (self.bf16_prefill or self.bf16_decode)
         return f"cpu ({attention}{' over the bfloat16 cache' if bf16_cache else ''})"
 
@@ -126,10 +131,11 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
 
     @staticmethod
     def _prefill_kernel_fits(out: torch.Tensor, q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-        """Whether paged_prefill_attention takes these tensors: the query in the cache's dtype or float32 over a
-        16-bit cache, blocks of a multiple of 8 tokens, heads contiguous, a contiguous output."""
-        dtypes_fit = q.dtype == kv_cache.dtype or (q.dtype == torch.float32 and
-                                                   kv_cache.dtype in (torch.float16, torch.bfloat16))
+        """Whether paged_prefill_attention takes these tensors: the query in the cache's dtype, float32 over a
+        16-bit cache or any float query over an int8 cache, blocks of a multiple of 8 tokens, heads contiguous, a
+        contiguous output."""
+        dtypes_fit = q.dtype == kv_cache.dtype or kv_cache.dtype == torch.int8 or (
+            q.dtype == torch.float32 and kv_cache.dtype in (torch.float16, torch.bfloat16))
         return dtypes_fit and kv_cache.shape[2] % 8 == 0 and q.stride(-1) == 1 and q.stride(1) == q.shape[2] \
             and out.is_contiguous()
 
@@ -174,8 +180,10 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
             out[:meta.num_decodes] = windowed_paged_decode(q[:meta.num_decodes], kv_cache, meta.decode_block_tables,
                                                            meta.decode_context_lens, scale, window, softcap)
         elif meta.num_decodes:
-            # The kernel reads a 16-bit cache under a float32 query directly; other mixes meet in the cache's dtype.
-            mixed = q.dtype == torch.float32 and kv_cache.dtype in (torch.float16, torch.bfloat16)
+            # The kernel reads a 16-bit cache under a float32 query, and an int8 cache under any query, directly;
+            # other mixes meet in the cache's dtype.
+            mixed = (q.dtype == torch.float32 and kv_cache.dtype in (torch.float16, torch.bfloat16)) or \
+                kv_cache.dtype == torch.int8
             query = q[:meta.num_decodes].to(q.dtype if mixed else kv_cache.dtype).contiguous()
             out[:meta.num_decodes] = self.kernels.paged_decode_attention(
                 query, kv_cache, meta.decode_block_tables, meta.decode_context_lens, scale, softcap or 0.0)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from tokenmill.model.layers.attention.base import AttentionInputs, AttentionMetadata
 from tokenmill.model.layers.kv_write import write_kv
+from tokenmill.model.layers.kv_int8 import kv_values
 
 # A decode bucket may pad its members up to this factor of their real total context.
 MAX_PADDING_FACTOR = 1.25
@@ -116,7 +117,8 @@ class TorchAttentionBackend:
 
     @staticmethod
     def _gather(kv_cache: torch.Tensor, block_ids: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
-        """K and V of the given blocks, as [2, len(block_ids) * block_size, Hkv, D] (a view of scratch)."""
+        """K and V of the given blocks, as [2, len(block_ids) * block_size, Hkv, row] in the cache's dtype (a view of
+        scratch; row = D, or an int8 cache's D + 2)."""
         num_blocks, block_size, num_kv_heads, head_dim = kv_cache.shape[1:]
         per_block = block_size * num_kv_heads * head_dim
         needed = 2 * block_ids.numel() * per_block
@@ -135,8 +137,8 @@ class TorchAttentionBackend:
         num_kv_heads = kv_cache.shape[3]
         group = num_heads // num_kv_heads
         kv = self._gather(kv_cache, bucket.block_ids, meta)
-        keys = kv[0].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, ctx, D]
-        values = kv[1].view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
+        keys = kv_values(kv[0], q.dtype).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, Hkv, ctx, D]
+        values = kv_values(kv[1], q.dtype).view(batch, -1, num_kv_heads, head_dim).transpose(1, 2)
         # The `group` query heads sharing a KV head act as `group` queries of length 1 each; with no
         # causal mask between them this equals grouped-query attention without repeating K/V.
         query = q.view(batch, num_kv_heads, group, head_dim)
@@ -147,17 +149,17 @@ class TorchAttentionBackend:
             key_pos = torch.arange(mask.shape[-1], device=mask.device)
             mask = mask & (key_pos >= lengths - window)
         if softcap is not None:
-            out = softcapped_attention(query, keys.to(q.dtype), values.to(q.dtype), scale, softcap, mask=mask)
+            out = softcapped_attention(query, keys, values, scale, softcap, mask=mask)
             return out.reshape(batch, num_heads, head_dim)
-        out = F.scaled_dot_product_attention(query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask,
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask,
                                              scale=scale)
         return out.reshape(batch, num_heads, head_dim)
 
     def _prefill(self, q: torch.Tensor, kv_cache: torch.Tensor, block_ids: torch.Tensor, ctx_len: int,
                  scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         kv = self._gather_prefill(kv_cache, block_ids)
-        keys = kv[0][:ctx_len].transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, Hkv, ctx, D]
-        values = kv[1][:ctx_len].transpose(0, 1).unsqueeze(0).to(q.dtype)
+        keys = kv_values(kv[0][:ctx_len], q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+        values = kv_values(kv[1][:ctx_len], q.dtype).transpose(0, 1).unsqueeze(0)
         num_q = q.shape[0]
         query = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
         if softcap is not None:
@@ -286,13 +288,13 @@ def windowed_paged_decode(q: torch.Tensor, kv_cache: torch.Tensor, block_tables:
     span = min(-(-window // block_size) + 1, max_blocks)
     cols = (lengths - window).clamp(min=0) // block_size + torch.arange(span, device=q.device)  # [rows, span]
     ids = block_tables.long().gather(1, cols.clamp(max=max_blocks - 1))
-    blocks = kv_cache.view(2, num_blocks, block_size * num_kv_heads * head_dim)
-    kv = blocks[:, ids.flatten()].view(2, rows, span * block_size, num_kv_heads, head_dim)
+    blocks = kv_cache.view(2, num_blocks, block_size * num_kv_heads * kv_cache.shape[4])
+    kv = blocks[:, ids.flatten()].view(2, rows, span * block_size, num_kv_heads, kv_cache.shape[4])
     # Positions from the unclamped columns: a clamped duplicate lies past the context and is masked.
     key_pos = (cols.unsqueeze(-1) * block_size + torch.arange(block_size, device=q.device)).view(rows, -1)
     mask = (key_pos < lengths) & (key_pos >= lengths - window)
-    keys = kv[0].transpose(1, 2).to(q.dtype)  # [rows, Hkv, span * block_size, D]
-    values = kv[1].transpose(1, 2).to(q.dtype)
+    keys = kv_values(kv[0], q.dtype).transpose(1, 2)  # [rows, Hkv, span * block_size, D]
+    values = kv_values(kv[1], q.dtype).transpose(1, 2)
     query = q.reshape(rows, num_kv_heads, num_heads // num_kv_heads, head_dim)
     if softcap is not None:
         out = softcapped_attention(query, keys, values, scale, softcap, mask=mask.view(rows, 1, 1, -1))

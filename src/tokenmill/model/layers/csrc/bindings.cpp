@@ -74,6 +74,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "what paged_prefill_attention_bf16 multiplies with here: 'amx', 'avx512_bf16' or '' (it cannot run)");
   m.def("silu_and_mul", &silu_and_mul, "silu(x[:, :I]) * x[:, I:]", nogil);
   m.def("rms_norm", &rms_norm, "RMSNorm, optionally fused with the residual add (residual updated in place)", nogil);
+  m.def("write_kv_cache", &write_kv_cache,
+        "the decoder stack's KV writer: each qkv row's k and v into its slot (an int8 cache's rows with scales)",
+        nogil);
   m.def("decoder_decode_int8", &decoder_decode_int8,
         "a whole decoder stack (block-quantized weights) for a decode-only or mixed step", nogil);
   m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding in place on the first heads of each row",

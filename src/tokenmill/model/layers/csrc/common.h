@@ -123,8 +123,12 @@ inline __m256 load8(const at::BFloat16* p) {
 #ifdef __F16C__
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
+// An int8 cache's values as they are stored (its rows' scales are applied by the kernels: kv_row_scale).
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 template <typename T>
-constexpr bool kVectorCache = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>
+constexpr bool kVectorCache = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16> || std::is_same_v<T, int8_t>
 #ifdef __F16C__
                               || std::is_same_v<T, at::Half>
 #endif
@@ -133,6 +137,40 @@ constexpr bool kVectorCache = std::is_same_v<T, float> || std::is_same_v<T, at::
 
 template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
+
+// ---- the int8 KV cache (model/layers/kv_int8.py) -------------------------------------------------------------
+// A (token, head) row of an int8 cache is head_dim int8 values followed by their scale, a float16 in two bytes:
+// value[d] = q[d] * scale. A float cache's row is head_dim values (its row width is head_dim).
+constexpr int64_t kKvInt8ScaleBytes = 2;
+
+template <typename cache_t>
+constexpr bool kInt8Cache = std::is_same_v<cache_t, int8_t>;
+
+// The scale of an int8 cache row (of head_dim values); 1 for a float cache.
+template <typename cache_t>
+inline float kv_row_scale(const cache_t* row, int64_t head_dim) {
+  if constexpr (kInt8Cache<cache_t>) {
+    at::Half scale;
+    std::memcpy(&scale, row + head_dim, sizeof(scale));
+    return static_cast<float>(scale);
+  } else {
+    return 1.0f;
+  }
+}
+
+// A row's values as an int8 cache stores them: scale = absmax / 127 rounded to float16, each value divided by
+// it and rounded to nearest even (as torch's round), then the scale's bytes (kv_int8.quantize_kv_rows).
+inline void quantize_kv_row(const float* x, int64_t head_dim, int8_t* row) {
+  float absmax = 0.0f;
+  for (int64_t d = 0; d < head_dim; ++d) absmax = std::max(absmax, std::fabs(x[d]));
+  const at::Half scale(std::min(absmax / 127.0f, 65504.0f));
+  const float wide = static_cast<float>(scale);
+  for (int64_t d = 0; d < head_dim; ++d) {
+    const float q = wide > 0.0f ? std::nearbyint(x[d] / wide) : 0.0f;
+    row[d] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+  }
+  std::memcpy(row + head_dim, &scale, sizeof(scale));
+}
 
 #ifdef TOKENMILL_AVX512
 // exp256 on 16 lanes (its constants, its steps).
@@ -327,11 +365,19 @@ void parallel_longest_first(int64_t n, Cost cost, Work work) {
 }
 
 // Calls fn(q_t*, cache_t*) (null pointers, as type tags) for the dtype mixes the attention kernels read:
-// query and cache of one dtype (float32, bfloat16, float16), or a float32 query over a float16 or
-// bfloat16 cache.
+// query and cache of one dtype (float32, bfloat16, float16), a float32 query over a float16 or
+// bfloat16 cache, or a float32, bfloat16 or float16 query over an int8 cache.
 template <typename Fn>
 void dispatch_attention_dtypes(const torch::Tensor& query, const torch::Tensor& kv_cache, const char* name, Fn&& fn) {
   const auto cache_type = kv_cache.scalar_type();
+  if (cache_type == torch::kChar) {  // an int8 cache under a float32, bfloat16 or float16 query
+    switch (query.scalar_type()) {
+      case torch::kFloat: return fn(static_cast<float*>(nullptr), static_cast<int8_t*>(nullptr));
+      case torch::kBFloat16: return fn(static_cast<at::BFloat16*>(nullptr), static_cast<int8_t*>(nullptr));
+      case torch::kHalf: return fn(static_cast<at::Half*>(nullptr), static_cast<int8_t*>(nullptr));
+      default: TORCH_CHECK(false, '"', name, "\" reads an int8 cache under a float32, bfloat16 or float16 query");
+    }
+  }
   const bool mixed = query.scalar_type() == torch::kFloat && (cache_type == torch::kHalf ||
                                                               cache_type == torch::kBFloat16);
   TORCH_CHECK(cache_type == query.scalar_type() || mixed,

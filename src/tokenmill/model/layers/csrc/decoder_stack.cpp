@@ -73,15 +73,52 @@ void write_kv_rows(const torch::Tensor& qkv, int64_t q_size, int64_t kv_size, to
   }
 }
 
+// An int8 cache's rows (kv_int8.py): each head's head_dim values quantized with their scale after them.
+void write_kv_rows_int8(const torch::Tensor& qkv, int64_t q_size, int64_t kv_size, torch::Tensor& kv_cache,
+                        const int64_t* slots) {
+  int8_t* cache = kv_cache.data_ptr<int8_t>();
+  const int64_t plane = kv_cache.numel() / 2;
+  const int64_t heads = kv_cache.size(3), row = kv_cache.size(4), head_dim = row - kKvInt8ScaleBytes;
+  const float* rows = qkv.data_ptr<float>();
+  const int64_t stride = qkv.stride(0);
+  for (int64_t t = 0; t < qkv.size(0); ++t) {
+    const float* k = rows + t * stride + q_size;
+    for (int64_t h = 0; h < heads; ++h) {
+      quantize_kv_row(k + h * head_dim, head_dim, cache + (slots[t] * heads + h) * row);
+      quantize_kv_row(k + kv_size + h * head_dim, head_dim, cache + plane + (slots[t] * heads + h) * row);
+    }
+  }
+}
+
 void write_kv(const torch::Tensor& qkv, int64_t q_size, int64_t kv_size, torch::Tensor& kv_cache,
               const int64_t* slots) {
   switch (kv_cache.scalar_type()) {
+    case torch::kChar: return write_kv_rows_int8(qkv, q_size, kv_size, kv_cache, slots);
     case torch::kHalf: return write_kv_rows<at::Half>(qkv, q_size, kv_size, kv_cache, slots);
     case torch::kBFloat16: return write_kv_rows<at::BFloat16>(qkv, q_size, kv_size, kv_cache, slots);
     default: return write_kv_rows<float>(qkv, q_size, kv_size, kv_cache, slots);
   }
 }
 }  // namespace
+
+// The fused stack's KV writer on its own: qkv [rows, q_size + 2 * kv_size] float32 rows (q, then k, then v), each
+// row's k and v into its slot of kv_cache (any cache dtype the stack reads). Stores the bytes the Python writer
+// (kv_write.write_kv) stores.
+void write_kv_cache(torch::Tensor qkv, int64_t q_size, int64_t kv_size, torch::Tensor kv_cache,
+                    torch::Tensor slot_mapping) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat && qkv.stride(1) == 1 &&
+              qkv.size(1) == q_size + 2 * kv_size, "qkv: float32 [rows, q_size + 2 * kv_size] with contiguous rows");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-D");
+  const bool int8_cache = kv_cache.scalar_type() == torch::kChar;
+  TORCH_CHECK(kv_cache.size(3) * (kv_cache.size(4) - (int8_cache ? kKvInt8ScaleBytes : 0)) == kv_size,
+              "kv_size must be the cache's heads x head_dim");
+  TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() == qkv.size(0), "slot_mapping: int64 [rows]");
+  const int64_t slots = kv_cache.size(1) * kv_cache.size(2);
+  const int64_t* slot = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < qkv.size(0); ++t) TORCH_CHECK(0 <= slot[t] && slot[t] < slots, "slot out of range");
+  write_kv(qkv, q_size, kv_size, kv_cache, slot);
+}
 
 namespace {
 bool present(const torch::Tensor& t) { return t.defined() && t.numel() > 0; }
@@ -141,10 +178,12 @@ torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions,
     TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous() &&
                 slot_mapping.numel() == rows, "slot_mapping: int64 [rows]");
     const auto cache_type = cache.scalar_type();
+    const bool int8_cache = cache_type == torch::kChar;
     TORCH_CHECK(cache.is_contiguous() &&
-                (cache_type == torch::kFloat || cache_type == torch::kHalf || cache_type == torch::kBFloat16) &&
-                cache.size(3) * cache.size(4) == kv_size,
-                "kv cache: contiguous float32, float16 or bfloat16 with matching heads");
+                (cache_type == torch::kFloat || cache_type == torch::kHalf || cache_type == torch::kBFloat16 ||
+                 int8_cache) &&
+                cache.size(3) == num_kv_heads && cache.size(4) == head_dim + (int8_cache ? kKvInt8ScaleBytes : 0),
+                "kv cache: contiguous float32, float16, bfloat16 or int8 (with scales) with matching heads");
     torch::Tensor h;
     if (l == 0) {
       residual = x;

@@ -39,6 +39,8 @@ torch::Tensor block_linear_q8(torch::Tensor x, torch::Tensor q, torch::Tensor sc
 void lora_add(torch::Tensor y, torch::Tensor x, torch::Tensor slots, torch::Tensor a, torch::Tensor bt,
               std::vector<int64_t> offsets, int64_t rank);
 // decoder_stack.cpp
+void write_kv_cache(torch::Tensor qkv, int64_t q_size, int64_t kv_size, torch::Tensor kv_cache,
+                    torch::Tensor slot_mapping);
 torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions, std::vector<torch::Tensor> slot_mappings,
                                   std::vector<torch::Tensor> block_tables, std::vector<torch::Tensor> context_lens,
                                   torch::Tensor decode_ranges, std::vector<torch::Tensor> kv_caches,

@@ -20,13 +20,22 @@ namespace {
 
 constexpr int64_t kPrefillTileRows = 48;  // query rows (positions x group) per work item
 
-// out[i][d] = rows[i * stride + d] for i < n; rows n..KT-1 are zero (past the context: their
-// probabilities are 0, and 0 * garbage could be NaN).
+// out[i][d] = rows[i * stride + d] for i < n (an int8 cache's times its row's scale); rows n..KT-1 are zero
+// (past the context: their probabilities are 0, and 0 * garbage could be NaN).
 template <int64_t KT, typename T>
 inline void load_rows_float(const T* rows, int64_t n, int64_t stride, int64_t head_dim, float* out) {
   for (int64_t i = 0; i < n; ++i) {
     const T* row = rows + i * stride;
     int64_t d = 0;
+    if constexpr (kInt8Cache<T>) {
+      const float row_scale = kv_row_scale(row, head_dim);
+#ifdef TOKENMILL_AVX2
+      const __m256 scale8 = _mm256_set1_ps(row_scale);
+      for (; d + 8 <= head_dim; d += 8) _mm256_storeu_ps(out + i * head_dim + d, _mm256_mul_ps(load8(row + d), scale8));
+#endif
+      for (; d < head_dim; ++d) out[i * head_dim + d] = to_float(row[d]) * row_scale;
+      continue;
+    }
 #ifdef TOKENMILL_AVX2
     if constexpr (kVectorCache<T>)
       for (; d + 8 <= head_dim; d += 8) _mm256_storeu_ps(out + i * head_dim + d, load8(row + d));
@@ -221,8 +230,8 @@ template <int64_t KT, typename q_t, typename cache_t>
 void prefill_item(const PrefillItem& item, const q_t* q_base, int64_t q_row_stride, const cache_t* k_cache,
                   const cache_t* v_cache, const int32_t* blocks, int64_t query_start, int64_t ctx_len,
                   int64_t num_q, int64_t block_size, int64_t token_stride, int64_t group, int64_t head_dim,
-                  float scale, float softcap, int64_t window, q_t* out_base, int64_t out_row_stride,
-                  PrefillScratch& w) {
+                  int64_t head_stride, float scale, float softcap, int64_t window, q_t* out_base,
+                  int64_t out_row_stride, PrefillScratch& w) {
   constexpr float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t rows = item.count * group;
   const int64_t pos0 = ctx_len - num_q + item.first;  // position of the item's first query
@@ -248,7 +257,7 @@ void prefill_item(const PrefillItem& item, const q_t* q_base, int64_t q_row_stri
   const int64_t key_lo = window > 0 ? std::max<int64_t>(0, pos0 - window + 1) : 0;
   for (int64_t t0 = key_lo / KT * KT; t0 <= last_pos; t0 += KT) {
     const int64_t n = std::min(KT, ctx_len - t0);
-    const int64_t offset = (blocks[t0 / block_size] * block_size + t0 % block_size) * token_stride + h * head_dim;
+    const int64_t offset = (blocks[t0 / block_size] * block_size + t0 % block_size) * token_stride + h * head_stride;
     // The rows that see a key of this tile: position >= t0 and (windowed) position - window < t0 + KT - 1.
     const int64_t first_pos = std::max(pos0, t0);
     const int64_t end_pos = window > 0 ? std::min(last_pos + 1, t0 + KT - 1 + window) : last_pos + 1;
@@ -319,9 +328,10 @@ std::vector<PrefillItem> prefill_work_items(const torch::Tensor& query_ranges, c
 }
 
 // A step's prefill chunks as the kernels read them: shapes, the cache's K and V halves, the work items.
+// head_stride: a (token, head) row's width in the cache (head_dim, or an int8 cache's head_dim + its scale).
 template <typename cache_t>
 struct PrefillStep {
-  int64_t head_dim, block_size, group, token_stride, max_blocks;
+  int64_t head_dim, head_stride, block_size, group, token_stride, max_blocks;
   const int32_t* tables;
   const int32_t* ranges;
   const int32_t* lens;
@@ -331,8 +341,9 @@ struct PrefillStep {
 
   PrefillStep(const torch::Tensor& query, const torch::Tensor& kv_cache, const torch::Tensor& block_tables,
               const torch::Tensor& query_ranges, const torch::Tensor& context_lens, int64_t window, int64_t tile_rows)
-      : head_dim(query.size(2)), block_size(kv_cache.size(2)), group(query.size(1) / kv_cache.size(3)),
-        token_stride(kv_cache.size(3) * query.size(2)), max_blocks(block_tables.size(1)),
+      : head_dim(query.size(2)), head_stride(kv_cache.size(4)), block_size(kv_cache.size(2)),
+        group(query.size(1) / kv_cache.size(3)), token_stride(kv_cache.size(3) * kv_cache.size(4)),
+        max_blocks(block_tables.size(1)),
         tables(block_tables.data_ptr<int32_t>()), ranges(query_ranges.data_ptr<int32_t>()),
         lens(context_lens.data_ptr<int32_t>()), k_base(kv_cache.data_ptr<cache_t>()),
         v_base(k_base + kv_cache.size(1) * block_size * token_stride),
@@ -363,7 +374,7 @@ void run_paged_prefill(const torch::Tensor& query, const torch::Tensor& kv_cache
         const int64_t c = item.chunk;
         run_item(item, query.data_ptr<q_t>(), query.stride(0), step.k_base, step.v_base, step.table(c),
                  step.query_start(c), step.lens[c], step.num_queries(c), step.block_size, step.token_stride,
-                 step.group, step.head_dim, static_cast<float>(scale), static_cast<float>(softcap), window,
+                 step.group, step.head_dim, step.head_stride, static_cast<float>(scale), static_cast<float>(softcap), window,
                  out.data_ptr<q_t>(), out.stride(0), scratch);
       });
 }
@@ -390,7 +401,8 @@ void check_prefill_arguments(const torch::Tensor& query, const torch::Tensor& kv
     const int32_t* r = query_ranges.data_ptr<int32_t>() + 2 * c;
     TORCH_CHECK(0 <= r[0] && r[0] < r[1] && r[1] <= query.size(0), "query_ranges outside the query rows");
   }
-  TORCH_CHECK(kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0, "head shapes do not match");
+  TORCH_CHECK(kv_cache.size(4) == query.size(2) + (kv_cache.scalar_type() == torch::kChar ? kKvInt8ScaleBytes : 0) &&
+              query.size(1) % kv_cache.size(3) == 0, "head shapes do not match");
 }
 }  // namespace
 
@@ -813,7 +825,7 @@ void paged_prefill_attention_bf16(torch::Tensor query, torch::Tensor kv_cache, t
   dispatch_attention_dtypes(query, kv_cache, "paged_prefill_attention_bf16", [&](auto* q_tag, auto* cache_tag) {
     using q_t = std::remove_pointer_t<decltype(q_tag)>;
     using cache_t = std::remove_pointer_t<decltype(cache_tag)>;
-    if constexpr (std::is_same_v<cache_t, double>) {
+    if constexpr (std::is_same_v<cache_t, double> || kInt8Cache<cache_t>) {
       TORCH_CHECK(false, "paged_prefill_attention_bf16 reads a float32, float16 or bfloat16 cache");
     } else {
 #if defined(TOKENMILL_AMX)
