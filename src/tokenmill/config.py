@@ -382,7 +382,7 @@ class EngineConfig:
         "auto", "KV cache storage; auto: on CPU a 16-bit cache under a float32 model (bfloat16 where the CPU has "
         "native bfloat16, else float16: half the memory and half the bytes a decode step reads; attention still "
         "computes in float32), elsewhere the model's dtype. int8 (alias q8_0): 8-bit values with a float16 scale "
-        "per token and head, about twice a 16-bit cache's tokens in the same memory (--kv-cache-memory); read by "
+        "per 32 of them, as llama.cpp's q8_0 cache: 1.88x a 16-bit cache's tokens in the same memory; read by "
         "the C++ CPU kernels and the torch backend",
         choices=KV_CACHE_DTYPES, convert=_kv_cache_dtype)
     structured_outputs_fast_forward: bool = option(

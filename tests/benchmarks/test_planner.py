@@ -31,12 +31,12 @@ def test_kv_bytes_per_token_match_hand_calculations():
     assert PRESETS["mistral-7b"].kv_bytes_per_token(2) == 128 * KIB
     assert PRESETS["smollm2-135m"].kv_bytes_per_token(2) == 30 * 3 * 64 * 2 * 2
     assert PRESETS["gemma3-270m"].kv_bytes_per_token(2) == 18 * 1 * 256 * 2 * 2 == 18 * KIB
-    # An int8 KV cache: one byte per value and a float16 scale per (token, head) row, as the engine stores it.
-    assert PRESETS["llama-3-8b"].kv_bytes_per_token(1, 2) == 32 * 8 * (128 + 2) * 2
+    # An int8 KV cache: one byte per value and a float16 scale per 32 values, as the engine stores it.
+    assert PRESETS["llama-3-8b"].int8_kv_scale_bytes() == 8
     plan = make_plan(PlanInputs(PRESETS["llama-3-8b"], custom_device(100), max_model_len=1024,
                                 kv_cache_dtype="int8"))
-    assert plan["kv_bytes_per_token"] == 32 * 8 * 130 * 2 and plan["dtype"] == "bfloat16"
-    assert "(128 + 2 scale) dim" in format_plan(plan)
+    assert plan["kv_bytes_per_token"] == 32 * 8 * 136 * 2 and plan["dtype"] == "bfloat16"
+    assert "(128 + 8 scales) dim" in format_plan(plan)
 
 
 def test_planner_refuses_kv_dtypes_the_engine_cannot_store():
@@ -47,14 +47,12 @@ def test_planner_refuses_kv_dtypes_the_engine_cannot_store():
 def test_planner_and_engine_agree_on_int8_kv_rows():
     import torch
 
-    from tokenmill.model.layers.kv_int8 import KV_INT8_SCALE_BYTES, kv_row_width
-    from tokenmill.planning.planner import KV_INT8_SCALE_BYTES as PLANNER_SCALE_BYTES
     from tokenmill.runner.kv_cache import KVCacheSpec
 
-    assert PLANNER_SCALE_BYTES == KV_INT8_SCALE_BYTES and kv_row_width(128, torch.int8) == 130
-    model = PRESETS["llama-3-8b"]
-    spec = KVCacheSpec(model.num_layers, 16, model.num_kv_heads, model.head_dim, torch.int8)
-    assert spec.bytes_per_block == 16 * model.kv_bytes_per_token(1, KV_INT8_SCALE_BYTES)
+    for name in ("llama-3-8b", "smollm2-135m", "gemma3-270m"):
+        model = PRESETS[name]
+        spec = KVCacheSpec(model.num_layers, 16, model.num_kv_heads, model.head_dim, torch.int8)
+        assert spec.bytes_per_block == 16 * model.kv_bytes_per_token(1, model.int8_kv_scale_bytes())
 
 
 def test_headroom_weights_and_devices_needed():

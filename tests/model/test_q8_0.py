@@ -152,7 +152,8 @@ def test_int8_fused_decode_stack_is_bit_identical_to_the_layers(request, kernels
     model = llm.llm_engine.core.core.runner.model
     assert model._int8_decode is not None
     expected_dtype = torch.float32 if kv_cache_dtype == "auto" else getattr(torch, kv_cache_dtype)
-    assert all(cache.shape[-1] == model.layers[0].self_attn.head_dim + (2 if kv_cache_dtype == "int8" else 0)
+    head_dim = model.layers[0].self_attn.head_dim
+    assert all(cache.shape[-1] == (head_dim + 2 if kv_cache_dtype == "int8" else head_dim)
                for cache in llm.llm_engine.core.core.runner.kv_caches)
     assert all(cache.dtype == expected_dtype for cache in llm.llm_engine.core.core.runner.kv_caches)
     step = decode_step_both_ways(llm, [smollm2_tokenizer.encode(p) for p in GOLDEN_PROMPTS[:3]], max_tokens=6)

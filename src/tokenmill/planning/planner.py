@@ -1,7 +1,7 @@
 """`tokenmill plan`: how many devices a model needs to hold a given concurrency at a given context length.
 
-    KV bytes/token  = 2 (K and V) × layers × KV heads × head_dim × KV dtype bytes   (int8: (head_dim + 2) × 1 B,
-                                                                                   the row's float16 scale)
+    KV bytes/token  = 2 (K and V) × layers × KV heads × head_dim × KV dtype bytes   (int8: 1 B per value and a
+                                                                                   float16 scale per 32 values)
     weights         = parameters × weight dtype bytes
     usable/device   = device memory × (1 − headroom)        headroom: activations, graphs, fragmentation, bursts
     KV/device       = usable/device − weights / TP
@@ -27,9 +27,10 @@ from tokenmill.errors import InvalidRequestError
 from tokenmill.planning.gpus import DeviceSpec
 
 DTYPE_BYTES: dict[str, float] = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
-# The KV cache dtypes the engine stores (--kv-cache-dtype); an int8 row carries a float16 scale per token and
-# head (model/layers/kv_int8.py: KV_INT8_SCALE_BYTES, kept torch-free here).
+# The KV cache dtypes the engine stores (--kv-cache-dtype); an int8 row carries a float16 scale per 32 values
+# (model/layers/kv_int8.py's KV_INT8_GROUP and KV_INT8_SCALE_BYTES, kept torch-free here).
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+KV_INT8_GROUP = 32
 KV_INT8_SCALE_BYTES = 2
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
                   "q8_0": "int8"}
@@ -49,8 +50,11 @@ class ModelSpec:
     default_dtype: str = "bfloat16"
 
     def kv_bytes_per_token(self, dtype_bytes: float, row_extra_bytes: int = 0) -> int:
-        """row_extra_bytes: bytes stored beside each (token, head) row's values (an int8 cache's scale)."""
+        """row_extra_bytes: bytes stored beside each (token, head) row's values (an int8 cache's scales)."""
         return int(2 * self.num_layers * self.num_kv_heads * (self.head_dim * dtype_bytes + row_extra_bytes))
+
+    def int8_kv_scale_bytes(self) -> int:
+        return KV_INT8_SCALE_BYTES * -(-self.head_dim // KV_INT8_GROUP)
 
 
 # Numbers from each model's published config.json and safetensors parameter count.
@@ -225,7 +229,7 @@ def make_plan(inputs: PlanInputs) -> dict[str, Any]:
     model, device = inputs.model, inputs.device
     dtype, kv_dtype, length = _check(inputs)
     weight_bytes = model.num_params * DTYPE_BYTES[dtype]
-    kv_token = model.kv_bytes_per_token(DTYPE_BYTES[kv_dtype], KV_INT8_SCALE_BYTES if kv_dtype == "int8" else 0)
+    kv_token = model.kv_bytes_per_token(DTYPE_BYTES[kv_dtype], model.int8_kv_scale_bytes() if kv_dtype == "int8" else 0)
     seq_tokens = math.ceil(length / inputs.block_size) * inputs.block_size
     tp = inputs.tensor_parallel_size or choose_tensor_parallel(model, device, inputs.headroom, weight_bytes,
                                                                kv_token, seq_tokens)
@@ -363,8 +367,8 @@ def _count(n: int) -> str:
 def format_plan(plan: dict[str, Any]) -> str:
     model, device = plan["model"], plan["device"]
     bw = f", {device['bandwidth_gbps']:g} GB/s" if device.get("bandwidth_gbps") else ""
-    row = f"({model['head_dim']} + {KV_INT8_SCALE_BYTES} scale)" if plan["kv_cache_dtype"] == "int8" else \
-        str(model["head_dim"])
+    scales = KV_INT8_SCALE_BYTES * -(-model["head_dim"] // KV_INT8_GROUP)
+    row = f"({model['head_dim']} + {scales} scales)" if plan["kv_cache_dtype"] == "int8" else str(model["head_dim"])
     kv_formula = (f"{model['num_layers']} layers × {model['num_kv_heads']} KV heads × {row} dim "
                   f"× 2 × {DTYPE_BYTES[plan['kv_cache_dtype']]:g} B")
     rows = [

@@ -139,37 +139,76 @@ template <typename T>
 inline float to_float(T x) { return static_cast<float>(x); }
 
 // ---- the int8 KV cache (model/layers/kv_int8.py) -------------------------------------------------------------
-// A (token, head) row of an int8 cache is head_dim int8 values followed by their scale, a float16 in two bytes:
-// value[d] = q[d] * scale. A float cache's row is head_dim values (its row width is head_dim).
+// A (token, head) row of an int8 cache is head_dim int8 values followed by one float16 scale (two bytes) per group
+// of 32 values: value[d] = q[d] * scale[d / 32]. A float cache's row is head_dim values.
+constexpr int64_t kKvInt8Group = 32;
 constexpr int64_t kKvInt8ScaleBytes = 2;
 
 template <typename cache_t>
 constexpr bool kInt8Cache = std::is_same_v<cache_t, int8_t>;
 
-// The scale of an int8 cache row (of head_dim values); 1 for a float cache.
-template <typename cache_t>
-inline float kv_row_scale(const cache_t* row, int64_t head_dim) {
-  if constexpr (kInt8Cache<cache_t>) {
-    at::Half scale;
-    std::memcpy(&scale, row + head_dim, sizeof(scale));
-    return static_cast<float>(scale);
-  } else {
-    return 1.0f;
+// Elements of a row of an int8 cache holding head_dim values.
+inline int64_t kv_int8_row_width(int64_t head_dim) {
+  return head_dim + kKvInt8ScaleBytes * ((head_dim + kKvInt8Group - 1) / kKvInt8Group);
+}
+
+inline float kv_int8_scale(const int8_t* row, int64_t head_dim, int64_t group) {
+  uint16_t bits;
+  std::memcpy(&bits, row + head_dim + kKvInt8ScaleBytes * group, sizeof(bits));
+#ifdef __F16C__
+  return _cvtsh_ss(bits);  // one instruction where c10's conversion takes a dozen
+#else
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+#endif
+}
+
+// out[d] = the row's value d, for d < head_dim.
+inline void dequantize_kv_row(const int8_t* row, int64_t head_dim, float* out) {
+  for (int64_t g0 = 0; g0 < head_dim; g0 += kKvInt8Group) {
+    const float scale = kv_int8_scale(row, head_dim, g0 / kKvInt8Group);
+    const int64_t g1 = std::min(head_dim, g0 + kKvInt8Group);
+    int64_t d = g0;
+#ifdef TOKENMILL_AVX512
+    const __m512 scale16 = _mm512_set1_ps(scale);
+    for (; d + 16 <= g1; d += 16)
+      _mm512_storeu_ps(out + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                  _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d)))),
+                                              scale16));
+#endif
+#ifdef TOKENMILL_AVX2
+    const __m256 scale8 = _mm256_set1_ps(scale);
+    for (; d + 8 <= g1; d += 8) _mm256_storeu_ps(out + d, _mm256_mul_ps(load8(row + d), scale8));
+#endif
+    for (; d < g1; ++d) out[d] = static_cast<float>(row[d]) * scale;
   }
 }
 
-// A row's values as an int8 cache stores them: scale = absmax / 127 rounded to float16, each value divided by
-// it and rounded to nearest even (as torch's round), then the scale's bytes (kv_int8.quantize_kv_rows).
-inline void quantize_kv_row(const float* x, int64_t head_dim, int8_t* row) {
-  float absmax = 0.0f;
-  for (int64_t d = 0; d < head_dim; ++d) absmax = std::max(absmax, std::fabs(x[d]));
-  const at::Half scale(std::min(absmax / 127.0f, 65504.0f));
-  const float wide = static_cast<float>(scale);
-  for (int64_t d = 0; d < head_dim; ++d) {
-    const float q = wide > 0.0f ? std::nearbyint(x[d] / wide) : 0.0f;
-    row[d] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+#if defined(TOKENMILL_AVX512_BF16)
+// out[d] = the row's value d rounded to bfloat16 (nearest even), for d < head_dim, a multiple of 32.
+inline void dequantize_kv_row_bf16(const int8_t* row, int64_t head_dim, at::BFloat16* out) {
+  for (int64_t d = 0; d < head_dim; d += 16) {
+    const __m512 scale = _mm512_set1_ps(kv_int8_scale(row, head_dim, d / kKvInt8Group));
+    const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d))));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + d), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(values, scale)));
   }
-  std::memcpy(row + head_dim, &scale, sizeof(scale));
+}
+#endif
+
+// A row's values as an int8 cache stores them: per group of 32, scale = absmax / 127 rounded to float16, each value
+// divided by it and rounded to nearest even (as torch's round), then the scales' bytes (kv_int8.quantize_kv_rows).
+inline void quantize_kv_row(const float* x, int64_t head_dim, int8_t* row) {
+  for (int64_t g0 = 0; g0 < head_dim; g0 += kKvInt8Group) {
+    const int64_t g1 = std::min(head_dim, g0 + kKvInt8Group);
+    float absmax = 0.0f;
+    for (int64_t d = g0; d < g1; ++d) absmax = std::max(absmax, std::fabs(x[d]));
+    const at::Half scale(std::min(absmax / 127.0f, 65504.0f));
+    const float wide = static_cast<float>(scale);
+    for (int64_t d = g0; d < g1; ++d) {
+      const float q = wide > 0.0f ? std::nearbyint(x[d] / wide) : 0.0f;
+      row[d] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, q)));
+    }
+    std::memcpy(row + head_dim + kKvInt8ScaleBytes * (g0 / kKvInt8Group), &scale, sizeof(scale));
+  }
 }
 
 #ifdef TOKENMILL_AVX512

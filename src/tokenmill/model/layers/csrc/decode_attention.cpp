@@ -168,16 +168,14 @@ inline void score_block_keys(const float* q, const T* k, int64_t n, int64_t stri
   for (; i < n; ++i) score_one_key<QC, T>(q, k + i * stride, head_dim, out + i, out_stride);
 }
 
-// scores[j][t] = q_j . k_t for the item's heads [h0, h1) (query j reads kv head h0 + j / group); a head's row
-// is head_stride values apart from the next (head_dim, or an int8 cache's head_dim + its scale).
+// scores[j][t] = q_j . k_t for the item's heads [h0, h1) (query j reads kv head h0 + j / group).
 template <typename T>
 void score_keys(const float* qf, const T* k_cache, const int32_t* blocks, int64_t ctx_len, int64_t block_size,
-                int64_t token_stride, int64_t h0, int64_t h1, int64_t group, int64_t head_dim, int64_t head_stride,
-                float* scores) {
+                int64_t token_stride, int64_t h0, int64_t h1, int64_t group, int64_t head_dim, float* scores) {
   const int64_t dist = kKvPrefetchBlocks;
   for (int64_t b = 1; b < dist && b * block_size < ctx_len; ++b)  // block 0: its own first loads ask
-    prefetch_block_rows(k_cache + blocks[b] * block_size * token_stride + h0 * head_stride,
-                        std::min(block_size, ctx_len - b * block_size), token_stride, (h1 - h0) * head_stride);
+    prefetch_block_rows(k_cache + blocks[b] * block_size * token_stride + h0 * head_dim,
+                        std::min(block_size, ctx_len - b * block_size), token_stride, (h1 - h0) * head_dim);
   for (int64_t t0 = 0; t0 < ctx_len; t0 += block_size) {
     const int64_t n = std::min(block_size, ctx_len - t0);
     const T* rows = k_cache + blocks[t0 / block_size] * block_size * token_stride;
@@ -187,8 +185,8 @@ void score_keys(const float* qf, const T* k_cache, const int32_t* blocks, int64_
       for (int64_t c0 = 0; c0 < group; c0 += 3) {
         const int64_t j = (h - h0) * group + c0;
         const float* q = qf + j * head_dim;
-        const T* k = rows + h * head_stride;
-        const T* next = next_rows + h * head_stride;
+        const T* k = rows + h * head_dim;
+        const T* next = next_rows + h * head_dim;
         const int64_t prefetch_n = c0 == 0 ? next_n : 0;
         float* out = scores + j * ctx_len + t0;
         switch (std::min<int64_t>(3, group - c0)) {
@@ -205,16 +203,15 @@ void score_keys(const float* qf, const T* k_cache, const int32_t* blocks, int64_
 // token's K (then V) row holds every kv head side by side, so walking the tokens of a block reads
 // one contiguous run of memory, which the hardware prefetcher follows.
 // The query and output have the activations' dtype (q_t), the cache its own (cache_t): a float32
-// model may keep a 16-bit cache, which halves the bytes each decode step reads, and any model an int8 cache
-// (a quarter of float32's bytes), whose rows' scales multiply the scores (K) and the probabilities (V).
+// model may keep a 16-bit cache, which halves the bytes each decode step reads.
 template <typename q_t, typename scalar_t>
 void decode_one(const q_t* __restrict__ q,               // [(h1 - h0) * group, head_dim]
                 const scalar_t* __restrict__ k_cache,    // K plane base
                 const scalar_t* __restrict__ v_cache,    // V plane base
                 const int32_t* __restrict__ blocks, int64_t ctx_len, int64_t block_size,
-                int64_t token_stride, int64_t h0, int64_t h1, int64_t group, int64_t head_dim, int64_t head_stride,
-                float scale, float softcap, q_t* __restrict__ out, std::vector<float>& scores,
-                std::vector<float>& acc, std::vector<float>& qf) {
+                int64_t token_stride, int64_t h0, int64_t h1, int64_t group, int64_t head_dim, float scale,
+                float softcap, q_t* __restrict__ out, std::vector<float>& scores, std::vector<float>& acc,
+                std::vector<float>& qf) {
   const int64_t num_q = (h1 - h0) * group;
   scores.resize(static_cast<size_t>(num_q * ctx_len));
   acc.assign(static_cast<size_t>(num_q * head_dim), 0.0f);
@@ -227,7 +224,7 @@ void decode_one(const q_t* __restrict__ q,               // [(h1 - h0) * group, 
   if constexpr (kVectorCache<scalar_t>) {
     if (head_dim % 8 == 0) {
       score_keys<scalar_t>(qf.data(), k_cache, blocks, ctx_len, block_size, token_stride, h0, h1, group, head_dim,
-                           head_stride, scores.data());
+                           scores.data());
       scored = true;
     }
   }
@@ -236,36 +233,22 @@ void decode_one(const q_t* __restrict__ q,               // [(h1 - h0) * group, 
     const scalar_t* row = k_cache + (blocks[t / block_size] * block_size + t % block_size) * token_stride;
     for (int64_t h = h0; h < h1; ++h) {
       const int64_t j = (h - h0) * group;
-      score_row<scalar_t>(qf.data() + j * head_dim, row + h * head_stride, group, head_dim,
+      score_row<scalar_t>(qf.data() + j * head_dim, row + h * head_dim, group, head_dim,
                           scores.data() + j * ctx_len + t, ctx_len);
     }
   }
-  // An int8 cache: each score times its key row's scale; `scale_rows` multiplies a head's group of queries'
-  // entries for token t by the scale of that token's row of the plane.
-  const auto scale_rows = [&](const scalar_t* plane) {
-    for (int64_t t = 0; t < ctx_len; ++t) {
-      const scalar_t* row = plane + (blocks[t / block_size] * block_size + t % block_size) * token_stride;
-      for (int64_t h = h0; h < h1; ++h) {
-        const float row_scale = kv_row_scale(row + h * head_stride, head_dim);
-        for (int64_t g = 0; g < group; ++g) scores[((h - h0) * group + g) * ctx_len + t] *= row_scale;
-      }
-    }
-  };
-  if constexpr (kInt8Cache<scalar_t>) scale_rows(k_cache);
   if (softcap > 0.0f)
     for (int64_t i = 0; i < num_q * ctx_len; ++i) scores[i] = std::tanh(scores[i] / softcap) * softcap;
   // Pass 2: softmax per query head (while the first blocks of V are on their way).
   for (int64_t b = 0; b < kKvPrefetchBlocks && b * block_size < ctx_len; ++b)
-    prefetch_block_rows(v_cache + blocks[b] * block_size * token_stride + h0 * head_stride,
-                        std::min(block_size, ctx_len - b * block_size), token_stride, (h1 - h0) * head_stride);
+    prefetch_block_rows(v_cache + blocks[b] * block_size * token_stride + h0 * head_dim,
+                        std::min(block_size, ctx_len - b * block_size), token_stride, (h1 - h0) * head_dim);
   std::vector<float> inv_sum(num_q);
   for (int64_t j = 0; j < num_q; ++j) {
     float* s = scores.data() + j * ctx_len;
     float max_score = max_of(s, ctx_len);
     inv_sum[j] = 1.0f / exp_shift_sum(s, ctx_len, max_score);
   }
-  // An int8 cache: each (unnormalized) probability times its value row's scale, so pass 3 sums stored values.
-  if constexpr (kInt8Cache<scalar_t>) scale_rows(v_cache);
   // Pass 3: out_j = sum_t p[j][t] * v_t, a block of tokens at a time (its V rows stay in L1 while
   // each query sweeps them).
   for (int64_t t0 = 0; t0 < ctx_len; t0 += block_size) {
@@ -273,10 +256,10 @@ void decode_one(const q_t* __restrict__ q,               // [(h1 - h0) * group, 
     const scalar_t* block_rows = v_cache + blocks[t0 / block_size] * block_size * token_stride;
     const int64_t ahead = t0 + kKvPrefetchBlocks * block_size;
     if (ahead < ctx_len)
-      prefetch_block_rows(v_cache + blocks[ahead / block_size] * block_size * token_stride + h0 * head_stride,
-                          std::min(block_size, ctx_len - ahead), token_stride, (h1 - h0) * head_stride);
+      prefetch_block_rows(v_cache + blocks[ahead / block_size] * block_size * token_stride + h0 * head_dim,
+                          std::min(block_size, ctx_len - ahead), token_stride, (h1 - h0) * head_dim);
     for (int64_t j = 0; j < num_q; ++j) {
-      const scalar_t* v0 = block_rows + (h0 + j / group) * head_stride;
+      const scalar_t* v0 = block_rows + (h0 + j / group) * head_dim;
       accumulate_weighted_rows<scalar_t>(scores.data() + j * ctx_len + t0, v0, t1 - t0, token_stride, head_dim,
                                          acc.data() + j * head_dim);
     }
@@ -286,6 +269,92 @@ void decode_one(const q_t* __restrict__ q,               // [(h1 - h0) * group, 
       out[j * head_dim + d] = static_cast<q_t>(acc[j * head_dim + d] * inv_sum[j]);
 }
 
+
+// ---- decode attention over an int8 cache (model/layers/kv_int8.py) ------------------------------------------------
+// decode_one's passes over each block's rows dequantized into a float32 scratch first ([rows][heads of the item x
+// head_dim], L1-sized at 16 tokens): the int8 values and their scales stream from memory (a quarter of float32's
+// bytes, about half a 16-bit cache's), the products run as over a float32 cache.
+struct DecodeScratchInt8 {
+  std::vector<float> scores, acc, qf, rows;
+};
+
+template <typename q_t>
+void decode_one_int8(const q_t* __restrict__ q, const int8_t* __restrict__ k_cache, const int8_t* __restrict__ v_cache,
+                     const int32_t* __restrict__ blocks, int64_t ctx_len, int64_t block_size, int64_t token_stride,
+                     int64_t h0, int64_t h1, int64_t group, int64_t head_dim, int64_t head_stride, float scale,
+                     float softcap, q_t* __restrict__ out, DecodeScratchInt8& w) {
+  const int64_t num_q = (h1 - h0) * group, width = (h1 - h0) * head_dim;
+  w.scores.resize(static_cast<size_t>(num_q * ctx_len));
+  w.acc.assign(static_cast<size_t>(num_q * head_dim), 0.0f);
+  w.qf.resize(static_cast<size_t>(num_q * head_dim));
+  w.rows.resize(static_cast<size_t>(block_size * width));
+  for (int64_t i = 0; i < num_q * head_dim; ++i) w.qf[i] = to_float(q[i]) * scale;
+  float* rows = w.rows.data();
+  // The block of tokens [t0, t0 + n) of a plane, dequantized: rows[i * width + (h - h0) * head_dim + d]; the block
+  // kKvPrefetchBlocks ahead is asked for meanwhile.
+  const auto load_block = [&](const int8_t* plane, int64_t t0, int64_t n) {
+    const int64_t ahead = t0 + kKvPrefetchBlocks * block_size;
+    if (ahead < ctx_len)
+      prefetch_block_rows(plane + blocks[ahead / block_size] * block_size * token_stride + h0 * head_stride,
+                          std::min(block_size, ctx_len - ahead), token_stride, (h1 - h0) * head_stride);
+    const int8_t* block = plane + blocks[t0 / block_size] * block_size * token_stride;
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t h = h0; h < h1; ++h)
+        dequantize_kv_row(block + i * token_stride + h * head_stride, head_dim, rows + i * width + (h - h0) * head_dim);
+  };
+  for (int64_t b = 1; b < kKvPrefetchBlocks && b * block_size < ctx_len; ++b)
+    prefetch_block_rows(k_cache + blocks[b] * block_size * token_stride + h0 * head_stride,
+                        std::min(block_size, ctx_len - b * block_size), token_stride, (h1 - h0) * head_stride);
+  // Pass 1: scores[j][t] = q_j . k_t
+  for (int64_t t0 = 0; t0 < ctx_len; t0 += block_size) {
+    const int64_t n = std::min(block_size, ctx_len - t0);
+    load_block(k_cache, t0, n);
+    for (int64_t h = 0; h < h1 - h0; ++h) {
+      const int64_t j = h * group;
+      bool scored = false;
+#ifdef TOKENMILL_AVX2
+      if (head_dim % 8 == 0) {
+        for (int64_t c0 = 0; c0 < group; c0 += 3) {
+          const float* qj = w.qf.data() + (j + c0) * head_dim;
+          float* s = w.scores.data() + (j + c0) * ctx_len + t0;
+          const float* k = rows + h * head_dim;
+          switch (std::min<int64_t>(3, group - c0)) {
+            case 1: score_block_keys<1, float>(qj, k, n, width, head_dim, s, ctx_len, k, 0); break;
+            case 2: score_block_keys<2, float>(qj, k, n, width, head_dim, s, ctx_len, k, 0); break;
+            default: score_block_keys<3, float>(qj, k, n, width, head_dim, s, ctx_len, k, 0); break;
+          }
+        }
+        scored = true;
+      }
+#endif
+      for (int64_t i = 0; i < n && !scored; ++i)
+        score_row<float>(w.qf.data() + j * head_dim, rows + i * width + h * head_dim, group, head_dim,
+                         w.scores.data() + j * ctx_len + t0 + i, ctx_len);
+    }
+  }
+  if (softcap > 0.0f)
+    for (int64_t i = 0; i < num_q * ctx_len; ++i) w.scores[i] = std::tanh(w.scores[i] / softcap) * softcap;
+  // Pass 2: softmax per query head (while the first blocks of V are on their way).
+  for (int64_t b = 0; b < kKvPrefetchBlocks && b * block_size < ctx_len; ++b)
+    prefetch_block_rows(v_cache + blocks[b] * block_size * token_stride + h0 * head_stride,
+                        std::min(block_size, ctx_len - b * block_size), token_stride, (h1 - h0) * head_stride);
+  std::vector<float> inv_sum(num_q);
+  for (int64_t j = 0; j < num_q; ++j) {
+    float* s = w.scores.data() + j * ctx_len;
+    inv_sum[j] = 1.0f / exp_shift_sum(s, ctx_len, max_of(s, ctx_len));
+  }
+  // Pass 3: out_j = sum_t p[j][t] * v_t, a dequantized block at a time.
+  for (int64_t t0 = 0; t0 < ctx_len; t0 += block_size) {
+    const int64_t n = std::min(block_size, ctx_len - t0);
+    load_block(v_cache, t0, n);
+    for (int64_t j = 0; j < num_q; ++j)
+      accumulate_weighted_rows<float>(w.scores.data() + j * ctx_len + t0, rows + (j / group) * head_dim, n, width,
+                                      head_dim, w.acc.data() + j * head_dim);
+  }
+  for (int64_t j = 0; j < num_q; ++j)
+    for (int64_t d = 0; d < head_dim; ++d)
+      out[j * head_dim + d] = static_cast<q_t>(w.acc[j * head_dim + d] * inv_sum[j]);
+}
 
 #if defined(TOKENMILL_AVX512_BF16)
 // ---- decode attention over a bfloat16 cache on VDPBF16PS (CPUs with AVX-512 BF16) ------------------------------
@@ -446,6 +515,40 @@ void decode_one_dpbf16(const q_t* __restrict__ q, const at::BFloat16* __restrict
     }
   }
 }
+
+// An int8 cache's rows on the same products: one KV head's context dequantized into bfloat16 planes (each value
+// rounded once more, as a bfloat16 cache stores it), then decode_one_dpbf16 over them as one block. The int8 rows
+// stream from memory (about half a bfloat16 cache's bytes); the planes, a head's context at 2 bytes a value, stay
+// in the caches for the two passes that read them.
+struct DecodeScratchInt8Bf16 {
+  std::vector<at::BFloat16> k, v;
+  DecodeScratchBf16 bf16;
+};
+
+template <typename q_t>
+void decode_one_int8_dpbf16(const q_t* __restrict__ q, const int8_t* __restrict__ k_cache,
+                            const int8_t* __restrict__ v_cache, const int32_t* __restrict__ blocks, int64_t ctx_len,
+                            int64_t block_size, int64_t token_stride, int64_t h, int64_t group, int64_t D,
+                            int64_t head_stride, float scale, float softcap, q_t* __restrict__ out,
+                            DecodeScratchInt8Bf16& w) {
+  w.k.resize(ctx_len * D);
+  w.v.resize(ctx_len * D);
+  for (int64_t t0 = 0; t0 < ctx_len; t0 += block_size) {
+    const int64_t n = std::min(block_size, ctx_len - t0);
+    const int64_t ahead = t0 + kKvPrefetchBlocks * block_size;
+    for (const int8_t* plane : {k_cache, v_cache}) {
+      if (ahead < ctx_len)
+        prefetch_block_rows(plane + blocks[ahead / block_size] * block_size * token_stride + h * head_stride,
+                            std::min(block_size, ctx_len - ahead), token_stride, head_stride);
+      at::BFloat16* dst = (plane == k_cache ? w.k.data() : w.v.data()) + t0 * D;
+      const int8_t* block = plane + blocks[t0 / block_size] * block_size * token_stride + h * head_stride;
+      for (int64_t i = 0; i < n; ++i) dequantize_kv_row_bf16(block + i * token_stride, D, dst + i * D);
+    }
+  }
+  const int32_t single_block = 0;
+  decode_one_dpbf16<q_t>(q, w.k.data(), w.v.data(), &single_block, ctx_len, ctx_len, D, 0, 1, group, D, scale,
+                         softcap, out, w.bf16);
+}
 #endif  // TOKENMILL_AVX512_BF16
 
 }  // namespace
@@ -454,8 +557,10 @@ namespace {
 
 struct DecodeScratch {
   std::vector<float> scores, acc, qf;
+  DecodeScratchInt8 int8;
 #if defined(TOKENMILL_AVX512_BF16)
   DecodeScratchBf16 bf16;
+  DecodeScratchInt8Bf16 int8_bf16;
 #endif
 };
 
@@ -464,7 +569,7 @@ void run_paged_decode(const torch::Tensor& query, const torch::Tensor& kv_cache,
                       const torch::Tensor& context_lens, double scale, double softcap, torch::Tensor& out) {
   const int64_t batch = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
   const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
-  const int64_t head_stride = kv_cache.size(4);  // head_dim, or an int8 cache's head_dim + its scale
+  const int64_t head_stride = kv_cache.size(4);  // head_dim, or an int8 cache's head_dim + its scales
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   const int32_t* tables = block_tables.data_ptr<int32_t>();
@@ -477,7 +582,12 @@ void run_paged_decode(const torch::Tensor& query, const torch::Tensor& kv_cache,
   q_t* out_base = out.data_ptr<q_t>();
   // A work item is one request (all its kv heads: contiguous reads); with fewer requests than
   // threads to keep busy, one (request, kv head) pair, so a single long request still spreads.
-  const int64_t heads_per_item = batch >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  // Over an int8 cache on bfloat16 products an item is always one head (its dequantized planes stay small).
+  bool int8_bf16 = false;
+#if defined(TOKENMILL_AVX512_BF16)
+  int8_bf16 = kInt8Cache<cache_t> && head_dim % 32 == 0;
+#endif
+  const int64_t heads_per_item = batch >= 4 * at::get_num_threads() && !int8_bf16 ? num_kv_heads : 1;
   const int64_t items_per_request = num_kv_heads / heads_per_item;
   const int64_t num_items = batch * items_per_request;
   for (int64_t b = 0; b < batch; ++b)
@@ -489,25 +599,42 @@ void run_paged_decode(const torch::Tensor& query, const torch::Tensor& kv_cache,
         const int64_t b = item / items_per_request;
         const int64_t h0 = (item % items_per_request) * heads_per_item, h1 = h0 + heads_per_item;
         const int64_t q_offset = (b * num_heads + h0 * group) * head_dim;
+        if constexpr (kInt8Cache<cache_t>) {
 #if defined(TOKENMILL_AVX512_BF16)
-        if constexpr (std::is_same_v<cache_t, at::BFloat16>) {
-          if (head_dim % 32 == 0) {
-            decode_one_dpbf16<q_t>(q_base + q_offset, k_base, v_base, tables + b * max_blocks, lens[b], block_size,
-                                   token_stride, h0, h1, group, head_dim, static_cast<float>(scale),
-                                   static_cast<float>(softcap), out_base + q_offset, w.bf16);
+          if (int8_bf16) {
+            decode_one_int8_dpbf16<q_t>(q_base + q_offset, k_base, v_base, tables + b * max_blocks, lens[b],
+                                        block_size, token_stride, h0, group, head_dim, head_stride,
+                                        static_cast<float>(scale), static_cast<float>(softcap), out_base + q_offset,
+                                        w.int8_bf16);
             return;
           }
-        }
 #endif
-        decode_one<q_t, cache_t>(q_base + q_offset, k_base, v_base, tables + b * max_blocks, lens[b], block_size,
-                                 token_stride, h0, h1, group, head_dim, head_stride, static_cast<float>(scale),
-                                 static_cast<float>(softcap), out_base + q_offset, w.scores, w.acc, w.qf);
+          decode_one_int8<q_t>(q_base + q_offset, k_base, v_base, tables + b * max_blocks, lens[b], block_size,
+                               token_stride, h0, h1, group, head_dim, head_stride, static_cast<float>(scale),
+                               static_cast<float>(softcap), out_base + q_offset, w.int8);
+        } else {
+#if defined(TOKENMILL_AVX512_BF16)
+          if constexpr (std::is_same_v<cache_t, at::BFloat16>) {
+            if (head_dim % 32 == 0) {
+              decode_one_dpbf16<q_t>(q_base + q_offset, k_base, v_base, tables + b * max_blocks, lens[b], block_size,
+                                     token_stride, h0, h1, group, head_dim, static_cast<float>(scale),
+                                     static_cast<float>(softcap), out_base + q_offset, w.bf16);
+              return;
+            }
+          }
+#endif
+          decode_one<q_t, cache_t>(q_base + q_offset, k_base, v_base, tables + b * max_blocks, lens[b], block_size,
+                                   token_stride, h0, h1, group, head_dim, static_cast<float>(scale),
+                                   static_cast<float>(softcap), out_base + q_offset, w.scores, w.acc, w.qf);
+        }
       });
 }
 }  // namespace
 
 // query and kv_cache of one dtype (float32, bfloat16, float16), a float32 query over a bfloat16 or
-// float16 cache, or any of those queries over an int8 cache (kv_int8.py's rows). The output has the query's dtype. Over a bfloat16 cache with head_dim a multiple of 32, on CPUs
+// float16 cache, or any of those queries over an int8 cache (kv_int8.py's rows). The output has the query's dtype.
+// Over an int8 cache with head_dim a multiple of 32, on CPUs with AVX-512 BF16, in bfloat16 products too (the rows
+// dequantized to bfloat16 first: decode_one_int8_dpbf16). Over a bfloat16 cache with head_dim a multiple of 32, on CPUs
 // with AVX-512 BF16, in bfloat16 products (decode_one_dpbf16); otherwise in float32 products.
 torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache, torch::Tensor block_tables,
                                      torch::Tensor context_lens, double scale, double softcap) {
@@ -515,7 +642,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-D");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt && block_tables.is_contiguous(), "block_tables int32");
   TORCH_CHECK(context_lens.scalar_type() == torch::kInt, "context_lens int32");
-  TORCH_CHECK(kv_cache.size(4) == query.size(2) + (kv_cache.scalar_type() == torch::kChar ? kKvInt8ScaleBytes : 0) &&
+  TORCH_CHECK(kv_cache.size(4) == (kv_cache.scalar_type() == torch::kChar ? kv_int8_row_width(query.size(2))
+                                                                           : query.size(2)) &&
               query.size(1) % kv_cache.size(3) == 0, "head shapes do not match");
   auto out = torch::empty_like(query);
   dispatch_attention_dtypes(query, kv_cache, "paged_decode_attention", [&](auto* q_tag, auto* cache_tag) {

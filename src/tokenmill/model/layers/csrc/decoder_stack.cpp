@@ -73,12 +73,12 @@ void write_kv_rows(const torch::Tensor& qkv, int64_t q_size, int64_t kv_size, to
   }
 }
 
-// An int8 cache's rows (kv_int8.py): each head's head_dim values quantized with their scale after them.
+// An int8 cache's rows (kv_int8.py): each head's head_dim values quantized, their scales after them.
 void write_kv_rows_int8(const torch::Tensor& qkv, int64_t q_size, int64_t kv_size, torch::Tensor& kv_cache,
                         const int64_t* slots) {
   int8_t* cache = kv_cache.data_ptr<int8_t>();
   const int64_t plane = kv_cache.numel() / 2;
-  const int64_t heads = kv_cache.size(3), row = kv_cache.size(4), head_dim = row - kKvInt8ScaleBytes;
+  const int64_t heads = kv_cache.size(3), row = kv_cache.size(4), head_dim = kv_size / heads;
   const float* rows = qkv.data_ptr<float>();
   const int64_t stride = qkv.stride(0);
   for (int64_t t = 0; t < qkv.size(0); ++t) {
@@ -110,7 +110,8 @@ void write_kv_cache(torch::Tensor qkv, int64_t q_size, int64_t kv_size, torch::T
               qkv.size(1) == q_size + 2 * kv_size, "qkv: float32 [rows, q_size + 2 * kv_size] with contiguous rows");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-D");
   const bool int8_cache = kv_cache.scalar_type() == torch::kChar;
-  TORCH_CHECK(kv_cache.size(3) * (kv_cache.size(4) - (int8_cache ? kKvInt8ScaleBytes : 0)) == kv_size,
+  const int64_t heads = kv_cache.size(3), head_dim = kv_size / heads;
+  TORCH_CHECK(kv_size % heads == 0 && kv_cache.size(4) == (int8_cache ? kv_int8_row_width(head_dim) : head_dim),
               "kv_size must be the cache's heads x head_dim");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous() &&
               slot_mapping.numel() == qkv.size(0), "slot_mapping: int64 [rows]");
@@ -182,7 +183,7 @@ torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions,
     TORCH_CHECK(cache.is_contiguous() &&
                 (cache_type == torch::kFloat || cache_type == torch::kHalf || cache_type == torch::kBFloat16 ||
                  int8_cache) &&
-                cache.size(3) == num_kv_heads && cache.size(4) == head_dim + (int8_cache ? kKvInt8ScaleBytes : 0),
+                cache.size(3) == num_kv_heads && cache.size(4) == (int8_cache ? kv_int8_row_width(head_dim) : head_dim),
                 "kv cache: contiguous float32, float16, bfloat16 or int8 (with scales) with matching heads");
     torch::Tensor h;
     if (l == 0) {

@@ -20,7 +20,7 @@ namespace {
 
 constexpr int64_t kPrefillTileRows = 48;  // query rows (positions x group) per work item
 
-// out[i][d] = rows[i * stride + d] for i < n (an int8 cache's times its row's scale); rows n..KT-1 are zero
+// out[i][d] = rows[i * stride + d] for i < n (an int8 cache's dequantized); rows n..KT-1 are zero
 // (past the context: their probabilities are 0, and 0 * garbage could be NaN).
 template <int64_t KT, typename T>
 inline void load_rows_float(const T* rows, int64_t n, int64_t stride, int64_t head_dim, float* out) {
@@ -28,12 +28,7 @@ inline void load_rows_float(const T* rows, int64_t n, int64_t stride, int64_t he
     const T* row = rows + i * stride;
     int64_t d = 0;
     if constexpr (kInt8Cache<T>) {
-      const float row_scale = kv_row_scale(row, head_dim);
-#ifdef TOKENMILL_AVX2
-      const __m256 scale8 = _mm256_set1_ps(row_scale);
-      for (; d + 8 <= head_dim; d += 8) _mm256_storeu_ps(out + i * head_dim + d, _mm256_mul_ps(load8(row + d), scale8));
-#endif
-      for (; d < head_dim; ++d) out[i * head_dim + d] = to_float(row[d]) * row_scale;
+      dequantize_kv_row(row, head_dim, out + i * head_dim);
       continue;
     }
 #ifdef TOKENMILL_AVX2
@@ -328,7 +323,7 @@ std::vector<PrefillItem> prefill_work_items(const torch::Tensor& query_ranges, c
 }
 
 // A step's prefill chunks as the kernels read them: shapes, the cache's K and V halves, the work items.
-// head_stride: a (token, head) row's width in the cache (head_dim, or an int8 cache's head_dim + its scale).
+// head_stride: a (token, head) row's width in the cache (head_dim, or an int8 cache's head_dim + its scales).
 template <typename cache_t>
 struct PrefillStep {
   int64_t head_dim, head_stride, block_size, group, token_stride, max_blocks;
@@ -401,7 +396,8 @@ void check_prefill_arguments(const torch::Tensor& query, const torch::Tensor& kv
     const int32_t* r = query_ranges.data_ptr<int32_t>() + 2 * c;
     TORCH_CHECK(0 <= r[0] && r[0] < r[1] && r[1] <= query.size(0), "query_ranges outside the query rows");
   }
-  TORCH_CHECK(kv_cache.size(4) == query.size(2) + (kv_cache.scalar_type() == torch::kChar ? kKvInt8ScaleBytes : 0) &&
+  TORCH_CHECK(kv_cache.size(4) == (kv_cache.scalar_type() == torch::kChar ? kv_int8_row_width(query.size(2))
+                                                                           : query.size(2)) &&
               query.size(1) % kv_cache.size(3) == 0, "head shapes do not match");
 }
 }  // namespace
