@@ -20,15 +20,15 @@ def check_against_hf(llm: LLM, hf_model, tokenizer, max_tokens: list[int]) -> No
         assert out.outputs[0].finish_reason == "length"
 
 
-# Every attention backend must produce the same tokens; "cpu" (the C++ paged kernels) is skipped
-# with its build error where no compiler is available. These run on the CPU device, whose backends and
+# Every attention backend must produce the same tokens; "cpu" (the C++ paged kernels) fails with its build
+# error where they do not build (skipped only with TOKENMILL_DISABLE_CPU_KERNELS=1). These run on the CPU device, whose backends and
 # packed weights they cover; tests/engine/test_cuda.py holds the same checks on a GPU.
 BACKENDS = ["torch", "cpu"]
 
 
 def require_backend(request, name: str) -> None:
     if name == "cpu":
-        request.getfixturevalue("kernels")  # skips when the kernels cannot be built
+        request.getfixturevalue("kernels")  # fails when the kernels cannot be built
 
 
 @pytest.mark.parametrize("backend,packed_linear", [("torch", False), ("torch", True), ("cpu", True)])
