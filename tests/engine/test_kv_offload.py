@@ -223,3 +223,22 @@ def test_a_cache_dtype_of_the_same_size_never_reads_the_others_blocks(tiny_llama
         llm = make(tiny_llama_dir, tmp_path, numerics="auto", dtype="float32", kv_cache_dtype=kv_cache_dtype)
         assert run(llm, [prompt])[0].num_cached_tokens == cached, kv_cache_dtype
         llm.shutdown()
+
+
+def test_an_int8_cache_restores_its_blocks_from_the_tier(request, tiny_llama_dir, tmp_path):
+    """--kv-cache-dtype int8: the tier stores a block's int8 values and scales as bytes and restores them, so a
+    prefix read back from the tier gives the tokens computing it gave."""
+    request.getfixturevalue("kernels")
+    numerics = dict(numerics="auto", kv_cache_dtype="int8", dtype="float32", block_matmul="float32")
+    prompts = [ids(5, 100), ids(5, 70) + ids(900, 20)]
+    plain = LLM(str(tiny_llama_dir), num_kv_blocks=64, max_model_len=512, enable_prefix_caching=False, **numerics)
+    expected = tokens(run(plain, prompts))
+    llm = make(tiny_llama_dir, tmp_path, **numerics)
+    core = engine(llm)
+    assert core.runner.kv_caches[0].dtype == torch.int8
+    assert tokens(run(llm, prompts[:1])) == expected[:1]
+    assert core.kv_tier.flush()
+    assert core.kv_cache.reset_prefix_cache()
+    outputs = run(llm, prompts)
+    assert tokens(outputs) == expected
+    assert core.scheduler.get_stats().kv_offload["hits"] == 96
