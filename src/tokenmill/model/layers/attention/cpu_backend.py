@@ -105,8 +105,10 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         elif self.bf16_decode:
             attention += f" and decode attention on {decode_products}"
         if self.cache_dtype == torch.int8:
-            return ("cpu (prefill and decode attention in float32 over the int8 cache, rows dequantized as they are "
-                    f"read; SDPA for chunks of {CPU_PREFILL_KERNEL_MAX_TOKENS} tokens and more)")
+            decode = "AVX-512 BF16 dot products (rows widened to bfloat16)" if \
+                getattr(self.kernels, "bf16_decode_attention_available", lambda: False)() else "float32"
+            return (f"cpu (over the int8 cache, rows dequantized as they are read: decode attention on {decode}, "
+                    f"prefill in float32, SDPA for chunks of {CPU_PREFILL_KERNEL_MAX_TOKENS} tokens and more)")
         bf16_cache = self.cache_dtype == torch.bfloat16 and (self.bf16_prefill or self.bf16_decode)
         return f"cpu ({attention}{' over the bfloat16 cache' if bf16_cache else ''})"
 
