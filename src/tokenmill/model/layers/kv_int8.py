@@ -38,12 +38,12 @@ def cache_head_dim(kv_cache: torch.Tensor) -> int:
     width = kv_cache.shape[-1]
     if kv_cache.dtype != torch.int8:
         return width
-    # width = D + 2 * ceil(D / 32) grows with D, so at most one D has it, within a few of width * 32 / 34
-    estimate = width * KV_INT8_GROUP // (KV_INT8_GROUP + KV_INT8_SCALE_BYTES)
-    for head_dim in range(max(1, estimate - 2), estimate + 3):
-        if kv_row_width(head_dim, torch.int8) == width:
-            return head_dim
-    raise ValueError(f"an int8 KV cache row of {width} bytes holds no whole head")
+    # width = D + 2 * ceil(D / 32) = 34 * ceil(D / 32) - (32 * ceil(D / 32) - D), the second term below 32: so
+    # ceil(D / 32) = ceil(width / 34)
+    head_dim = width - KV_INT8_SCALE_BYTES * -(-width // (KV_INT8_GROUP + KV_INT8_SCALE_BYTES))
+    if kv_row_width(head_dim, torch.int8) != width:
+        raise ValueError(f"an int8 KV cache row of {width} bytes holds no whole head")
+    return head_dim
 
 
 def _grouped(x: torch.Tensor) -> torch.Tensor:

@@ -89,12 +89,16 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         # An int8 cache's rows are dequantized by the float32 kernels, which every chunk then takes.
         self.bf16_prefill = bool(self.bf16_path) and (bf16_block_matmul or cache_dtype == torch.bfloat16) and \
             cache_dtype != torch.int8
-        # The decode kernel takes the same precision over a bfloat16 cache, on AVX-512 BF16 dot products (the
-        # kernel's own choice; recorded here for describe()).
-        self.bf16_decode = cache_dtype == torch.bfloat16 and \
+        # The decode kernel takes the same precision over a bfloat16 cache, and over an int8 one widened to
+        # bfloat16, on AVX-512 BF16 dot products (the kernel's own choice; recorded here for describe()).
+        self.bf16_decode = cache_dtype in (torch.bfloat16, torch.int8) and \
             getattr(kernels, "bf16_decode_attention_available", lambda: False)()
 
     def describe(self) -> str:
+        if self.cache_dtype == torch.int8:
+            decode = "AVX-512 BF16 dot products (rows widened to bfloat16)" if self.bf16_decode else "float32"
+            return (f"cpu (over the int8 cache, rows dequantized as they are read: decode attention on {decode}, "
+                    f"prefill in float32, SDPA for chunks of {CPU_PREFILL_KERNEL_MAX_TOKENS} tokens and more)")
         products, decode_products = _PRODUCTS.get(self.bf16_path, self.bf16_path), _PRODUCTS["avx512_bf16"]
         if self.bf16_prefill:
             attention = f"prefill attention on {products}"
@@ -104,11 +108,6 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
             attention = f"prefill and decode attention on {products}"
         elif self.bf16_decode:
             attention += f" and decode attention on {decode_products}"
-        if self.cache_dtype == torch.int8:
-            decode = "AVX-512 BF16 dot products (rows widened to bfloat16)" if \
-                getattr(self.kernels, "bf16_decode_attention_available", lambda: False)() else "float32"
-            return (f"cpu (over the int8 cache, rows dequantized as they are read: decode attention on {decode}, "
-                    f"prefill in float32, SDPA for chunks of {CPU_PREFILL_KERNEL_MAX_TOKENS} tokens and more)")
         bf16_cache = self.cache_dtype == torch.bfloat16 and (self.bf16_prefill or self.bf16_decode)
         return f"cpu ({attention}{' over the bfloat16 cache' if bf16_cache else ''})"
 

@@ -123,12 +123,12 @@ inline __m256 load8(const at::BFloat16* p) {
 #ifdef __F16C__
 inline __m256 load8(const at::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 #endif
-// An int8 cache's values as they are stored (its rows' scales are applied by the kernels: kv_row_scale).
+// 8 int8 values widened (an int8 cache's, before their scale: dequantize_kv_row).
 inline __m256 load8(const int8_t* p) {
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 template <typename T>
-constexpr bool kVectorCache = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16> || std::is_same_v<T, int8_t>
+constexpr bool kVectorCache = std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>
 #ifdef __F16C__
                               || std::is_same_v<T, at::Half>
 #endif
@@ -150,6 +150,11 @@ constexpr bool kInt8Cache = std::is_same_v<cache_t, int8_t>;
 // Elements of a row of an int8 cache holding head_dim values.
 inline int64_t kv_int8_row_width(int64_t head_dim) {
   return head_dim + kKvInt8ScaleBytes * ((head_dim + kKvInt8Group - 1) / kKvInt8Group);
+}
+
+// Whether a cache's rows (its last dimension) hold heads of head_dim values in its dtype's layout.
+inline bool kv_rows_hold(const torch::Tensor& kv_cache, int64_t head_dim) {
+  return kv_cache.size(4) == (kv_cache.scalar_type() == torch::kChar ? kv_int8_row_width(head_dim) : head_dim);
 }
 
 inline float kv_int8_scale(const int8_t* row, int64_t head_dim, int64_t group) {

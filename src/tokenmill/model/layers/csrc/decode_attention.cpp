@@ -642,9 +642,8 @@ torch::Tensor paged_decode_attention(torch::Tensor query, torch::Tensor kv_cache
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-D");
   TORCH_CHECK(block_tables.scalar_type() == torch::kInt && block_tables.is_contiguous(), "block_tables int32");
   TORCH_CHECK(context_lens.scalar_type() == torch::kInt, "context_lens int32");
-  TORCH_CHECK(kv_cache.size(4) == (kv_cache.scalar_type() == torch::kChar ? kv_int8_row_width(query.size(2))
-                                                                           : query.size(2)) &&
-              query.size(1) % kv_cache.size(3) == 0, "head shapes do not match");
+  TORCH_CHECK(kv_rows_hold(kv_cache, query.size(2)) && query.size(1) % kv_cache.size(3) == 0,
+              "head shapes do not match");
   auto out = torch::empty_like(query);
   dispatch_attention_dtypes(query, kv_cache, "paged_decode_attention", [&](auto* q_tag, auto* cache_tag) {
     using q_t = std::remove_pointer_t<decltype(q_tag)>;

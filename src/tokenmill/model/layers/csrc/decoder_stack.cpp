@@ -109,9 +109,8 @@ void write_kv_cache(torch::Tensor qkv, int64_t q_size, int64_t kv_size, torch::T
   TORCH_CHECK(qkv.dim() == 2 && qkv.scalar_type() == torch::kFloat && qkv.stride(1) == 1 &&
               qkv.size(1) == q_size + 2 * kv_size, "qkv: float32 [rows, q_size + 2 * kv_size] with contiguous rows");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.is_contiguous(), "kv_cache must be contiguous 5-D");
-  const bool int8_cache = kv_cache.scalar_type() == torch::kChar;
-  const int64_t heads = kv_cache.size(3), head_dim = kv_size / heads;
-  TORCH_CHECK(kv_size % heads == 0 && kv_cache.size(4) == (int8_cache ? kv_int8_row_width(head_dim) : head_dim),
+  const int64_t heads = kv_cache.size(3);
+  TORCH_CHECK(kv_size % heads == 0 && kv_rows_hold(kv_cache, kv_size / heads),
               "kv_size must be the cache's heads x head_dim");
   TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous() &&
               slot_mapping.numel() == qkv.size(0), "slot_mapping: int64 [rows]");
@@ -179,11 +178,10 @@ torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions,
     TORCH_CHECK(slot_mapping.scalar_type() == torch::kLong && slot_mapping.is_contiguous() &&
                 slot_mapping.numel() == rows, "slot_mapping: int64 [rows]");
     const auto cache_type = cache.scalar_type();
-    const bool int8_cache = cache_type == torch::kChar;
     TORCH_CHECK(cache.is_contiguous() &&
                 (cache_type == torch::kFloat || cache_type == torch::kHalf || cache_type == torch::kBFloat16 ||
-                 int8_cache) &&
-                cache.size(3) == num_kv_heads && cache.size(4) == (int8_cache ? kv_int8_row_width(head_dim) : head_dim),
+                 cache_type == torch::kChar) &&
+                cache.size(3) == num_kv_heads && kv_rows_hold(cache, head_dim),
                 "kv cache: contiguous float32, float16, bfloat16 or int8 (with scales) with matching heads");
     torch::Tensor h;
     if (l == 0) {

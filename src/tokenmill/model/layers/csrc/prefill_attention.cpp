@@ -396,9 +396,8 @@ void check_prefill_arguments(const torch::Tensor& query, const torch::Tensor& kv
     const int32_t* r = query_ranges.data_ptr<int32_t>() + 2 * c;
     TORCH_CHECK(0 <= r[0] && r[0] < r[1] && r[1] <= query.size(0), "query_ranges outside the query rows");
   }
-  TORCH_CHECK(kv_cache.size(4) == (kv_cache.scalar_type() == torch::kChar ? kv_int8_row_width(query.size(2))
-                                                                           : query.size(2)) &&
-              query.size(1) % kv_cache.size(3) == 0, "head shapes do not match");
+  TORCH_CHECK(kv_rows_hold(kv_cache, query.size(2)) && query.size(1) % kv_cache.size(3) == 0,
+              "head shapes do not match");
 }
 }  // namespace
 
