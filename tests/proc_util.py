@@ -13,6 +13,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_ports(count: int) -> list[int]:
+    """`count` distinct loopback ports that nothing listens on now. The sockets stay bound until all are
+    chosen: separate `free_port()` calls may hand back the same just-released port twice."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
 def child_pids(pid: int) -> list[int]:
     """The pids whose parent is `pid` (field 4 of /proc/PID/stat)."""
     children = []

@@ -24,7 +24,7 @@ from typing import Iterator
 
 import httpx
 import pytest
-from proc_util import free_port, stop_process
+from proc_util import free_ports, stop_process
 from server_process import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -131,7 +131,8 @@ def proxy(tiny_llama_dir) -> Iterator[Proxy]:
     nginx = None
     try:
         cert, key = self_signed_certificate(directory)
-        tls_port = free_port()
+        # The server may not have bound its port yet: nginx's must differ from it.
+        tls_port = next(port for port in free_ports(2) if port != server.port)
         site = directory / "tokenmill.conf"
         site.write_text(render(EXAMPLE.read_text(), server.port, tls_port, cert, key))
         (directory / "nginx.conf").write_text(nginx_conf(directory, site))

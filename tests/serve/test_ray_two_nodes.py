@@ -28,7 +28,7 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from proc_util import descendants, free_port, still_alive, stop_process  # noqa: E402
+from proc_util import descendants, free_ports, still_alive, stop_process  # noqa: E402
 
 import tokenmill  # noqa: E402
 from tokenmill.serve.ray_app import ENGINE_DEPLOYMENT, FRONT_DEPLOYMENT, REPLICA_HEADER, build_app  # noqa: E402
@@ -43,13 +43,14 @@ FAILOVER_S = 120.0  # how long requests may fail after a node is lost, before th
 class RayNode:
     """`ray start ... --block` in its own session: one Ray node, stopped alone by SIGTERM."""
 
-    def __init__(self, name: str, log_dir: Path, role: list[str]) -> None:
+    def __init__(self, name: str, log_dir: Path, role: list[str], free: Iterator[int]) -> None:
         self.name = name
         ray_cli = Path(sys.executable).with_name("ray")
-        # Two nodes on one host: every port a node opens is its own (workers take random ports).
-        ports = {flag: str(free_port()) for flag in (
-            "--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
-            "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")}
+        # Two nodes on one host: every port a node opens is its own (workers take random ports), and
+        # distinct from the others it opens (Ray refuses to start on a port named twice).
+        flags = ("--node-manager-port", "--object-manager-port", "--dashboard-agent-listen-port",
+                 "--dashboard-agent-grpc-port", "--runtime-env-agent-port", "--metrics-export-port")
+        ports = {flag: str(next(free)) for flag in flags}
         cmd = [str(ray_cli), "start", *role, "--num-cpus", "2", "--resources", json.dumps({name: 1}),
                *(item for pair in ports.items() for item in pair), "--disable-usage-stats", "--block"]
         self.log_path = log_dir / f"{name}.log"
@@ -114,9 +115,13 @@ class Cluster:
 def cluster(smollm2_path) -> Iterator[Cluster]:
     log_dir = Path(tempfile.mkdtemp(prefix="tm-ray-"))  # short: Ray's socket paths live under it
     before = descendants(os.getpid())
-    gcs = f"127.0.0.1:{free_port()}"
+    # Every port the cluster opens, chosen at once so that no two coincide: six per node, the GCS, the
+    # Ray client server and Serve's HTTP proxy.
+    free = iter(free_ports(2 * 6 + 3))
+    gcs = f"127.0.0.1:{next(free)}"
     head = RayNode("node_a", log_dir, ["--head", "--port", gcs.rsplit(":", 1)[1], "--temp-dir", str(log_dir),
-                                       "--include-dashboard=false", "--ray-client-server-port", str(free_port())])
+                                       "--include-dashboard=false", "--ray-client-server-port", str(next(free))],
+                   free)
     second: Optional[RayNode] = None
     driver_pids: set[int] = set()
     try:
@@ -124,13 +129,13 @@ def cluster(smollm2_path) -> Iterator[Cluster]:
         _wait_for(lambda: head.proc.poll() is not None or b"Ray runtime started" in head.log_path.read_bytes(),
                   120, "the head node")
         assert head.proc.poll() is None, head.log_path.read_text()
-        second = RayNode("node_b", log_dir, ["--address", gcs])
+        second = RayNode("node_b", log_dir, ["--address", gcs], free)
         # Ray's workers import tokenmill from wherever this process did (a checkout or the installed package).
         src = str(Path(tokenmill.__file__).resolve().parents[1])
         pythonpath = os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)
         ray.init(address=gcs, log_to_driver=False, runtime_env={"env_vars": {"PYTHONPATH": pythonpath}})
         _wait_for(lambda: len(_alive_nodes()) == 2, 120, "two Ray nodes")
-        port = free_port()
+        port = next(free)
         # One HTTP proxy, on the head (every node's proxy would take the same port on this one host).
         serve.start(http_options={"host": "127.0.0.1", "port": port, "location": "HeadOnly"})
         app = build_app({"model": str(smollm2_path), "replicas": "2", "front_replicas": "2",
