@@ -19,7 +19,7 @@ from tokenmill.model.loader import load_model_source
 
 # Offsets of the float16 scale fields in each block type (the rest of a block is arbitrary bits).
 _F16_FIELDS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q4_K": (0, 2),
-               "Q5_K": (0, 2)}
+               "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def random_gguf_tensor(type_name: str, out_features: int, in_features: int, seed: int):
@@ -48,6 +48,29 @@ def test_blocks_reproduce_gguf_py_values_bit_for_bit(type_name):
     assert blocks.q.dtype == torch.int8 and blocks.q.shape == (6, in_features)
     assert blocks.scales.shape == (6, in_features // 32)
     assert (blocks.mins is not None) == (type_name in ("Q4_1", "Q5_1", "Q4_K", "Q5_K"))
+    assert torch.equal(blocks.dequantize(), expected)
+
+
+@pytest.mark.parametrize("out_features", [6, 2100])  # 2100 rows of 512: more than one decoding pass
+def test_q6_k_decodes_to_gguf_py_values_bit_for_bit(out_features):
+    """Q6_K (Q4_K_M's six-bit matrices) loads dense through tokenmill's own decoder."""
+    from gguf import quants
+
+    from tokenmill.model.gguf_loader import _DEQUANTIZERS, _in_chunks, _raw_blocks
+
+    tensor = random_gguf_tensor("Q6_K", out_features, 512, seed=out_features)
+    expected = quants.dequantize(tensor.data, tensor.tensor_type).reshape(out_features, 512)
+    ours = _in_chunks(_DEQUANTIZERS["Q6_K"], _raw_blocks(tensor), 256).reshape(out_features, 512)
+    assert np.array_equal(ours, expected)
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0"])
+def test_blocks_decoded_in_several_passes_equal_one(type_name):
+    from gguf import quants
+
+    tensor = random_gguf_tensor(type_name, 2100, 512, seed=3)
+    blocks = gguf_int8_blocks(tensor)
+    expected = torch.from_numpy(quants.dequantize(tensor.data, tensor.tensor_type).reshape(2100, 512).copy())
     assert torch.equal(blocks.dequantize(), expected)
 
 

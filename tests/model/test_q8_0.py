@@ -10,7 +10,7 @@ from model_factory import GOLDEN_PROMPTS, hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import TokenmillError
 from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, BlockQuantLinear, Int8Blocks, dequantize_q8_0,
-                                          pack_blocks, quantize_q8_0)
+                                          pack_blocks, quantize_q8_0, unpack_blocks)
 
 
 def pack_int8_blocks(q, scales, mins=None):
@@ -203,3 +203,24 @@ def test_round_while_loading_passes_on_what_it_does_not_round(tiny_llama_dir):
     assert out["model.layers.0.mlp.down_proj.weight"] is odd  # 48 inputs: not whole 32-value blocks
     assert list(blocks) == ["model.layers.0.self_attn.q_proj.weight"]
     assert torch.equal(blocks["model.layers.0.self_attn.q_proj.weight"].q, quantize_q8_0(q_proj)[0])
+
+
+@pytest.mark.parametrize("layout", ["rows", "dot"])
+@pytest.mark.parametrize("bits", [4, 8])
+def test_rounding_and_packing_in_several_passes_equal_one(monkeypatch, layout, bits):
+    """Load rounds and packs a large matrix a run of rows at a time (100 x 8192: four passes, the last one
+    padded); the bytes are those of one pass over the whole matrix."""
+    import tokenmill.model.layers.linear as linear
+
+    weight = torch.randn(100, 8192, generator=torch.Generator().manual_seed(bits))
+    q, scales = quantize_q8_0(weight)
+    if bits == 4:
+        q = (q // 16).clamp(-8, 7)  # the integers of a 4-bit type without mins
+    blocks = Int8Blocks(q, scales)
+    in_passes = pack_blocks(blocks, bits, layout)
+    monkeypatch.setattr(linear, "_VALUES_PER_PASS", 1 << 30)
+    if bits == 8:  # rounded in one pass
+        assert all(torch.equal(a, b) for a, b in zip((q, scales), quantize_q8_0(weight)))
+    in_one = pack_blocks(blocks, bits, layout)
+    assert all(torch.equal(a, b) for a, b in zip(in_passes, in_one) if a is not None)
+    assert torch.equal(unpack_blocks(*in_passes, 100).q, q)

@@ -148,12 +148,27 @@ def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     out_features, in_features = weight.shape
     if in_features % QUANT_BLOCK:
         raise ValueError(f"Q8_0 needs in_features divisible by {QUANT_BLOCK}, got {in_features}")
-    blocks = weight.detach().float().reshape(out_features, in_features // QUANT_BLOCK, QUANT_BLOCK)
-    low, high = torch.aminmax(blocks, dim=-1)  # one pass for max|w|, no |w| copy
-    d = torch.maximum(-low, high).div_(127.0)
-    safe = torch.where(d == 0, torch.ones_like(d), d)
-    q = blocks.div(safe.unsqueeze(-1)).round_().to(torch.int8)  # |w| / d <= 127: no clamp needed
-    return q.reshape(out_features, in_features), d.to(torch.float16).float()
+    q = torch.empty(out_features, in_features, dtype=torch.int8)
+    scales = torch.empty(out_features, in_features // QUANT_BLOCK)
+    step = _rows_per_pass(in_features)  # a run of rows at a time: the float intermediates stay in cache
+    for start in range(0, out_features, step):
+        rows = slice(start, start + step)
+        blocks = weight[rows].detach().float().reshape(-1, in_features // QUANT_BLOCK, QUANT_BLOCK)
+        low, high = torch.aminmax(blocks, dim=-1)  # one pass for max|w|, no |w| copy
+        d = torch.maximum(-low, high).div_(127.0)
+        safe = torch.where(d == 0, torch.ones_like(d), d)
+        q[rows] = blocks.div(safe.unsqueeze(-1)).round_().reshape(-1, in_features)  # |w| / d <= 127: no clamp
+        scales[rows] = d.to(torch.float16)
+    return q, scales
+
+
+# Weights rounded or packed per pass at load: a run of rows whose intermediates fit in L2, instead of whole
+# matrices streamed through memory once per tensor operation.
+_VALUES_PER_PASS = 1 << 18
+
+
+def _rows_per_pass(in_features: int, multiple: int = 1) -> int:
+    return max(1, _VALUES_PER_PASS // (in_features * multiple)) * multiple
 
 
 def dequantize_q8_0(q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -195,27 +210,41 @@ def pack_blocks(blocks: Int8Blocks, bits: Optional[int] = None, layout: str = "r
     out_features, in_features = q.shape
     num_blocks = in_features // QUANT_BLOCK
     panels = -(-out_features // QUANT_PANEL)
-    q_padded = torch.zeros(panels * QUANT_PANEL, in_features, dtype=torch.int8)
-    q_padded[:out_features] = q
-    packed_q = q_padded.reshape(panels, QUANT_PANEL, num_blocks, QUANT_BLOCK).permute(0, 2, 3, 1)  # [p][b][k][f]
     offset = 0 if mins is not None else 8
-    if layout == "dot":
-        groups = packed_q.reshape(panels, num_blocks, QUANT_BLOCK // 4, 4, QUANT_PANEL).transpose(3, 4)  # [g][f][j]
-        if bits == 8:
-            packed_q = groups.reshape(panels, num_blocks, QUANT_BLOCK // 4, 64).contiguous()
-        else:
-            nibbles = groups.to(torch.int16).reshape(panels, num_blocks, QUANT_BLOCK // 8, 2, 64) + offset
-            packed_q = (nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)).to(torch.uint8).contiguous()
-    elif bits == 4:
-        nibbles = packed_q.to(torch.int16) + offset
-        packed_q = (nibbles[..., :8] | (nibbles[..., 8:] << 4)).to(torch.uint8).contiguous()
-    else:
-        packed_q = packed_q.contiguous()
+    packed_q = None
+    step = _rows_per_pass(in_features, QUANT_PANEL)  # whole panels per pass
+    for start in range(0, out_features, step):
+        part = _pack_panel_integers(q[start:start + step], bits, layout, offset)
+        if packed_q is None:
+            packed_q = torch.empty((panels, *part.shape[1:]), dtype=part.dtype)
+        packed_q[start // QUANT_PANEL:start // QUANT_PANEL + len(part)] = part
     packed_scales = _pack_panel_values(scales, panels)
     packed_mins = None if mins is None else _pack_panel_values(mins, panels)
     if layout == "dot" and all(_fits_float16(t) for t in (packed_scales, packed_mins) if t is not None):
         packed_scales, packed_mins = (None if t is None else t.half() for t in (packed_scales, packed_mins))
     return packed_q, packed_scales, packed_mins
+
+
+def _pack_panel_integers(q: torch.Tensor, bits: int, layout: str, offset: int) -> torch.Tensor:
+    """`pack_blocks`'s integers for rows q (whole panels of 16, the last zero-padded)."""
+    out_features, in_features = q.shape
+    num_blocks = in_features // QUANT_BLOCK
+    panels = -(-out_features // QUANT_PANEL)
+    if panels * QUANT_PANEL != out_features:
+        q_padded = torch.zeros(panels * QUANT_PANEL, in_features, dtype=torch.int8)
+        q_padded[:out_features] = q
+        q = q_padded
+    packed_q = q.reshape(panels, QUANT_PANEL, num_blocks, QUANT_BLOCK).permute(0, 2, 3, 1)  # [p][b][k][f]
+    if layout == "dot":
+        groups = packed_q.reshape(panels, num_blocks, QUANT_BLOCK // 4, 4, QUANT_PANEL).transpose(3, 4)  # [g][f][j]
+        if bits == 8:
+            return groups.reshape(panels, num_blocks, QUANT_BLOCK // 4, 64).contiguous()
+        nibbles = groups.to(torch.int16).reshape(panels, num_blocks, QUANT_BLOCK // 8, 2, 64) + offset
+        return (nibbles[:, :, :, 0] | (nibbles[:, :, :, 1] << 4)).to(torch.uint8).contiguous()
+    if bits == 4:
+        nibbles = packed_q.to(torch.int16) + offset
+        return (nibbles[..., :8] | (nibbles[..., 8:] << 4)).to(torch.uint8).contiguous()
+    return packed_q.contiguous()
 
 
 def _fits_float16(values: torch.Tensor) -> bool:
