@@ -64,6 +64,26 @@ def test_q6_k_decodes_to_gguf_py_values_bit_for_bit(out_features):
     assert np.array_equal(ours, expected)
 
 
+@pytest.mark.parametrize("type_name", ["Q6_K", "F16"])
+def test_the_reader_rounds_other_types_as_the_dense_matrix_rounds(type_name):
+    """A matrix the file stores in a type not kept (Q6_K, F16) is rounded to Q8_0 by the reader, a run of rows
+    at a time: the integers and scales of rounding its whole dequantized matrix."""
+    from gguf import GGMLQuantizationType, quants
+
+    from tokenmill.model.gguf_loader import _rounded_to_q8_0
+
+    if type_name == "F16":
+        values = np.random.default_rng(5).normal(0, 0.02, size=(2100, 512)).astype(np.float16)
+        tensor = SimpleNamespace(tensor_type=GGMLQuantizationType.F16, shape=np.array([512, 2100]), data=values)
+    else:
+        tensor = random_gguf_tensor(type_name, 2100, 512, seed=7)
+    dense = torch.from_numpy(np.asarray(quants.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+                             .reshape(2100, 512).copy())
+    blocks = _rounded_to_q8_0(tensor, (2100, 512))
+    q, scales = quantize_q8_0(dense)
+    assert torch.equal(blocks.q, q) and torch.equal(blocks.scales, scales) and blocks.mins is None
+
+
 @pytest.mark.parametrize("type_name", ["Q4_K", "Q8_0"])
 def test_blocks_decoded_in_several_passes_equal_one(type_name):
     from gguf import quants

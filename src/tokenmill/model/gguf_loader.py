@@ -9,8 +9,12 @@ checkpoint and are undone here:
 """
 from __future__ import annotations
 
+import ctypes
 import math
-from collections.abc import Iterator
+import mmap
+import sys
+from collections.abc import Container, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +25,7 @@ from tokenmill.errors import ModelLoadError
 from tokenmill.model import tokenizer_cache
 from tokenmill.model.gguf_families import (GGUF_FAMILIES, LLAMA_WITH_EXPERTS, GgufFamily, block_tensor_names,
                                            family_settings)
-from tokenmill.model.layers.linear import Int8Blocks
+from tokenmill.model.layers.linear import Int8Blocks, quantize_q8_0
 
 
 if TYPE_CHECKING:
@@ -127,9 +131,18 @@ def read_gguf_config(reader: gguf.GGUFReader, path: Path) -> tuple[PretrainedCon
     return config_class(**settings), family.hf_architecture
 
 
+@dataclass
+class Q8_0Rounding:
+    """Matrices to round to Q8_0 as they load (`names`: HF names), and the names rounded so far."""
+
+    names: Container[str]
+    rounded: set[str] = field(default_factory=set)
+
+
 def iter_gguf_weights(
     path: Path, config: PretrainedConfig, dtype: torch.dtype, reader: gguf.GGUFReader | None = None,
     int8_blocks: dict[str, Int8Blocks] | None = None, dense_kept: bool = False,
+    rounding: Q8_0Rounding | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, tensor) one tensor at a time, dequantized and in HF layout.
 
@@ -139,7 +152,12 @@ def iter_gguf_weights(
     those blocks, which reproduces gguf-py's values bit for bit (tests/model/test_gguf_int8.py) in a
     fraction of its time; other types go through gguf-py. With `int8_blocks` (float32 only), such a
     matrix is put there under its HF name and yielded as a shape-only `meta` tensor, for a consumer
-    that skips the names it finds there, unless `dense_kept` asks for its dense values too.
+    that skips the names it finds there, unless `dense_kept` asks for its dense values too. With `rounding`
+    too, the matrices it names in other types (Q6_K, F16, ...) are rounded to Q8_0 into `int8_blocks` a run
+    of rows at a time, never held dense, and yielded as `meta` tensors.
+
+    Each tensor's pages of the mapped file are released once it is read: they stay in the page cache,
+    but not in this process's resident memory beside the weights built from them.
     """
     from gguf import quants
 
@@ -167,8 +185,15 @@ def iter_gguf_weights(
         blocks = gguf_int8_blocks(tensor)
         if blocks is not None and unpermute is not None:
             blocks = blocks.map_rows(lambda rows: unpermute_rotary_rows(rows, unpermute))
+        if blocks is None and keep and not dense_kept and rounding is not None and hf_name in rounding.names \
+                and len(shape) == 2 and shape[1] % 32 == 0:
+            blocks = _rounded_to_q8_0(tensor, shape)
+            if unpermute is not None:
+                blocks = blocks.map_rows(lambda rows: unpermute_rotary_rows(rows, unpermute))
+            rounding.rounded.add(hf_name)
         if blocks is not None and keep:
             int8_blocks[hf_name] = blocks
+            _release_pages(tensor)
             if not dense_kept:
                 yield hf_name, torch.empty(shape, dtype=dtype, device="meta")
                 continue
@@ -183,6 +208,7 @@ def iter_gguf_weights(
             if unpermute is not None:
                 weight = unpermute_rotary_rows(weight, unpermute)
             del array
+        _release_pages(tensor)
         weight = weight.to(dtype)
         if family.norm_offset and tensor.name.endswith("norm.weight"):
             weight = weight - family.norm_offset
@@ -236,6 +262,55 @@ def gguf_int8_blocks(tensor: Any) -> Int8Blocks | None:
         torch.from_numpy(scales.reshape(out_features, subblocks)),
         None if mins is None else torch.from_numpy(mins.reshape(out_features, subblocks)),
     )
+
+
+def _rounded_to_q8_0(tensor: Any, shape: tuple[int, ...]) -> Int8Blocks:
+    """A matrix in a type not kept as stored, rounded to Q8_0 (`quantize_q8_0`) a run of rows at a time: its
+    float32 values exist for those rows only (an 8B model's Q6_K head is 2 GB as float32)."""
+    from gguf import quants
+
+    out_features, in_features = shape
+    rows_data = np.asarray(tensor.data).reshape(out_features, -1)  # one row of values or blocks each
+    dequantize = _DEQUANTIZERS.get(tensor.tensor_type.name)
+    q = torch.empty(out_features, in_features, dtype=torch.int8)
+    scales = torch.empty(out_features, in_features // 32)
+    step = max(1, _CHUNK_VALUES // in_features)
+    for start in range(0, out_features, step):
+        part = rows_data[start:start + step]
+        if dequantize is not None:
+            values = _in_chunks(dequantize, part.view(np.uint8).reshape(-1, _raw_blocks(tensor).shape[1]), 256)
+        else:
+            values = quants.dequantize(part, tensor.tensor_type)
+        q[start:start + step], scales[start:start + step] = quantize_q8_0(
+            torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(len(part), in_features)))
+    return Int8Blocks(q, scales)
+
+
+def _release_pages(tensor: Any) -> None:
+    """Drops the tensor's pages of the read-only file mapping from this process's resident set (madvise
+    MADV_DONTNEED: they stay in the page cache, and read back from there if touched again)."""
+    data = np.asarray(tensor.data)
+    if _LIBC is None or data.nbytes < _PAGE or not data.flags.c_contiguous:
+        return
+    start = data.ctypes.data
+    begin = -(-start // _PAGE) * _PAGE  # whole pages inside the tensor only: its neighbours' stay mapped
+    end = (start + data.nbytes) // _PAGE * _PAGE
+    if end > begin:
+        _LIBC.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), _MADV_DONTNEED)
+
+
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        return libc if sys.platform.startswith("linux") else None
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+_PAGE = mmap.PAGESIZE
+_MADV_DONTNEED = 4  # Linux's value (mmap.MADV_DONTNEED where Python defines it)
 
 
 # Values decoded per numpy pass: their int16/float32 intermediates fit in L2.

@@ -84,18 +84,19 @@ class ModelSource:
         return gguf_loader.has_int8_block_matrices(reader)
 
     def iter_weights(self, dtype: torch.dtype, int8_blocks: dict[str, Int8Blocks] | None = None,
-                     dense_kept: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+                     dense_kept: bool = False, rounding: gguf_loader.Q8_0Rounding | None = None,
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (HF parameter name, tensor in dtype), one tensor alive at a time.
 
         lm_head.weight is absent when the embeddings are tied and the file stores no head. With
         `int8_blocks`, a GGUF's block-quantized matrices are kept there as stored and yielded as
-        shape-only tensors unless `dense_kept` (see gguf_loader.iter_gguf_weights); other formats
-        leave it empty.
+        shape-only tensors unless `dense_kept` (see gguf_loader.iter_gguf_weights), and so are the
+        matrices `rounding` names in other types, rounded to Q8_0; other formats leave it empty.
         """
         if self.is_gguf:
             reader, self._gguf_reader = self._gguf_reader, None
             yield from gguf_loader.iter_gguf_weights(self.path, self.hf_config, dtype, reader, int8_blocks,
-                                                     dense_kept)
+                                                     dense_kept, rounding)
         else:
             yield from _iter_safetensors(self.path, dtype, CHECKPOINT_RENAMES.get(self.architecture, ()))
 

@@ -16,6 +16,7 @@ from tokenmill.model.layers.basic import keep_rotary_tables_float, use_cpu_kerne
 from tokenmill.distributed.parallel_state import TensorParallelGroup
 from tokenmill.model.layers.linear import Int8Blocks, skip_weight_init
 from tokenmill.model.layers.linear_method import LinearMethods
+from tokenmill.model.gguf_loader import Q8_0Rounding
 from tokenmill.model.layers.parallel import fused_qkv_rows, shard_int8_blocks, shard_weights
 from tokenmill.model.registry import get_model_class
 from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, release_freed_memory
@@ -127,8 +128,12 @@ class ModelRunner:
         rank reads their float values too, for a shard whose inputs do not fall on 32-value blocks.
         draft_source: with a draft model (speculative decoding), its source, loaded on the rank that samples."""
         rounds = self.linear_methods.rounds_at_load(source.is_gguf)
-        int8_blocks = {} if rounds or self.linear_methods.keeps_int8_blocks(source.is_gguf) else None
-        weights = source.iter_weights(self.dtype, int8_blocks, dense_kept=self.tp is not None)
+        int8_blocks = self.linear_methods.block_store() if rounds or self.linear_methods.keeps_int8_blocks(
+            source.is_gguf) else None
+        # A GGUF's matrices in types not kept (Q6_K, F16) are rounded by its reader, a run of rows at a time.
+        rounding = Q8_0Rounding(self.linear_methods.matrix_names, self.linear_methods.rounded_at_load) \
+            if rounds and self.tp is None else None
+        weights = source.iter_weights(self.dtype, int8_blocks, dense_kept=self.tp is not None, rounding=rounding)
         if rounds:  # Q8_0 rounding (--quantization q8_0, a GGUF's Q6_K/F16 matrices): as each arrives, no float copy
             weights = self.linear_methods.round_while_loading(weights, int8_blocks)
         self.load_weights(weights, int8_blocks)

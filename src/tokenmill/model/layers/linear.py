@@ -282,6 +282,21 @@ def unpack_blocks(q: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Te
                       None if mins is None else per_feature(mins))
 
 
+@dataclass
+class PackedBlocks:
+    """An `Int8Blocks` in one of `pack_blocks`'s layouts, as a `BlockQuantLinear` holds it."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    mins: Optional[torch.Tensor]
+    out_features: int
+    in_features: int
+
+    @classmethod
+    def of(cls, blocks: Int8Blocks, layout: str) -> "PackedBlocks":
+        return cls(*pack_blocks(blocks, layout=layout), *blocks.q.shape)
+
+
 class BlockQuantLinear(nn.Module):
     """A linear whose weights stay block-quantized (`Int8Blocks`) at the width the GGUF stores them
     (4-bit Q4_0/Q4_1/Q4_K, 8-bit Q8_0/Q5_*), or a float weight rounded to Q8_0 at load (`from_weight`).
@@ -291,15 +306,21 @@ class BlockQuantLinear(nn.Module):
     (`triton_quant_linear`, any float dtype) with the packed tensors moved to `device`.
     """
 
-    def __init__(self, blocks: Int8Blocks, bias: torch.Tensor | None, kernels,
+    def __init__(self, blocks: Int8Blocks | PackedBlocks, bias: torch.Tensor | None, kernels,
                  device: Optional[torch.device] = None) -> None:
         super().__init__()
-        self.out_features, self.in_features = blocks.q.shape
-        if self.in_features % QUANT_BLOCK:
-            raise ValueError(f"block-quantized weights need in_features divisible by {QUANT_BLOCK}")
         # Packed where the loader left them (the CPU), then moved: a GPU holds no int16 intermediate.
         # In the layout the kernels read: `--block-matmul int8` keeps the integer dot products' own.
-        packed = pack_blocks(blocks, layout=getattr(kernels, "weight_layout", "rows"))
+        self.out_features, self.in_features = blocks.q.shape if isinstance(blocks, Int8Blocks) else \
+            (blocks.out_features, blocks.in_features)
+        if self.in_features % QUANT_BLOCK:
+            raise ValueError(f"block-quantized weights need in_features divisible by {QUANT_BLOCK}")
+        layout = getattr(kernels, "weight_layout", "rows")
+        if isinstance(blocks, Int8Blocks):
+            blocks = PackedBlocks.of(blocks, layout)
+        elif packed_layout(blocks.q) != layout:
+            raise ValueError(f"blocks packed in the {packed_layout(blocks.q)!r} layout; these kernels read {layout!r}")
+        packed = (blocks.q, blocks.scales, blocks.mins)
         self.q, self.scales, self.mins = (t if t is None or device is None else t.to(device) for t in packed)
         self.bits = 4 if self.q.dtype == torch.uint8 else 8
         self.bias = None if bias is None else bias.detach().float().to(device or bias.device)

@@ -20,13 +20,53 @@ import torch
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, INT8_DOT_PATHS, QUANT_BLOCK, Bf16TileInt8RowKernels,
                                           Bf16TileKernels, BlockQuantLinear, Int8ActivationKernels, Int8Blocks,
-                                          PackedLinear, dense_linear, onednn_packing_supported, quantize_q8_0,
+                                          PackedBlocks, PackedLinear, dense_linear, onednn_packing_supported, quantize_q8_0,
                                           runs_bf16_tiles, runs_int8_dot)
 
 logger = logging.getLogger("tokenmill")
 
 INT8_KERNELS_NEEDED = ("needs the CPU device, dtype float32 and tokenmill's CPU kernels (attention backend 'cpu'), "
                        "or a CUDA device where triton runs")
+
+
+class PackingBlockStore(dict):
+    """The kept blocks of a checkpoint being loaded (checkpoint name -> `Int8Blocks`), each linear layer's
+    packed into the kernels' layout the moment its last part arrives, its unpacked parts then dropped: a
+    load holds one layer's unpacked integers at a time, not the whole model's (a 4-bit file widened to one
+    byte per weight). `packed` maps a module name to its `PackedBlocks`; a name stays `in` the store once
+    kept (the model's loader counts it loaded), packed or not."""
+
+    def __init__(self, parts_of: dict[str, list[str]], layout: str) -> None:
+        super().__init__()
+        self._parts_of = parts_of
+        self._module_of = {part: module for module, parts in parts_of.items() for part in parts}
+        self._layout = layout
+        self._kept: set[str] = set()
+        self.packed: dict[str, PackedBlocks] = {}
+
+    def __bool__(self) -> bool:  # whether anything was kept: emptied as layers pack, it still holds them
+        return bool(self._kept)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._kept or dict.__contains__(self, name)
+
+    def __setitem__(self, name: str, blocks: Int8Blocks) -> None:
+        super().__setitem__(name, blocks)
+        self._kept.add(name)
+        module = self._module_of.get(name)
+        if module is None or module in self.packed:
+            return
+        parts = self._parts_of[module]
+        if not all(dict.__contains__(self, part) for part in parts):
+            return
+        whole = Int8Blocks.cat([self[part] for part in parts]) if len(parts) > 1 else self[parts[0]]
+        self.packed[module] = PackedBlocks.of(whole, self._layout)
+        for part in parts:  # each checkpoint matrix is one module's part (a tied head's, not the embedding's)
+            dict.pop(self, part)
+
+    def clear(self) -> None:
+        super().clear()
+        self.packed.clear()
 
 
 class LinearMethods:
@@ -50,13 +90,13 @@ class LinearMethods:
         self._block_matmul_kernels = None  # what --block-matmul runs the block layers with
         # The checkpoint tensors a Q8_0 GGUF would hold in blocks: the linear layers' (named before `apply`
         # converts them), the LM head's and the token embedding.
-        self._matrix_names: set[str] = set()
-        self._rounded_at_load: set[str] = set()  # what round_while_loading rounded
+        self.matrix_names: set[str] = set()
+        self.rounded_at_load: set[str] = set()  # what round_while_loading rounded
         if hasattr(model, "checkpoint_weight_names"):
-            self._matrix_names = {"model.embed_tokens.weight", *model.checkpoint_weight_names("lm_head")}
+            self.matrix_names = {"model.embed_tokens.weight", *model.checkpoint_weight_names("lm_head")}
             for module_name, module in model.named_modules():
                 if isinstance(module, torch.nn.Linear):
-                    self._matrix_names.update(model.checkpoint_weight_names(module_name))
+                    self.matrix_names.update(model.checkpoint_weight_names(module_name))
 
     def _int8_kernels(self):
         """tokenmill's C++ kernels when block-int8 layers can run here (CPU backend, float32), else None;
@@ -143,6 +183,18 @@ class LinearMethods:
             return True
         return self.keeps_int8_blocks(is_gguf) and getattr(self.block_kernels, "int8_activations", False)
 
+    def block_store(self) -> dict[str, Int8Blocks]:
+        """Where loading puts the matrices it keeps in blocks: a `PackingBlockStore` that packs each layer as
+        its parts arrive, for one process's whole model (a tensor-parallel rank slices its blocks after
+        loading, so it gets a plain dict)."""
+        if self.tp is not None or not hasattr(self.model, "checkpoint_weight_names") or self.block_kernels is None:
+            return {}
+        modules = [name for name, module in self.model.named_modules() if isinstance(module, torch.nn.Linear)]
+        if getattr(self.model, "lm_head", True) is None:  # tied: the head is converted from the embedding
+            modules.append("lm_head")
+        parts_of = {module: self.model.checkpoint_weight_names(module) for module in modules}
+        return PackingBlockStore(parts_of, getattr(self.block_kernels, "weight_layout", "rows"))
+
     def round_while_loading(self, weights: Iterable[tuple[str, torch.Tensor]],
                             int8_blocks: dict[str, Int8Blocks]) -> Iterator[tuple[str, torch.Tensor]]:
         """`weights` with each projection matrix (the LM head and the token embedding included, as a Q8_0
@@ -150,10 +202,10 @@ class LinearMethods:
         the model counts as loaded without writing its float parameter. Matrices whose inputs are not whole
         32-value blocks pass on as they are (those layers stay dense)."""
         for name, tensor in weights:
-            if name in self._matrix_names and tensor.dim() == 2 and tensor.shape[1] % QUANT_BLOCK == 0 \
+            if name in self.matrix_names and tensor.dim() == 2 and tensor.shape[1] % QUANT_BLOCK == 0 \
                     and tensor.device.type != "meta":
                 int8_blocks[name] = Int8Blocks(*quantize_q8_0(tensor))
-                self._rounded_at_load.add(name)
+                self.rounded_at_load.add(name)
                 tensor = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
             yield name, tensor
 
@@ -190,9 +242,10 @@ class LinearMethods:
 
             def make(name: str, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.nn.Module:
                 names = self.model.checkpoint_weight_names(name)
-                parts = [int8_blocks.get(part) for part in names]
+                packed = getattr(int8_blocks, "packed", {}).pop(name, None)
+                parts = [packed] if packed is not None else [int8_blocks.get(part) for part in names]
                 if all(part is not None for part in parts):
-                    if self._rounded_at_load.intersection(names) and self.quantization != "q8_0":
+                    if self.rounded_at_load.intersection(names) and self.quantization != "q8_0":
                         requantized.append(name)
                     self.num_gguf_layers_kept += 1
                     layer = BlockQuantLinear(Int8Blocks.cat(parts) if len(parts) > 1 else parts[0], bias, kernels,
