@@ -60,15 +60,17 @@ class MemoryReport:
     weights: int  # parameters and block-quantized storage, counted once per storage (a tied head once)
     buffers: int  # the model's other tensors: rotary tables (max_model_len x rotary dims, per rope)
     kv_cache: int  # the KV cache tensors (device memory on accelerators, host memory on CPU)
-    activations: int  # resident growth over a warm-up step of the largest batch the scheduler forms (CPU)
+    activations: int  # resident growth over the warm-up step (CPU; at most WARM_UP_TOKENS tokens)
     rss: Optional[int]  # the process's resident set size after the warm-up
+    warm_up_tokens: int = 0  # the warm-up step's tokens (0: none ran here)
 
     def describe(self) -> str:
         def mib(n: int) -> str:
             return f"{n / 2**20:.1f} MiB"
 
         text = (f"weights {mib(self.weights)}, rotary tables {mib(self.buffers)}, KV cache {mib(self.kv_cache)}, "
-                f"activations {mib(self.activations)}")
+                f"activations {mib(self.activations)}"
+                + (f" (a {self.warm_up_tokens}-token step)" if self.warm_up_tokens else ""))
         if self.rss is not None:
             rest = self.rss - self.weights - self.buffers - self.kv_cache - self.activations
             text += f"; process RSS {mib(self.rss)} (runtime, tokenizer and kernels: {mib(max(rest, 0))})"

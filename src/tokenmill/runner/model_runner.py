@@ -41,6 +41,10 @@ def resolve_device(name: Optional[str]) -> torch.device:
     return torch.device(name)
 
 
+# Tokens in the CPU warm-up step: above BLOCK_KERNEL_MAX_ROWS, so the prefill-sized matmul paths run too.
+WARM_UP_TOKENS = 256
+
+
 class ModelRunner:
     def __init__(self, config, hf_config, architecture: str, device: torch.device, max_model_len: int,
                  tp: Optional[TensorParallelGroup] = None) -> None:
@@ -235,12 +239,16 @@ class ModelRunner:
 
     def warm_up(self, max_num_batched_tokens: int) -> MemoryReport:
         """After the KV cache is allocated: memory freed by loading goes back to the OS, then a warm-up step
-        of the largest batch measures what a step's activations add (on CPU, where the allocator hands
-        pages back and forth with the OS; on accelerators the profile run sized the cache already)."""
+        measures what a step's activations add (on CPU, where the allocator hands pages back and forth with
+        the OS; on accelerators the profile run sized the cache already). The step is of at most
+        WARM_UP_TOKENS tokens: it runs every kernel a step runs, threads and buffers included, while a step
+        of the whole budget is a full prefill's compute (seconds at 1B, tens of seconds at 8B) for a few
+        percent more of the process's memory (measured: docs/benchmarks.md)."""
         release_freed_memory()
         before = process_rss_bytes()
-        if self.device.type == "cpu":
-            self._dummy_step(max_num_batched_tokens)
+        tokens = min(max_num_batched_tokens, WARM_UP_TOKENS, self.max_model_len) if self.device.type == "cpu" else 0
+        if tokens:
+            self._dummy_step(tokens)
         after = process_rss_bytes()
         activations = max(0, after - before) if before is not None and after is not None else 0
         kv_bytes = sum(t.numel() * t.element_size() for t in self.kv_caches)
@@ -249,7 +257,8 @@ class ModelRunner:
             draft = self.drafter.runner.warm_up(max_num_batched_tokens)
             weights, buffers, kv_bytes = weights + draft.weights, buffers + draft.buffers, kv_bytes + draft.kv_cache
             activations, after = activations + draft.activations, draft.rss
-        return MemoryReport(weights=weights, buffers=buffers, kv_cache=kv_bytes, activations=activations, rss=after)
+        return MemoryReport(weights=weights, buffers=buffers, kv_cache=kv_bytes, activations=activations, rss=after,
+                            warm_up_tokens=tokens)
 
     @torch.inference_mode()
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
