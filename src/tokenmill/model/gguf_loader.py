@@ -13,9 +13,11 @@ import ctypes
 import math
 import mmap
 import sys
+import warnings
 from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -142,7 +144,7 @@ class Q8_0Rounding:
 def iter_gguf_weights(
     path: Path, config: PretrainedConfig, dtype: torch.dtype, reader: gguf.GGUFReader | None = None,
     int8_blocks: dict[str, Int8Blocks] | None = None, dense_kept: bool = False,
-    rounding: Q8_0Rounding | None = None,
+    rounding: Q8_0Rounding | None = None, kernels: ModuleType | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (HF name, tensor) one tensor at a time, dequantized and in HF layout.
 
@@ -156,7 +158,8 @@ def iter_gguf_weights(
     too, the matrices it names in other types (Q6_K, F16, ...) are rounded to Q8_0 into `int8_blocks` a run
     of rows at a time, never held dense, and yielded as `meta` tensors.
 
-    Each tensor's pages of the mapped file are released once it is read: they stay in the page cache,
+    `kernels` (tokenmill's C++ module, where it is built) decodes Q4_K and Q6_K matrices in one pass each,
+    to the same values. Each tensor's pages of the mapped file are released once it is read: they stay in the page cache,
     but not in this process's resident memory beside the weights built from them.
     """
     from gguf import quants
@@ -182,12 +185,12 @@ def iter_gguf_weights(
             unpermute = config.num_attention_heads
         elif family.unpermute_qk and ".attn_k." in tensor.name:
             unpermute = config.num_key_value_heads
-        blocks = gguf_int8_blocks(tensor)
+        blocks = gguf_int8_blocks(tensor, kernels)
         if blocks is not None and unpermute is not None:
             blocks = blocks.map_rows(lambda rows: unpermute_rotary_rows(rows, unpermute))
         if blocks is None and keep and not dense_kept and rounding is not None and hf_name in rounding.names \
                 and len(shape) == 2 and shape[1] % 32 == 0:
-            blocks = _rounded_to_q8_0(tensor, shape)
+            blocks = _rounded_to_q8_0(tensor, shape, kernels)
             if unpermute is not None:
                 blocks = blocks.map_rows(lambda rows: unpermute_rotary_rows(rows, unpermute))
             rounding.rounded.add(hf_name)
@@ -227,10 +230,11 @@ def has_int8_block_matrices(reader: gguf.GGUFReader) -> bool:
     return any(tensor.tensor_type.name in INT8_BLOCK_TYPES and len(tensor.shape) == 2 for tensor in reader.tensors)
 
 
-def gguf_int8_blocks(tensor: Any) -> Int8Blocks | None:
+def gguf_int8_blocks(tensor: Any, kernels: ModuleType | None = None) -> Int8Blocks | None:
     """The tensor's integers and per-32 scales/mins as stored in the file; None for other types.
 
-    Rows are the GGUF's (output features); q/k rows are not yet unpermuted.
+    Rows are the GGUF's (output features); q/k rows are not yet unpermuted. `kernels`: tokenmill's C++
+    module, which decodes Q4_K (the type most downloads hold) in one pass.
     """
     from gguf import GGML_QUANT_SIZES
 
@@ -238,6 +242,10 @@ def gguf_int8_blocks(tensor: Any) -> Int8Blocks | None:
     if type_name not in INT8_BLOCK_TYPES or len(tensor.shape) != 2:
         return None
     in_features, out_features = (int(d) for d in tensor.shape.tolist())
+    if kernels is not None and type_name == "Q4_K":
+        q, scales, mins = kernels.unpack_q4_k(_mapped_tensor(_raw_blocks(tensor)))
+        return Int8Blocks(q.view(out_features, in_features), scales.view(out_features, in_features // 32),
+                          mins.view(out_features, in_features // 32))
     block_size, _ = GGML_QUANT_SIZES[tensor.tensor_type]
     raw = _raw_blocks(tensor)
     unpack = _UNPACKERS[type_name]
@@ -264,12 +272,16 @@ def gguf_int8_blocks(tensor: Any) -> Int8Blocks | None:
     )
 
 
-def _rounded_to_q8_0(tensor: Any, shape: tuple[int, ...]) -> Int8Blocks:
+def _rounded_to_q8_0(tensor: Any, shape: tuple[int, ...], kernels: ModuleType | None = None) -> Int8Blocks:
     """A matrix in a type not kept as stored, rounded to Q8_0 (`quantize_q8_0`) a run of rows at a time: its
-    float32 values exist for those rows only (an 8B model's Q6_K head is 2 GB as float32)."""
+    float32 values exist for those rows only (an 8B model's Q6_K head is 2 GB as float32). `kernels`:
+    tokenmill's C++ module, which rounds Q6_K (Q4_K_M's six-bit matrices) in one pass, to the same bytes."""
     from gguf import quants
 
     out_features, in_features = shape
+    if kernels is not None and tensor.tensor_type.name == "Q6_K":
+        q, scales = kernels.q6_k_to_q8_0(_mapped_tensor(_raw_blocks(tensor)))
+        return Int8Blocks(q.view(out_features, in_features), scales.view(out_features, in_features // 32))
     rows_data = np.asarray(tensor.data).reshape(out_features, -1)  # one row of values or blocks each
     dequantize = _DEQUANTIZERS.get(tensor.tensor_type.name)
     q = torch.empty(out_features, in_features, dtype=torch.int8)
@@ -284,6 +296,14 @@ def _rounded_to_q8_0(tensor: Any, shape: tuple[int, ...]) -> Int8Blocks:
         q[start:start + step], scales[start:start + step] = quantize_q8_0(
             torch.from_numpy(np.asarray(values, dtype=np.float32).reshape(len(part), in_features)))
     return Int8Blocks(q, scales)
+
+
+def _mapped_tensor(array: np.ndarray) -> torch.Tensor:
+    """A read-only view of the mapped file as a tensor, for kernels that only read it (torch warns that it
+    cannot make such a buffer writable; nothing writes to it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(np.ascontiguousarray(array))
 
 
 def _release_pages(tensor: Any) -> None:

@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -85,18 +86,19 @@ class ModelSource:
 
     def iter_weights(self, dtype: torch.dtype, int8_blocks: dict[str, Int8Blocks] | None = None,
                      dense_kept: bool = False, rounding: gguf_loader.Q8_0Rounding | None = None,
-                     ) -> Iterator[tuple[str, torch.Tensor]]:
+                     kernels: ModuleType | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (HF parameter name, tensor in dtype), one tensor alive at a time.
 
         lm_head.weight is absent when the embeddings are tied and the file stores no head. With
         `int8_blocks`, a GGUF's block-quantized matrices are kept there as stored and yielded as
         shape-only tensors unless `dense_kept` (see gguf_loader.iter_gguf_weights), and so are the
         matrices `rounding` names in other types, rounded to Q8_0; other formats leave it empty.
+        `kernels`: tokenmill's C++ module, which decodes a GGUF's common types faster (same values).
         """
         if self.is_gguf:
             reader, self._gguf_reader = self._gguf_reader, None
             yield from gguf_loader.iter_gguf_weights(self.path, self.hf_config, dtype, reader, int8_blocks,
-                                                     dense_kept, rounding)
+                                                     dense_kept, rounding, kernels)
         else:
             yield from _iter_safetensors(self.path, dtype, CHECKPOINT_RENAMES.get(self.architecture, ()))
 

@@ -137,7 +137,8 @@ class ModelRunner:
         # A GGUF's matrices in types not kept (Q6_K, F16) are rounded by its reader, a run of rows at a time.
         rounding = Q8_0Rounding(self.linear_methods.matrix_names, self.linear_methods.rounded_at_load) \
             if rounds and self.tp is None else None
-        weights = source.iter_weights(self.dtype, int8_blocks, dense_kept=self.tp is not None, rounding=rounding)
+        weights = source.iter_weights(self.dtype, int8_blocks, dense_kept=self.tp is not None, rounding=rounding,
+                                      kernels=self.linear_methods.kernels)
         if rounds:  # Q8_0 rounding (--quantization q8_0, a GGUF's Q6_K/F16 matrices): as each arrives, no float copy
             weights = self.linear_methods.round_while_loading(weights, int8_blocks)
         self.load_weights(weights, int8_blocks)

@@ -183,7 +183,7 @@ def _pack_panel_values(values: torch.Tensor, panels: int) -> torch.Tensor:
     return padded.reshape(panels, QUANT_PANEL, blocks).permute(0, 2, 1).contiguous()
 
 
-def pack_blocks(blocks: Int8Blocks, bits: Optional[int] = None, layout: str = "rows"
+def pack_blocks(blocks: Int8Blocks, bits: Optional[int] = None, layout: str = "rows", kernels=None
                 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """The C++ kernels' layouts; output features in panels of 16, the last zero-padded.
 
@@ -200,7 +200,9 @@ def pack_blocks(blocks: Int8Blocks, bits: Optional[int] = None, layout: str = "r
     Scales (and mins) as float32 [panel][block][16]; in the dot layout (read only with activations rounded
     to int8) as float16: exactly for GGUF's Q4_0, Q4_1 and Q8_0, which store them so, and rounded for Q4_K's
     and Q5_K's products of two scales (`_fits_float16`), which halves the bytes they add per weight (0.25 to
-    0.125 for 4-bit blocks with mins); scales that would overflow float16 stay float32."""
+    0.125 for 4-bit blocks with mins); scales that would overflow float16 stay float32.
+
+    `kernels`: tokenmill's C++ module, which lays the integers out in one pass (the same bytes)."""
     if layout not in ("rows", "dot"):
         raise ValueError(f"block layout is 'rows' or 'dot', not {layout!r}")
     bits = blocks.storage_bits() if bits is None else bits
@@ -212,8 +214,10 @@ def pack_blocks(blocks: Int8Blocks, bits: Optional[int] = None, layout: str = "r
     panels = -(-out_features // QUANT_PANEL)
     offset = 0 if mins is not None else 8
     packed_q = None
+    if kernels is not None:
+        packed_q = kernels.pack_block_integers(q.contiguous(), bits, layout == "dot", offset)
     step = _rows_per_pass(in_features, QUANT_PANEL)  # whole panels per pass
-    for start in range(0, out_features, step):
+    for start in range(0, out_features if packed_q is None else 0, step):
         part = _pack_panel_integers(q[start:start + step], bits, layout, offset)
         if packed_q is None:
             packed_q = torch.empty((panels, *part.shape[1:]), dtype=part.dtype)
@@ -293,8 +297,8 @@ class PackedBlocks:
     in_features: int
 
     @classmethod
-    def of(cls, blocks: Int8Blocks, layout: str) -> "PackedBlocks":
-        return cls(*pack_blocks(blocks, layout=layout), *blocks.q.shape)
+    def of(cls, blocks: Int8Blocks, layout: str, kernels=None) -> "PackedBlocks":
+        return cls(*pack_blocks(blocks, layout=layout, kernels=kernels), *blocks.q.shape)
 
 
 class BlockQuantLinear(nn.Module):

@@ -36,8 +36,10 @@ class PackingBlockStore(dict):
     byte per weight). `packed` maps a module name to its `PackedBlocks`; a name stays `in` the store once
     kept (the model's loader counts it loaded), packed or not."""
 
-    def __init__(self, parts_of: dict[str, list[str]], layout: str) -> None:
+    def __init__(self, parts_of: dict[str, list[str]], layout: str, packer=None) -> None:
+        """packer: tokenmill's C++ module where it is built (it lays the integers out in one pass)."""
         super().__init__()
+        self._packer = packer
         self._parts_of = parts_of
         self._module_of = {part: module for module, parts in parts_of.items() for part in parts}
         self._layout = layout
@@ -60,7 +62,7 @@ class PackingBlockStore(dict):
         if not all(dict.__contains__(self, part) for part in parts):
             return
         whole = Int8Blocks.cat([self[part] for part in parts]) if len(parts) > 1 else self[parts[0]]
-        self.packed[module] = PackedBlocks.of(whole, self._layout)
+        self.packed[module] = PackedBlocks.of(whole, self._layout, self._packer)
         for part in parts:  # each checkpoint matrix is one module's part (a tied head's, not the embedding's)
             dict.pop(self, part)
 
@@ -193,7 +195,7 @@ class LinearMethods:
         if getattr(self.model, "lm_head", True) is None:  # tied: the head is converted from the embedding
             modules.append("lm_head")
         parts_of = {module: self.model.checkpoint_weight_names(module) for module in modules}
-        return PackingBlockStore(parts_of, getattr(self.block_kernels, "weight_layout", "rows"))
+        return PackingBlockStore(parts_of, getattr(self.block_kernels, "weight_layout", "rows"), self.kernels)
 
     def round_while_loading(self, weights: Iterable[tuple[str, torch.Tensor]],
                             int8_blocks: dict[str, Int8Blocks]) -> Iterator[tuple[str, torch.Tensor]]:
