@@ -20,7 +20,7 @@ def test_panel_integers_as_python_packs_them(kernels, layout, bits, offset, out_
     low, high = (-offset, 16 - offset) if bits == 4 else (-128, 128)
     q = torch.randint(low, high, (out_features, 96), generator=gen, dtype=torch.int8)
     expected = _pack_panel_integers(q, bits, layout, offset)
-    packed = kernels.pack_block_integers(q, bits, layout == "dot", offset)
+    packed = kernels.pack_block_integers([q[:5], q[5:]], bits, layout == "dot", offset)  # two parts, stacked
     assert packed.dtype == expected.dtype and packed.shape == expected.shape
     assert torch.equal(packed, expected)
 
@@ -53,3 +53,19 @@ def test_layers_packed_by_the_kernels_hold_the_same_bytes(kernels, layout, type_
     assert torch.equal(gguf_int8_blocks(tensor, kernels).q, blocks.q)
     for ours, reference in zip(pack_blocks(blocks, layout=layout, kernels=kernels), pack_blocks(blocks, layout=layout)):
         assert (ours is None and reference is None) or torch.equal(ours, reference)
+
+
+@pytest.mark.parametrize("layout", ["rows", "dot"])
+def test_fused_parts_packed_in_place_equal_packing_them_stacked(kernels, layout):
+    """A fused q/k/v of a Q4_K_M file: 4-bit parts with mins beside a Q8_0 one without (stored at 8 bits)."""
+    from tokenmill.model.gguf_loader import gguf_int8_blocks
+    from tokenmill.model.layers.linear import Int8Blocks, PackedBlocks, pack_blocks
+
+    parts = [gguf_int8_blocks(random_gguf_tensor(name, rows, 512, seed=rows))
+             for name, rows in (("Q4_K", 48), ("Q4_K", 16), ("Q8_0", 21))]
+    for chosen in (parts[:2], parts):
+        packed = PackedBlocks.of(chosen, layout, kernels)
+        reference = pack_blocks(Int8Blocks.cat(chosen), layout=layout)
+        assert packed.out_features == sum(len(part.q) for part in chosen) and packed.in_features == 512
+        for ours, theirs in zip((packed.q, packed.scales, packed.mins), reference):
+            assert torch.equal(ours, theirs)

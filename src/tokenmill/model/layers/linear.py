@@ -121,8 +121,13 @@ class Int8Blocks:
     def storage_bits(self) -> int:
         """4 when every integer fits a nibble as GGUF's 4-bit types store it (0..15 with mins, Q4_1 and
         Q4_K; -8..7 without, Q4_0, kept as q + 8), else 8."""
-        low, high = (0, 15) if self.mins is not None else (-8, 7)
-        fits = self.q.numel() == 0 or (int(self.q.min()) >= low and int(self.q.max()) <= high)
+        return Int8Blocks.parts_storage_bits([self])
+
+    @staticmethod
+    def parts_storage_bits(parts: list["Int8Blocks"]) -> int:
+        """`storage_bits` of the parts stacked (`cat`), read from each part in place."""
+        low, high = (0, 15) if any(part.mins is not None for part in parts) else (-8, 7)
+        fits = all(part.q.numel() == 0 or (int(part.q.min()) >= low and int(part.q.max()) <= high) for part in parts)
         return 4 if fits else 8
 
     def map_rows(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "Int8Blocks":
@@ -131,14 +136,17 @@ class Int8Blocks:
                           None if self.mins is None else fn(self.mins).contiguous())
 
     @staticmethod
-    def cat(parts: list["Int8Blocks"]) -> "Int8Blocks":
-        """Stacked along the output features (fused q/k/v or gate/up); a part without mins gets zeros."""
+    def cat(parts: list["Int8Blocks"], integers: bool = True) -> "Int8Blocks":
+        """Stacked along the output features (fused q/k/v or gate/up); a part without mins gets zeros.
+        integers=False: the scales and mins only (q holds no inputs: [out_features, 0])."""
         with_mins = any(part.mins is not None for part in parts)
         mins = None
         if with_mins:
             mins = torch.cat([part.mins if part.mins is not None else torch.zeros_like(part.scales)
                               for part in parts])
-        return Int8Blocks(torch.cat([part.q for part in parts]), torch.cat([part.scales for part in parts]), mins)
+        q = torch.cat([part.q for part in parts]) if integers else \
+            torch.empty(sum(len(part.q) for part in parts), 0, dtype=torch.int8)
+        return Int8Blocks(q, torch.cat([part.scales for part in parts]), mins)
 
 
 def quantize_q8_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,25 +211,34 @@ def pack_blocks(blocks: Int8Blocks, bits: Optional[int] = None, layout: str = "r
     0.125 for 4-bit blocks with mins); scales that would overflow float16 stay float32.
 
     `kernels`: tokenmill's C++ module, which lays the integers out in one pass (the same bytes)."""
+    return pack_block_parts([blocks], layout, kernels, bits)
+
+
+def pack_block_parts(parts: list[Int8Blocks], layout: str = "rows", kernels=None, bits: Optional[int] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """`pack_blocks(Int8Blocks.cat(parts))`; with tokenmill's C++ module the parts' integers are laid out where
+    they lie, never stacked into one copy first (fused q/k/v and gate/up layers)."""
     if layout not in ("rows", "dot"):
         raise ValueError(f"block layout is 'rows' or 'dot', not {layout!r}")
-    bits = blocks.storage_bits() if bits is None else bits
+    bits = Int8Blocks.parts_storage_bits(parts) if bits is None else bits
     if bits not in (4, 8):
         raise ValueError(f"block storage is 4 or 8 bits, not {bits}")
-    q, scales, mins = blocks.q, blocks.scales, blocks.mins
-    out_features, in_features = q.shape
-    num_blocks = in_features // QUANT_BLOCK
+    header = Int8Blocks.cat(parts, integers=False) if len(parts) > 1 else parts[0]
+    scales, mins = header.scales, header.mins
+    out_features, in_features = len(header.q), parts[0].q.shape[1]
     panels = -(-out_features // QUANT_PANEL)
     offset = 0 if mins is not None else 8
     packed_q = None
     if kernels is not None:
-        packed_q = kernels.pack_block_integers(q.contiguous(), bits, layout == "dot", offset)
-    step = _rows_per_pass(in_features, QUANT_PANEL)  # whole panels per pass
-    for start in range(0, out_features if packed_q is None else 0, step):
-        part = _pack_panel_integers(q[start:start + step], bits, layout, offset)
-        if packed_q is None:
-            packed_q = torch.empty((panels, *part.shape[1:]), dtype=part.dtype)
-        packed_q[start // QUANT_PANEL:start // QUANT_PANEL + len(part)] = part
+        packed_q = kernels.pack_block_integers([part.q.contiguous() for part in parts], bits, layout == "dot", offset)
+    else:
+        q = Int8Blocks.cat(parts).q if len(parts) > 1 else parts[0].q
+        step = _rows_per_pass(in_features, QUANT_PANEL)  # whole panels per pass
+        for start in range(0, out_features, step):
+            part = _pack_panel_integers(q[start:start + step], bits, layout, offset)
+            if packed_q is None:
+                packed_q = torch.empty((panels, *part.shape[1:]), dtype=part.dtype)
+            packed_q[start // QUANT_PANEL:start // QUANT_PANEL + len(part)] = part
     packed_scales = _pack_panel_values(scales, panels)
     packed_mins = None if mins is None else _pack_panel_values(mins, panels)
     if layout == "dot" and all(_fits_float16(t) for t in (packed_scales, packed_mins) if t is not None):
@@ -297,8 +314,9 @@ class PackedBlocks:
     in_features: int
 
     @classmethod
-    def of(cls, blocks: Int8Blocks, layout: str, kernels=None) -> "PackedBlocks":
-        return cls(*pack_blocks(blocks, layout=layout, kernels=kernels), *blocks.q.shape)
+    def of(cls, parts: list[Int8Blocks], layout: str, kernels=None) -> "PackedBlocks":
+        """The parts stacked along the output features (one part: the matrix), packed."""
+        return cls(*pack_block_parts(parts, layout, kernels), sum(len(part.q) for part in parts), parts[0].q.shape[1])
 
 
 class BlockQuantLinear(nn.Module):
@@ -321,7 +339,7 @@ class BlockQuantLinear(nn.Module):
             raise ValueError(f"block-quantized weights need in_features divisible by {QUANT_BLOCK}")
         layout = getattr(kernels, "weight_layout", "rows")
         if isinstance(blocks, Int8Blocks):
-            blocks = PackedBlocks.of(blocks, layout)
+            blocks = PackedBlocks.of([blocks], layout)
         elif packed_layout(blocks.q) != layout:
             raise ValueError(f"blocks packed in the {packed_layout(blocks.q)!r} layout; these kernels read {layout!r}")
         packed = (blocks.q, blocks.scales, blocks.mins)

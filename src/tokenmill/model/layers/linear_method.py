@@ -61,8 +61,7 @@ class PackingBlockStore(dict):
         parts = self._parts_of[module]
         if not all(dict.__contains__(self, part) for part in parts):
             return
-        whole = Int8Blocks.cat([self[part] for part in parts]) if len(parts) > 1 else self[parts[0]]
-        self.packed[module] = PackedBlocks.of(whole, self._layout, self._packer)
+        self.packed[module] = PackedBlocks.of([self[part] for part in parts], self._layout, self._packer)
         for part in parts:  # each checkpoint matrix is one module's part (a tied head's, not the embedding's)
             dict.pop(self, part)
 

@@ -82,8 +82,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_inplace", &rotary_inplace, "rotate-half rotary embedding in place on the first heads of each row",
         nogil);
   m.def("pack_block_integers", &pack_block_integers,
-        "block integers int8 [N, K] in the kernels' panels of 16 features (rows or dot layout, 4 or 8 bits)",
-        py::arg("q"), py::arg("bits"), py::arg("dot"), py::arg("offset"), nogil);
+        "block integers (parts int8 [rows, K], stacked) in the kernels' panels of 16 features (rows or dot "
+        "layout, 4 or 8 bits)",
+        py::arg("parts"), py::arg("bits"), py::arg("dot"), py::arg("offset"), nogil);
   m.def("unpack_q4_k", &unpack_q4_k, "a GGUF Q4_K matrix's integers, per-32 scales and mins", nogil);
   m.def("q6_k_to_q8_0", &q6_k_to_q8_0, "a GGUF Q6_K matrix rounded to Q8_0 (integers, float16 scales as float32)",
         nogil);

@@ -53,6 +53,6 @@ torch::Tensor decoder_decode_int8(torch::Tensor hidden, torch::Tensor positions,
                                   std::vector<torch::Tensor> prefill_tables, torch::Tensor prefill_ranges,
                                   std::vector<torch::Tensor> prefill_context_lens, bool bf16_prefill);
 // weight_packing.cpp
-torch::Tensor pack_block_integers(torch::Tensor q, int64_t bits, bool dot, int64_t offset);
+torch::Tensor pack_block_integers(std::vector<torch::Tensor> parts, int64_t bits, bool dot, int64_t offset);
 std::vector<torch::Tensor> unpack_q4_k(torch::Tensor raw);
 std::vector<torch::Tensor> q6_k_to_q8_0(torch::Tensor raw);

@@ -18,14 +18,22 @@ float half_at(const uint8_t* bytes) {
 
 }  // namespace
 
-// linear._pack_panel_integers: q int8 [N, K] as the kernels' panels of 16 features (the last zero-padded,
+// linear._pack_panel_integers: int8 [N, K] as the kernels' panels of 16 features (the last zero-padded,
 // its nibbles holding `offset`). rows layout: 8-bit int8 [P][B][32][16], 4-bit uint8 [P][B][32][8] (byte j:
 // feature j low, j + 8 high). dot layout: 8-bit int8 [P][B][8][64] (byte 4f + j of group g: input 4g + j of
 // feature f), 4-bit uint8 [P][B][4][64] (group u: inputs 8u..8u+3 low, 8u+4..8u+7 high).
-torch::Tensor pack_block_integers(torch::Tensor q, int64_t bits, bool dot, int64_t offset) {
-  TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous(), "q: contiguous int8 [N, K]");
+// The rows are those of `parts` stacked (fused q/k/v, gate/up), read where they lie.
+torch::Tensor pack_block_integers(std::vector<torch::Tensor> parts, int64_t bits, bool dot, int64_t offset) {
+  TORCH_CHECK(!parts.empty(), "at least one part");
   TORCH_CHECK(bits == 4 || bits == 8, "bits: 4 or 8");
-  const int64_t n = q.size(0), k = q.size(1);
+  const int64_t k = parts[0].size(-1);
+  std::vector<const int8_t*> rows;  // every row's integers, in stacked order
+  for (const torch::Tensor& q : parts) {
+    TORCH_CHECK(q.dim() == 2 && q.scalar_type() == torch::kChar && q.is_contiguous() && q.size(1) == k,
+                "parts: contiguous int8 [rows, K], the same K");
+    for (int64_t r = 0; r < q.size(0); ++r) rows.push_back(q.data_ptr<int8_t>() + r * k);
+  }
+  const int64_t n = static_cast<int64_t>(rows.size());
   TORCH_CHECK(k % kBlock == 0, "K must be whole blocks of 32");
   const int64_t panels = (n + kPanel - 1) / kPanel, blocks = k / kBlock;
   const int64_t block_bytes = bits == 8 ? kPanel * kBlock : kPanel * kBlock / 2;
@@ -33,7 +41,6 @@ torch::Tensor pack_block_integers(torch::Tensor q, int64_t bits, bool dot, int64
                                          bits == 8 ? torch::kChar : torch::kByte)
                           : torch::empty({panels, blocks, kBlock, bits == 8 ? 16 : 8},
                                          bits == 8 ? torch::kChar : torch::kByte);
-  const int8_t* src = q.data_ptr<int8_t>();
   uint8_t* dst = reinterpret_cast<uint8_t*>(out.data_ptr());
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     int8_t tile[kPanel][kBlock];  // one block of one panel: [feature][input]
@@ -42,7 +49,7 @@ torch::Tensor pack_block_integers(torch::Tensor q, int64_t bits, bool dot, int64
         for (int64_t f = 0; f < kPanel; ++f) {
           const int64_t row = p * kPanel + f;
           if (row < n) {
-            std::memcpy(tile[f], src + row * k + b * kBlock, kBlock);
+            std::memcpy(tile[f], rows[row] + b * kBlock, kBlock);
           } else {
             std::memset(tile[f], 0, kBlock);
           }
