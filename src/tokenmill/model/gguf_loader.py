@@ -9,10 +9,7 @@ checkpoint and are undone here:
 """
 from __future__ import annotations
 
-import ctypes
 import math
-import mmap
-import sys
 import warnings
 from collections.abc import Container, Iterator
 from dataclasses import dataclass, field
@@ -25,6 +22,7 @@ import torch
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model import tokenizer_cache
+from tokenmill.model.mapped_pages import release_mapped_pages
 from tokenmill.model.gguf_families import (GGUF_FAMILIES, LLAMA_WITH_EXPERTS, GgufFamily, block_tensor_names,
                                            family_settings)
 from tokenmill.model.layers.linear import Int8Blocks, quantize_q8_0
@@ -307,30 +305,10 @@ def _mapped_tensor(array: np.ndarray) -> torch.Tensor:
 
 
 def _release_pages(tensor: Any) -> None:
-    """Drops the tensor's pages of the read-only file mapping from this process's resident set (madvise
-    MADV_DONTNEED: they stay in the page cache, and read back from there if touched again)."""
+    """Drops the tensor's pages of the file mapping from this process's resident set."""
     data = np.asarray(tensor.data)
-    if _LIBC is None or data.nbytes < _PAGE or not data.flags.c_contiguous:
-        return
-    start = data.ctypes.data
-    begin = -(-start // _PAGE) * _PAGE  # whole pages inside the tensor only: its neighbours' stay mapped
-    end = (start + data.nbytes) // _PAGE * _PAGE
-    if end > begin:
-        _LIBC.madvise(ctypes.c_void_p(begin), ctypes.c_size_t(end - begin), _MADV_DONTNEED)
-
-
-def _libc() -> Any:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        return libc if sys.platform.startswith("linux") else None
-    except (OSError, AttributeError):
-        return None
-
-
-_LIBC = _libc()
-_PAGE = mmap.PAGESIZE
-_MADV_DONTNEED = 4  # Linux's value (mmap.MADV_DONTNEED where Python defines it)
+    if data.flags.c_contiguous:
+        release_mapped_pages(data.ctypes.data, data.nbytes)
 
 
 # Values decoded per numpy pass: their int16/float32 intermediates fit in L2.

@@ -22,6 +22,7 @@ import torch
 from tokenmill.errors import ModelLoadError
 from tokenmill.model import gguf_loader
 from tokenmill.model.chat_templates import ensure_chat_template
+from tokenmill.model.mapped_pages import file_mappings, release_mapped_pages
 from tokenmill.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from tokenmill.model.layers.linear import Int8Blocks
 from tokenmill.model.registry import CHECKPOINT_RENAMES, MODEL_REGISTRY
@@ -86,7 +87,8 @@ class ModelSource:
 
     def iter_weights(self, dtype: torch.dtype, int8_blocks: dict[str, Int8Blocks] | None = None,
                      dense_kept: bool = False, rounding: gguf_loader.Q8_0Rounding | None = None,
-                     kernels: ModuleType | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                     kernels: ModuleType | None = None, stored_dtype: bool = False,
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
         """Yields (HF parameter name, tensor in dtype), one tensor alive at a time.
 
         lm_head.weight is absent when the embeddings are tied and the file stores no head. With
@@ -94,13 +96,17 @@ class ModelSource:
         shape-only tensors unless `dense_kept` (see gguf_loader.iter_gguf_weights), and so are the
         matrices `rounding` names in other types, rounded to Q8_0; other formats leave it empty.
         `kernels`: tokenmill's C++ module, which decodes a GGUF's common types faster (same values).
+        `stored_dtype`: safetensors' tensors come as the file stores them (a view of the mapped file, valid
+        until the next one is asked for), for a consumer that converts as it copies or rounds: no float32
+        copy of a whole matrix (an 8B model's embedding is 2 GB in float32).
         """
         if self.is_gguf:
             reader, self._gguf_reader = self._gguf_reader, None
             yield from gguf_loader.iter_gguf_weights(self.path, self.hf_config, dtype, reader, int8_blocks,
                                                      dense_kept, rounding, kernels)
         else:
-            yield from _iter_safetensors(self.path, dtype, CHECKPOINT_RENAMES.get(self.architecture, ()))
+            yield from _iter_safetensors(self.path, None if stored_dtype else dtype,
+                                         CHECKPOINT_RENAMES.get(self.architecture, ()))
 
 
 def load_model_source(model: str | None, tokenizer: str | None = None) -> ModelSource:
@@ -241,16 +247,28 @@ def _safetensors_files(directory: Path) -> list[Path]:
     return sorted(directory.glob("*.safetensors"))
 
 
-def _iter_safetensors(directory: Path, dtype: torch.dtype,
+def _iter_safetensors(directory: Path, dtype: torch.dtype | None,
                       renames: tuple[tuple[str, str], ...] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor in dtype; dtype None: as stored, a view of the mapped file valid until the next is asked
+    for). Each tensor's pages of the mapping are released once it has been used (see mapped_pages)."""
     from safetensors import safe_open
 
     for file in _safetensors_files(directory):
         with safe_open(str(file), framework="pt") as handle:
+            mapped: list[tuple[int, int]] | None = None  # where the file is mapped: the only pages released
             for name in handle.keys():
                 if name.endswith(_SKIPPED_SUFFIXES):
                     continue
-                tensor = handle.get_tensor(name).to(dtype)
+                stored = handle.get_tensor(name)
+                if mapped is None:
+                    mapped = file_mappings(str(file))
+                tensor = stored if dtype is None else stored.to(dtype)
                 for pattern, replacement in renames:
                     name = re.sub(pattern, replacement, name)
+                start, nbytes = stored.data_ptr(), stored.numel() * stored.element_size()
+                from_file = any(low <= start and start + nbytes <= high for low, high in mapped)
+                if from_file and tensor.data_ptr() != start:  # a converted copy: the file's bytes are read
+                    release_mapped_pages(start, nbytes)
                 yield name, tensor
+                if from_file and tensor.data_ptr() == start:
+                    release_mapped_pages(start, nbytes)

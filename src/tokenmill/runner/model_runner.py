@@ -138,7 +138,7 @@ class ModelRunner:
         rounding = Q8_0Rounding(self.linear_methods.matrix_names, self.linear_methods.rounded_at_load) \
             if rounds and self.tp is None else None
         weights = source.iter_weights(self.dtype, int8_blocks, dense_kept=self.tp is not None, rounding=rounding,
-                                      kernels=self.linear_methods.kernels)
+                                      kernels=self.linear_methods.kernels, stored_dtype=rounds)
         if rounds:  # Q8_0 rounding (--quantization q8_0, a GGUF's Q6_K/F16 matrices): as each arrives, no float copy
             weights = self.linear_methods.round_while_loading(weights, int8_blocks)
         self.load_weights(weights, int8_blocks)
