@@ -23,7 +23,7 @@ def choose(flags, block_weights=True, cpu_kernels=True, **options):
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (XEON_AMX, ("float32", "bfloat16-int8", "bfloat16")),
+    (XEON_AMX, ("float32", "int8", "bfloat16")),  # bfloat16-int8 is not the default until measured again
     (EPYC_ZEN4, ("float32", "int8", "bfloat16")),
     (AVX512_VNNI, ("float32", "int8", "float16")),
     (ALDER_LAKE, ("float32", "int8", "float16")),
@@ -35,7 +35,7 @@ def test_block_quantized_weights_by_cpu(flags, expected):
 
 
 @pytest.mark.parametrize("flags, expected", [
-    (XEON_AMX, ("q8_0", "float32", "bfloat16-int8", "bfloat16")),
+    (XEON_AMX, ("q8_0", "float32", "int8", "bfloat16")),
     (EPYC_ZEN4, ("q8_0", "float32", "int8", "bfloat16")),
     (AVX512_VNNI, ("q8_0", "float32", "int8", "float16")),
     (ALDER_LAKE, ("q8_0", "float32", "int8", "float16")),

@@ -192,7 +192,11 @@ def _block_matmul(config: EngineConfig, hardware: Hardware, blocks_run: bool) ->
     if hardware.int8_dot is None:
         return Choice("float32", "no SIMD integer dot products on this CPU")
     if hardware.amx and hardware.cpu_kernels:
-        return Choice("bfloat16-int8", f"amx_bf16 tiles for prefill, {hardware.int8_dot} dot products for decode")
+        # The AMX tile paths (bfloat16-int8) were last measured on 2026-12-04, before the kernels' 12-06 and
+        # 12-07 refactors; a default runs the path measured most recently on a CPU kind, so AMX CPUs take the
+        # integer dot products until bfloat16-int8 is measured there again (it stays one flag away).
+        return Choice("int8", f"{hardware.int8_dot}; AMX CPUs too, until --block-matmul bfloat16-int8 (AMX-BF16 "
+                              "tiles for prefill) is measured there again")
     return Choice("int8", hardware.int8_dot)
 
 

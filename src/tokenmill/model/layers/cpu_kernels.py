@@ -134,10 +134,48 @@ def build_error() -> Optional[str]:
     return _error
 
 
+# Compiled, not run, on every machine: the code paths its CPU lacks (AVX-512, VNNI, BF16 and AMX under
+# Sapphire Rapids' flags; AVX2 alone under x86-64-v3), so an edit cannot break them unseen (`make test`).
+COMPILE_CHECK_TARGETS = ("sapphirerapids", "x86-64-v3")
+
+
+def compile_check(march: str, jobs: int = 2) -> list[str]:
+    """Compiles every source for `-march=march` (object code discarded; -O0: the checks are the compiler's);
+    returns one message per file that failed, with the compiler's first errors."""
+    import sysconfig
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch.utils.cpp_extension import include_paths
+
+    flags = ["-std=c++20", "-O0", f"-march={march}", "-fopenmp", "-ffp-contract=off", "-fPIC",
+             "-DTORCH_EXTENSION_NAME=tokenmill_compile_check", "-DTORCH_API_INCLUDE_EXTENSION_H",
+             *(f"-isystem{path}" for path in (*include_paths(), sysconfig.get_paths()["include"]))]
+
+    def compile_one(source: Path) -> Optional[str]:
+        import subprocess
+
+        result = subprocess.run([os.environ.get("CXX", "c++"), *flags, "-c", str(source), "-o", os.devnull],
+                                capture_output=True, text=True)
+        if result.returncode == 0:
+            return None
+        errors = [line for line in result.stderr.splitlines() if "error" in line][:5]
+        return f"{source.name} (-march={march}): " + " | ".join(errors or result.stderr.splitlines()[-5:])
+
+    with ThreadPoolExecutor(max_workers=jobs) as pool:
+        return [message for message in pool.map(compile_one, [p for p in _sources() if p.suffix == ".cpp"])
+                if message]
+
+
 if __name__ == "__main__":
     import sys
 
     logging.basicConfig(level=logging.INFO)
+    if "--compile-check" in sys.argv[1:]:
+        failures = [message for march in COMPILE_CHECK_TARGETS for message in compile_check(march)]
+        if failures:
+            raise SystemExit("the kernels do not compile for every CPU kind:\n" + "\n".join(failures))
+        print(f"compiled for {', '.join(COMPILE_CHECK_TARGETS)}")
+        raise SystemExit(0)
     module = load(verbose=True)
     if module is None:
         raise SystemExit(f"could not build tokenmill's CPU kernels: {build_error()}")
