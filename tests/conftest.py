@@ -30,6 +30,26 @@ from tokenmill.config import usable_cpu_count
 torch.set_num_threads(max(1, min(2, usable_cpu_count())))
 
 
+def pytest_sessionfinish(session, exitstatus):
+    """Fails a run whose skips this machine does not explain (tests/skip_policy.py)."""
+    from skip_policy import unexplained
+
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if hasattr(session.config, "workerinput") or reporter is None or os.environ.get("TOKENMILL_ALLOW_SKIPS"):
+        return
+    reasons = [report.longrepr[2] for report in reporter.stats.get("skipped", [])
+               if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3]
+    surprising = sorted(set(unexplained(reasons)))
+    if surprising:
+        reporter.ensure_newline()
+        reporter.write_line("skips this machine does not explain (tests/skip_policy.py; TOKENMILL_ALLOW_SKIPS=1 "
+                            "reports them without failing):", red=True)
+        for reason in surprising:
+            reporter.write_line(f"  {reason}", red=True)
+        if session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.fixture(autouse=True)
 def kernel_tests_run_on_two_threads(request):
     """A test of the compiled kernels runs their threaded partitions on at least two threads, even in a worker
