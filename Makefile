@@ -9,7 +9,7 @@ STAMP := $(VENV)/.tokenmill-installed
 PORT ?= 8000
 HOST ?= 127.0.0.1
 
-.PHONY: install serve gemma test test-fast test-kernels bench bench-peers browser promtool nginx systemd-analyze clean
+.PHONY: install serve gemma lint test test-fast test-kernels bench bench-peers browser promtool nginx systemd-analyze clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,17 @@ TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 1); echo $$(( n < 4 ? n :
 
 test: $(TEST_STAMP) browser promtool nginx systemd-analyze test-kernels
 	$(PY) -m pytest tests -q -n $(TEST_WORKERS) --dist worksteal $(PYTEST_ARGS)
+
+# ruff (pycodestyle, pyflakes, import order) over the sources, tests and benchmark tools, and mypy over the
+# packages listed in pyproject.toml's [tool.mypy]; both pinned in the `lint` extra. CI runs it before the tests.
+LINT_STAMP := $(VENV)/.tokenmill-lint
+$(LINT_STAMP): pyproject.toml $(STAMP)
+	$(PIP) install --quiet -e ".[lint]"
+	@touch $(LINT_STAMP)
+
+lint: $(LINT_STAMP)
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m mypy
 
 # The kernels' narrower builds (AVX2-only, portable C++), which the tests run every SIMD path with: built here,
 # both at once, rather than inside the first test that needs them (cached by the sources' hash: instant after).

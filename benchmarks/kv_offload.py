@@ -25,9 +25,8 @@ from typing import Optional
 
 import httpx
 
-from benchmarks.server_ready import wait_until_serving
-
 from benchmarks.paths import default_workload_path
+from benchmarks.server_ready import wait_until_serving
 from benchmarks.shared_prefix import MIN_TOKEN_ID
 
 VOCAB = 49152  # the embedded SmolLM2's
@@ -168,7 +167,8 @@ def tenants(args, work: Path) -> dict:
         results[name] = summary(outcome, seconds)
         results[name]["tier"] = server.stats().get("kv_offload")
         server.stop()
-    results["throughput_ratio"] = round(results["with tier"]["output_tok_s"] / results["without tier"]["output_tok_s"], 2)
+    results["throughput_ratio"] = round(results["with tier"]["output_tok_s"]
+                                        / results["without tier"]["output_tok_s"], 2)
     results["ttft_p95_ratio"] = round(results["with tier"]["ttft_p95_s"] / results["without tier"]["ttft_p95_s"], 2)
     return results
 
@@ -179,7 +179,8 @@ def overhead(args, work: Path) -> dict:
     prompts = [r["prompt_token_ids"] for r in rows][:args.requests]
     results: dict = {}
     for round_index in range(args.rounds):
-        for name, extra in (("without tier", []), ("with tier", ["--kv-offload-dir", str(work / f"tier{round_index}")])):
+        for name, extra in (("without tier", []),
+                            ("with tier", ["--kv-offload-dir", str(work / f"tier{round_index}")])):
             server = Server([*model_args(args), *extra], work / "server.log")
             outcome, seconds = run(server, prompts, args.max_tokens, args.concurrency)
             results.setdefault(name, []).append(summary(outcome, seconds))

@@ -23,9 +23,9 @@ import torch
 
 def build_adapters(model_path: str, count: int, rank: int, directory: Path) -> list[str]:
     from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
 
     from tokenmill.model.loader import load_model_source
-    from transformers import AutoModelForCausalLM
 
     source = load_model_source(model_path)
     if source.is_gguf:  # transformers dequantizes the GGUF itself: the base PEFT sees

@@ -311,7 +311,8 @@ def render_section(report: dict[str, Any], json_path: Path) -> str:
         + f", {w['num_requests']} requests, {w['prompt_tokens']} prompt tokens, {w['output_tokens']} output "
         "tokens; every request generates exactly its `max_tokens` (greedy, EOS ignored), all queued at t=0.",
         "",
-        f"Settings: model {s['model']}, dtype {s['dtype']} for the baselines (tokenmill's numerics below), max_num_seqs {s['max_num_seqs']}, "
+        f"Settings: model {s['model']}, dtype {s['dtype']} for the baselines (tokenmill's numerics below), "
+        f"max_num_seqs {s['max_num_seqs']}, "
         f"max_num_batched_tokens {s['max_num_batched_tokens']}, block size {s['block_size']}, prefix caching "
         f"{'on' if s['enable_prefix_caching'] else 'off'}."
         + (" The Q8_0 row rounds the decoder projections and the LM head to GGUF's Q8_0 at load and keeps K/V in "

@@ -21,13 +21,13 @@ from pathlib import Path
 from typing import Any, Optional, Sequence
 
 from benchmarks.engine_options import effective, given
-from tokenmill.entrypoints.engine_args import add_engine_args
 from benchmarks.make_bench import _display_path, _usable_cores, machine_info, positive, publish_report
+from benchmarks.paths import module_command
 from benchmarks.shared_prefix import SharedPrefixSpec, build_shared_prefix_workload, ideal_cached_tokens
 from benchmarks.tables import markdown_table, text_table
-from benchmarks.paths import module_command
 from tokenmill.bench.throughput import generate_timed, percentile, throughput_result, warm_up_llm
 from tokenmill.bench.workloads import WorkloadRequest, workload_summary
+from tokenmill.entrypoints.engine_args import add_engine_args
 
 SECTION = "prefix-cache"
 # name -> (label, LLM keyword arguments)

@@ -4,8 +4,8 @@ generators, in one engine: the same workload offline, alternating the two, `--ro
     python -m benchmarks.sampler_bench --workload ../shared/bench/workload-64.jsonl --max-num-seqs 64 --temperature 0.7
 
 Runs the embedded model (or `--model`) at the engine's defaults (or the engine flags given) on CPU; every request
-to exactly its workload `max_tokens` (ignore EOS), seeded per request when `--seeded`. Prints output tokens per second of each run and
-the ratio of the medians. Greedy runs (`--temperature 0`) also check that both give the same tokens.
+to exactly its workload `max_tokens` (ignore EOS), seeded per request when `--seeded`. Prints output tokens per second
+of each run and the ratio of the medians. Greedy runs (`--temperature 0`) also check that both give the same tokens.
 """
 from __future__ import annotations
 

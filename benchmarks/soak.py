@@ -122,7 +122,8 @@ async def soak(url: str, server_pid: Optional[int], duration_s: float, clients: 
         "num_5xx": sum(v for k, v in statuses.items() if k.startswith("5")),
         "num_unanswered": sum(v for k, v in tally.items() if k.startswith("transport_error")),
         "health_after": health,
-        "kv_cache_usage_before": idle_before.get("kv_cache_usage"), "kv_cache_usage_after": idle_after.get("kv_cache_usage"),
+        "kv_cache_usage_before": idle_before.get("kv_cache_usage"),
+        "kv_cache_usage_after": idle_after.get("kv_cache_usage"),
         "rss_before_mb": None if rss_before is None else round(rss_before / 2**20, 1),
         "rss_after_mb": None if rss_after is None else round(rss_after / 2**20, 1),
     }

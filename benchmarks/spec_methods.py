@@ -62,7 +62,8 @@ def main() -> None:
                             speculative_config=speculative, **options)
     print(f"target {args.target}, spec {json.dumps(spec)}, {args.max_tokens} output tokens per request", flush=True)
     for concurrency in levels:
-        prompts = [{"prompt_token_ids": r["prompt_token_ids"]} for r in requests[:REQUESTS.get(concurrency, concurrency)]]
+        prompts = [{"prompt_token_ids": r["prompt_token_ids"]}
+                   for r in requests[:REQUESTS.get(concurrency, concurrency)]]
         times: dict[str, list[float]] = {"off": [], "spec": []}
         tokens: dict[str, list] = {}
         accepted = drafted = 0

@@ -1,7 +1,9 @@
 """Speculative decoding with n-gram drafts, greedy and sampled, one stream copying code (docs/benchmarks.md:
 "Speculative sampling"): output tokens per second with and without drafts, offline, embedded SmolLM2."""
 import time
+
 from tokenmill import LLM, SamplingParams
+
 text = ("def area(w, h):\n    return w * h\n\ndef perimeter(w, h):\n    return 2 * (w + h)\n\n"
         "def diagonal(w, h):\n    return (w * w + h * h) ** 0.5\n")
 messages = [{"role": "user", "content": "Copy this code exactly:\n" + text}]
@@ -13,7 +15,9 @@ for quant in ("none",):
             llm.chat(messages, params, use_tqdm=False)  # warm-up
             runs = []
             for _ in range(3):
-                t = time.perf_counter(); out = llm.chat(messages, params, use_tqdm=False); runs.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                out = llm.chat(messages, params, use_tqdm=False)
+                runs.append(time.perf_counter() - t)
             stats = llm.llm_engine.core.core.get_stats()
             print(f"quant={quant} spec={'ngram k=2' if spec else 'off'} temperature={temp}: "
                   f"{64 / sorted(runs)[1]:.1f} tok/s (median of 3), accepted so far {stats.spec_num_accepted_tokens} "

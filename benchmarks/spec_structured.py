@@ -64,7 +64,8 @@ def main() -> None:
                 times[name].append(time.perf_counter() - start)
         after = llms["spec"].llm_engine.core.core.get_stats()
         off, spec = (count / statistics.median(times[k]) for k in ("off", "spec"))
-        print(f"streams={n}: {count} tokens per run; off {off:.1f} tok/s, {args.spec} {spec:.1f} tok/s ({spec / off:.2f}x); "
+        print(f"streams={n}: {count} tokens per run; off {off:.1f} tok/s, "
+              f"{args.spec} {spec:.1f} tok/s ({spec / off:.2f}x); "
               f"drafts kept {after.spec_num_accepted_tokens - before.spec_num_accepted_tokens} of "
               f"{after.spec_num_draft_tokens - before.spec_num_draft_tokens}", flush=True)
 

@@ -173,8 +173,8 @@ def main(argv: Optional[list[str]] = None) -> None:
                         help="a workload JSONL file (prompt_token_ids, max_tokens per line; "
                         "default: ../shared/bench/workload-64.jsonl)")
     # Engine options, the engine's own flags and defaults (EngineConfig).
-    add_engine_args(parser, ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "attention_backend", "packed_linear",
-                             "quantization", "kv_cache_dtype", "block_matmul", "numerics"))
+    add_engine_args(parser, ("model", "dtype", "max_num_seqs", "max_num_batched_tokens", "attention_backend",
+                             "packed_linear", "quantization", "kv_cache_dtype", "block_matmul", "numerics"))
     parser.add_argument("--num-prompts", type=int, default=None, help="use only the first N requests")
     parser.add_argument("--layer-by-layer", action="store_true",
                         help="run every step through the per-layer modules instead of the fused C++ decoder stack, "

@@ -53,7 +53,8 @@ def main() -> None:
             times = decode_step_times(llm, args.batch, args.tokens)
         finally:
             llm.shutdown()
-        print(json.dumps({"tensor_parallel_size": size, "num_threads": args.num_threads, "batch": args.batch, "steps": len(times),
+        print(json.dumps({"tensor_parallel_size": size, "num_threads": args.num_threads, "batch": args.batch,
+                          "steps": len(times),
                           "decode_step_ms_median": round(statistics.median(times) * 1000, 2),
                           "decode_step_ms_p90": round(sorted(times)[int(0.9 * (len(times) - 1))] * 1000, 2),
                           "linear_layers": llm.llm_engine.core.ready.linear_layers}), flush=True)

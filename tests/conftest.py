@@ -23,8 +23,8 @@ _pin_to_this_workers_cpus()
 
 import pytest
 import torch
-from model_factory import build_tiny_llama, mixed_gguf_type, write_gguf  # noqa: F401  (re-exported for fixtures)
 
+from model_factory import build_tiny_llama, mixed_gguf_type, write_gguf  # noqa: F401  (re-exported for fixtures)
 from tokenmill.config import usable_cpu_count
 
 torch.set_num_threads(max(1, min(2, usable_cpu_count())))

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Optional
 
 import httpx
+
 from proc_util import free_port, stop_process
 
 STARTUP_TIMEOUT_S = 240.0

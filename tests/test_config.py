@@ -10,8 +10,19 @@ import sys
 
 import pytest
 
-from tokenmill.config import (ATTENTION_BACKENDS, BLOCK_MATMULS, DEVICES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
-                              QUANTIZATIONS, SCHEDULING_POLICIES, EngineConfig, engine_options, usable_cpu_count)
+from tokenmill.config import (
+    ATTENTION_BACKENDS,
+    BLOCK_MATMULS,
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    PREEMPTION_MODES,
+    QUANTIZATIONS,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+    engine_options,
+    usable_cpu_count,
+)
 from tokenmill.entrypoints.engine_args import add_engine_args, engine_config_from_args
 from tokenmill.errors import InvalidRequestError
 
@@ -79,11 +90,13 @@ def test_no_flags_give_the_defaults():
         "lpm_max_wait": 5.0, "max_preemptions": 4, "max_num_queued_requests": None, "max_queue_time": None,
         "max_prompt_tokens": None, "max_mixed_prefill_tokens": None, "long_prefill_token_threshold": None,
         "max_long_partial_prefills": 1, "swap_space": 0.0, "kv_offload_dir": None,
-            "kv_offload_size": 8 * 1024**3, "kv_offload_host_size": None, "kv_cache_pin_fraction": 0.5, "preemption_mode": None, "seed": 0, "max_logprobs": 20, "num_threads": None,
+        "kv_offload_size": 8 * 1024**3, "kv_offload_host_size": None, "kv_cache_pin_fraction": 0.5,
+        "preemption_mode": None, "seed": 0, "max_logprobs": 20, "num_threads": None,
         "attention_backend": "auto", "packed_linear": True, "quantization": None, "block_matmul": "auto",
         "kv_cache_dtype": "auto", "numerics": "auto",
         "structured_outputs_fast_forward": True, "data_parallel_size": 1, "data_parallel_routing": "prefix",
-        "data_parallel_long_prompt_threshold": None, "data_parallel_long_prompt_borrowing": True, "tensor_parallel_size": 1, "engine_core_nice": None, "speculative_config": None,
+        "data_parallel_long_prompt_threshold": None, "data_parallel_long_prompt_borrowing": True,
+        "tensor_parallel_size": 1, "engine_core_nice": None, "speculative_config": None,
         "enable_lora": False, "max_loras": 1, "max_lora_rank": 16, "max_cpu_loras": None}
 
 
@@ -108,7 +121,8 @@ def test_every_old_flag_parses_to_the_same_value():
         gpu_memory_utilization=0.5, num_kv_blocks=100, enable_chunked_prefill=False, enable_prefix_caching=False,
         scheduling_policy="lpm", lpm_max_wait=0.5, max_preemptions=2, max_num_queued_requests=10,
         max_queue_time=3.5, max_prompt_tokens=100, max_mixed_prefill_tokens=128, long_prefill_token_threshold=64,
-        max_long_partial_prefills=2, swap_space=1.5, preemption_mode="swap", seed=7, num_threads=2, attention_backend="torch",
+        max_long_partial_prefills=2, swap_space=1.5, preemption_mode="swap", seed=7, num_threads=2,
+        attention_backend="torch",
         packed_linear=False, quantization="q8_0", kv_cache_dtype="float16", structured_outputs_fast_forward=False,
         engine_core_nice=5,
         speculative_config=SpeculativeConfig(method="ngram", num_speculative_tokens=2, prompt_lookup_max=4))
@@ -205,10 +219,13 @@ def test_validation_keeps_every_value_as_given():
                   enable_prefix_caching=False, scheduling_policy="fair", lpm_max_wait=2.0, max_preemptions=None,
                   max_num_queued_requests=5, max_queue_time=1.5, max_prompt_tokens=50, max_mixed_prefill_tokens=64,
                   long_prefill_token_threshold=20, max_long_partial_prefills=2, swap_space=0.5,
-                  kv_offload_dir="/tmp/tier", kv_offload_size=2**30, kv_offload_host_size=2**29, kv_cache_pin_fraction=0.25, preemption_mode=None, seed=3, max_logprobs=0, num_threads=1, attention_backend="cpu",
+                  kv_offload_dir="/tmp/tier", kv_offload_size=2**30, kv_offload_host_size=2**29,
+                  kv_cache_pin_fraction=0.25, preemption_mode=None, seed=3, max_logprobs=0, num_threads=1,
+                  attention_backend="cpu",
                   packed_linear=False, quantization="q8_0", block_matmul="int8", kv_cache_dtype="bfloat16",
                   structured_outputs_fast_forward=False, data_parallel_size=2, data_parallel_routing="round_robin",
-                  data_parallel_long_prompt_threshold=512, data_parallel_long_prompt_borrowing=False, tensor_parallel_size=2, engine_core_nice=0, speculative_config=None, numerics="auto",
+                  data_parallel_long_prompt_threshold=512, data_parallel_long_prompt_borrowing=False,
+                  tensor_parallel_size=2, engine_core_nice=0, speculative_config=None, numerics="auto",
                   enable_lora=True, max_loras=3, max_lora_rank=8, max_cpu_loras=5)
     assert set(values) == {f.name for f in engine_options()}
     config = EngineConfig(**values)

@@ -247,7 +247,8 @@ def test_every_package_imports_only_what_its_layer_may():
 def test_the_config_is_a_leaf_and_attention_backends_do_not_import_each_other():
     graph = import_graph()
     assert graph["tokenmill.config"] <= {"tokenmill.errors"}
-    backends = {f"tokenmill.model.layers.attention.{name}" for name in ("torch_backend", "cpu_backend", "triton_backend")}
+    backends = {f"tokenmill.model.layers.attention.{name}"
+                for name in ("torch_backend", "cpu_backend", "triton_backend")}
     for backend in backends:
         assert backend in graph, backend
         # The C++ backend reuses the torch backend's paths for long float32 chunks; nothing else crosses.

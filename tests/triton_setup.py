@@ -19,4 +19,5 @@ def require_triton():
     if torch.cuda.is_available():
         return pytest.importorskip("triton", reason="triton is not installed (CUDA builds of torch ship it)")
     # Older interpreters index NumPy arrays in ways NumPy 2 refuses.
-    return pytest.importorskip("triton", minversion="3.7", reason="the CPU interpreter needs triton >= 3.7 (a test extra)")
+    return pytest.importorskip("triton", minversion="3.7",
+                               reason="the CPU interpreter needs triton >= 3.7 (a test extra)")

@@ -29,8 +29,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
 
-from tokenmill.engine.messages import EngineCoreAbort, EngineCoreFork, EngineCoreOutput, EngineCoreRequest, \
-    ForkChild
+from tokenmill.engine.messages import EngineCoreAbort, EngineCoreFork, EngineCoreOutput, EngineCoreRequest, ForkChild
 from tokenmill.errors import InvalidRequestError
 from tokenmill.outputs import Logprob
 from tokenmill.sampling_params import MAX_LOGPROBS, SamplingParams
@@ -158,6 +157,8 @@ class BeamSearch:
         if out.error is not None:
             raise InvalidRequestError(out.error)
         if out.new_token_ids:
+            if not out.new_logprobs:
+                raise InvalidRequestError("beam search needs the sampler's logprobs of each beam")
             beam.top = out.new_logprobs[0]
             beam.ended = out.finish_reason is not None
         elif out.finish_reason is not None:  # ended without sampling (e.g. a queue timeout)
@@ -172,8 +173,9 @@ class BeamSearch:
         self.num_generated += 1
         candidates: list[tuple[_Beam, int, BeamSearchSequence]] = []
         for beam in self.beams:
-            for token in beam.top:
-                seq = beam.sequence.extended(token, beam.top)
+            top = beam.top or {}  # every beam has sampled when this runs
+            for token in top:
+                seq = beam.sequence.extended(token, top)
                 if token in self.eos_token_ids and not self.params.ignore_eos:
                     seq.finish_reason, seq.stop_reason = "stop", None
                     self.completed.append(seq)
@@ -233,9 +235,9 @@ def run_beam_search(engine: "LLMEngine", prompts: Sequence["ProcessedPrompt"],
             owner.update(dict.fromkeys(search.live, search))
         while any(not s.done for s in searches):
             for out in core.get_output().outputs:
-                search = owner.get(out.request_id)
-                if search is not None:
-                    search.record(out)
+                owning = owner.get(out.request_id)
+                if owning is not None:
+                    owning.record(out)
             for search in searches:
                 if search.ready:
                     forks, aborts = search.advance()

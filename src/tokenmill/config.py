@@ -21,7 +21,8 @@ from tokenmill.errors import InvalidRequestError
 _UNITS = {
     "": 1, "b": 1,
     "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
+    "ti": 1024**4, "tib": 1024**4,
 }
 
 
@@ -99,8 +100,9 @@ def default_engine_core_nice(device_type: str) -> int:
     On CPU the model's compute threads hold every core for the whole of each step, and the API process
     (HTTP, detokenizing, streaming) waits for the kernel to give it a time slice, which was most of a
     /health answer's p99 at 64 streams on 2 cores. Niced, the core still gets every cycle nobody else
-    wants (its throughput tied), and the frontend gets a core as soon as it wakes (docs/benchmarks.md). On an accelerator the core's thread mostly waits on the device,
-    and its kernel launches are what must not wait, so it keeps the server's priority.
+    wants (its throughput tied), and the frontend gets a core as soon as it wakes (docs/benchmarks.md). On an
+    accelerator the core's thread mostly waits on the device, and its kernel launches are what must not wait,
+    so it keeps the server's priority.
     """
     return 10 if device_type == "cpu" else 0
 
@@ -512,7 +514,7 @@ def engine_options() -> tuple[dataclasses.Field, ...]:
     return dataclasses.fields(EngineConfig)
 
 
-def option_types(options_class: type = None) -> dict[str, Any]:
+def option_types(options_class: Optional[type] = None) -> dict[str, Any]:
     """Field name -> its resolved type annotation (Optional[int], bool, ...) of EngineConfig, or of another
     class of `option` fields."""
     return typing.get_type_hints(options_class or EngineConfig)

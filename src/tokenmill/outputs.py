@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+
 # One generated position's top logprobs: token id -> Logprob.
 @dataclass(slots=True)
 class Logprob:

@@ -3,10 +3,9 @@ from __future__ import annotations
 
 import json
 
-from benchmarks.make_bench import update_markdown
 from benchmarks import prefix_bench
-from benchmarks.shared_prefix import (MIN_TOKEN_ID, SharedPrefixSpec, build_shared_prefix_workload,
-                                      ideal_cached_tokens)
+from benchmarks.make_bench import update_markdown
+from benchmarks.shared_prefix import MIN_TOKEN_ID, SharedPrefixSpec, build_shared_prefix_workload, ideal_cached_tokens
 
 
 def test_workload_is_deterministic_round_robin_and_shares_prefixes():

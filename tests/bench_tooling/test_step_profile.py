@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import torch
 
-from tokenmill import LLM
 from benchmarks import step_profile
+from tokenmill import LLM
 from tokenmill.bench.workloads import WorkloadRequest
 
 

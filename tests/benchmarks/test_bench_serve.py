@@ -239,9 +239,12 @@ def test_the_stable_segment_counts_only_what_happened_inside_it():
 
     cfg = ServeConfig(max_concurrency=1, duration_s=10.0, warmup_s=5.0)
     results = [
-        RequestResult(prompt_len=10, success=True, output_len=11, ttft=1.0, itl=[0.1] * 10, latency=2.0, start_time=4.0),
-        RequestResult(prompt_len=10, success=True, output_len=11, ttft=1.0, itl=[0.1] * 10, latency=2.0, start_time=8.0),
-        RequestResult(prompt_len=10, success=True, output_len=11, ttft=1.0, itl=[0.1] * 10, latency=2.0, start_time=14.0),
+        RequestResult(prompt_len=10, success=True, output_len=11, ttft=1.0, itl=[0.1] * 10, latency=2.0,
+                      start_time=4.0),
+        RequestResult(prompt_len=10, success=True, output_len=11, ttft=1.0, itl=[0.1] * 10, latency=2.0,
+                      start_time=8.0),
+        RequestResult(prompt_len=10, success=True, output_len=11, ttft=1.0, itl=[0.1] * 10, latency=2.0,
+                      start_time=14.0),
     ]
     result = summarize_stable_segment(results, 16.5, cfg)
     # Starts at 4 (warm-up), 8 and 14 (stable); the third ends at 16, in the drain.

@@ -7,6 +7,8 @@ import math
 import pytest
 import torch
 
+from tokenmill.entrypoints import cli
+from tokenmill.errors import InvalidRequestError
 from tokenmill.planning.gpus import KNOWN_GPUS, custom_device, find_gpu, load_price_table
 from tokenmill.planning.planner import (
     PRESETS,
@@ -17,8 +19,6 @@ from tokenmill.planning.planner import (
     profile_crossing,
     resolve_model,
 )
-from tokenmill.entrypoints import cli
-from tokenmill.errors import InvalidRequestError
 
 KIB, GIB = 1024, 2**30
 

@@ -191,8 +191,8 @@ def test_a_long_restore_is_read_in_the_background_while_its_request_waits(tmp_pa
     """The KV cache manager over a tier: a prefix of READ_AHEAD_MIN_BLOCKS or more unread blocks makes the
     request wait while a background thread reads them; the next lookup takes them (exact block ids)."""
     from tokenmill.core.kv_cache_manager import KVCacheManager
-    from tokenmill.core.tier_reads import READ_AHEAD_MIN_BLOCKS, TierHit
     from tokenmill.core.request import Request
+    from tokenmill.core.tier_reads import READ_AHEAD_MIN_BLOCKS, TierHit
     from tokenmill.sampling_params import SamplingParams
 
     tier = open_tier(tmp_path)

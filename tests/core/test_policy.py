@@ -9,9 +9,9 @@ from typing import Optional
 
 import pytest
 
+from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 

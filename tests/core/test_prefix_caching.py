@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 
+from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 

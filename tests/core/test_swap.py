@@ -1,9 +1,9 @@
 """Preemption by swapping KV blocks to host memory."""
 from __future__ import annotations
 
+from tokenmill.config import EngineConfig
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
-from tokenmill.config import EngineConfig
 from tokenmill.core.scheduler import Scheduler
 from tokenmill.sampling_params import SamplingParams
 

@@ -24,6 +24,7 @@ from typing import Iterator
 
 import httpx
 import pytest
+
 from proc_util import free_ports, stop_process
 from server_process import ServerProcess
 

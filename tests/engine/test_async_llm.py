@@ -6,8 +6,8 @@ import os
 import signal
 
 import pytest
-from proc_util import thread_niceness
 
+from proc_util import thread_niceness
 from tokenmill.config import EngineConfig
 from tokenmill.engine.async_llm import AsyncLLM
 from tokenmill.engine.input_processor import ProcessedPrompt

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_factory import GOLDEN_PROMPTS as PROMPTS, hf_greedy, hf_greedy_batch
+from model_factory import GOLDEN_PROMPTS as PROMPTS
+from model_factory import hf_greedy, hf_greedy_batch
 from tokenmill import LLM, SamplingParams
 
 
@@ -21,8 +22,8 @@ def check_against_hf(llm: LLM, hf_model, tokenizer, max_tokens: list[int]) -> No
 
 
 # Every attention backend must produce the same tokens; "cpu" (the C++ paged kernels) fails with its build
-# error where they do not build (skipped only with TOKENMILL_DISABLE_CPU_KERNELS=1). These run on the CPU device, whose backends and
-# packed weights they cover; tests/engine/test_cuda.py holds the same checks on a GPU.
+# error where they do not build (skipped only with TOKENMILL_DISABLE_CPU_KERNELS=1). These run on the CPU device,
+# whose backends and packed weights they cover; tests/engine/test_cuda.py holds the same checks on a GPU.
 BACKENDS = ["torch", "cpu"]
 
 

@@ -110,8 +110,8 @@ def test_the_prefix_cache_keeps_adapters_apart(tiny_llama_dir, adapters, expecte
 def test_an_adapter_on_the_embedded_gguf_matches_peft(smollm2_path, smollm2_hf, tmp_path):
     """Kept Q4_1 blocks (widened to float32 in the exact mode) with an adapter's delta on top, against PEFT
     on transformers' dequantized copy of the same file."""
-    from peft import LoraConfig, get_peft_model
     import torch
+    from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(7)
     config = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False)

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from model_factory import GOLDEN_PROMPTS as PROMPTS, hf_greedy
+from model_factory import GOLDEN_PROMPTS as PROMPTS
+from model_factory import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.beam_search import BeamSearchParams
 from tokenmill.config import EngineConfig

@@ -176,7 +176,8 @@ def test_beam_search_matches_a_full_recompute_reference(peaky_dir, hf_peaky, smo
     assert total == sum(prompt_lens) + len(BEAM_PROMPTS) * width * (max_tokens - 1)
     # Beams forked from each other: partial blocks were copied, nothing leaked.
     assert any(out.block_copies for out in outputs)
-    assert llm.llm_engine.core.core.kv_cache.num_free_blocks == 64 and not llm.llm_engine.core.core.has_unfinished_requests()
+    assert (llm.llm_engine.core.core.kv_cache.num_free_blocks == 64
+            and not llm.llm_engine.core.core.has_unfinished_requests())
 
 
 def test_eos_finishes_a_beam_that_stays_a_candidate(tmp_path, hf_peaky, peaky_dir, smollm2_tokenizer):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from tokenmill import LLM, SamplingParams
-from tokenmill.errors import InvalidRequestError
 from tokenmill.config import SpeculativeConfig
+from tokenmill.errors import InvalidRequestError
 from tokenmill.spec_decode.ngram import NgramProposer
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}
@@ -27,7 +27,8 @@ def test_ngram_proposals_follow_the_latest_earlier_match():
 @pytest.mark.parametrize("config", [
     {"method": "eagle"}, {"num_speculative_tokens": 0}, {"prompt_lookup_min": 3, "prompt_lookup_max": 2},
     {"method": "draft_model"}, {"num_speculative_tokens": "4"}, [1], {"method": "ngram", "num_layers": 2},
-    {"method": "layer_skip", "num_layers": 0}, {"method": "qspec", "numerics": "exact"}, {"model": "x", "numerics": "fp8"},
+    {"method": "layer_skip", "num_layers": 0}, {"method": "qspec", "numerics": "exact"},
+    {"model": "x", "numerics": "fp8"},
 ])
 def test_bad_speculative_configs_are_refused(config):
     with pytest.raises(InvalidRequestError):

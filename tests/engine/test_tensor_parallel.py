@@ -9,9 +9,9 @@ import time
 
 import pytest
 import torch
+
 from model_factory import GOLDEN_PROMPTS, build_tiny_family, write_family_gguf
 from proc_util import is_alive, still_alive
-
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.parallel_state import TensorParallelGroup
 from tokenmill.entrypoints.llm import LLM
@@ -108,13 +108,15 @@ def test_a_row_parallel_int8_shard_off_the_block_grid_stays_dense():
     blocks = Int8Blocks(*quantize_q8_0(torch.randn(8, 64)))
     kept = {"model.layers.0.mlp.down_proj.weight": blocks, "model.layers.0.mlp.up_proj.weight": blocks}
     shard_int8_blocks(kept, TensorParallelGroup(rank=0, size=4))  # 16 inputs per rank: not a whole block
-    assert list(kept) == ["model.layers.0.mlp.up_proj.weight"] and kept["model.layers.0.mlp.up_proj.weight"].q.shape == (2, 64)
+    assert (list(kept) == ["model.layers.0.mlp.up_proj.weight"]
+            and kept["model.layers.0.mlp.up_proj.weight"].q.shape == (2, 64))
 
 
 # ---- errors ---------------------------------------------------------------------------------------
 def test_heads_that_do_not_split_are_refused_before_any_worker_starts(smollm2_path):
     # SmolLM2-135M: 9 attention heads, 3 KV heads.
-    with pytest.raises(ModelLoadError, match=r"^num_key_value_heads \(3\) is not divisible by --tensor-parallel-size 2$"):
+    with pytest.raises(ModelLoadError,
+                       match=r"^num_key_value_heads \(3\) is not divisible by --tensor-parallel-size 2$"):
         LLM(str(smollm2_path), tensor_parallel_size=2, numerics="exact")
 
 
@@ -205,7 +207,6 @@ def test_data_parallel_cores_each_run_their_own_tensor_parallel_workers(tiny_lla
     import asyncio
 
     from proc_util import child_pids, descendants, thread_niceness
-
     from tokenmill.engine.async_llm import AsyncLLM
     from tokenmill.sampling_params import RequestOutputKind
 
@@ -214,7 +215,8 @@ def test_data_parallel_cores_each_run_their_own_tensor_parallel_workers(tiny_lla
                                                data_parallel_size=2, tensor_parallel_size=2, numerics="exact"))
     params = GREEDY.clone(output_kind=RequestOutputKind.FINAL_ONLY)
     # Each core's workers fork from its forkserver: the core's grandchildren.
-    workers = [pid for client in engine.clients for child in child_pids(client.process.pid) for pid in child_pids(child)]
+    workers = [pid for client in engine.clients for child in child_pids(client.process.pid)
+               for pid in child_pids(child)]
     assert len(workers) == 4  # two per core
     below = [pid for client in engine.clients for pid in descendants(client.process.pid)]
     # The workers inherit their core's niceness (10 on CPU) from the thread that starts them.

@@ -7,8 +7,8 @@ import os
 import shutil
 
 import pytest
-
 from test_tokenizer_handover import assert_equivalent
+
 from tokenmill.model import gguf_loader, tokenizer_cache
 
 

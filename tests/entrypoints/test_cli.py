@@ -48,7 +48,8 @@ def test_speculative_config_flag(tiny_llama_dir):
                    "--num-kv-blocks", "64", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}')
     assert spec.returncode == 0, spec.stderr
     # The same greedy request without drafts, in this process: `generate` prints the completion's text.
-    plain = LLM(str(tiny_llama_dir), num_kv_blocks=64).generate("a b a b a b", SamplingParams(max_tokens=8, temperature=0.0),
+    plain = LLM(str(tiny_llama_dir), num_kv_blocks=64).generate("a b a b a b",
+                                                                SamplingParams(max_tokens=8, temperature=0.0),
                                                                 use_tqdm=False)[0].outputs[0].text
     assert spec.stdout == plain + "\n"
     for bad in ("{not json", '{"method": "eagle"}'):

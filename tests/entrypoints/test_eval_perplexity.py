@@ -10,8 +10,13 @@ import sys
 import pytest
 import torch
 
-from tokenmill.entrypoints.eval_cli import (adds_bos, evaluate_perplexity, perplexity_from_logprobs,
-                                            perplexity_windows, scored_positions)
+from tokenmill.entrypoints.eval_cli import (
+    adds_bos,
+    evaluate_perplexity,
+    perplexity_from_logprobs,
+    perplexity_windows,
+    scored_positions,
+)
 from tokenmill.errors import InvalidRequestError
 
 TEXT = ("The river runs past the mill, and the mill grinds the grain that the farmers bring from the hills. "

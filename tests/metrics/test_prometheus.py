@@ -53,7 +53,8 @@ def test_steps_move_counters_gauges_and_histograms_exactly():
                     IterationStats(num_prompt_tokens=30, num_generation_tokens=2, ttfts=[0.2, 0.4]))
     exporter.record(SchedulerSnapshot(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_preemptions=3,
                                       prefix_cache_queries=64, prefix_cache_hits=16, spec_num_draft_tokens=9,
-                                      spec_num_accepted_tokens=5, spec_num_drafts=3, spec_accepted_per_position=[3, 1, 1]),
+                                      spec_num_accepted_tokens=5, spec_num_drafts=3,
+                                      spec_accepted_per_position=[3, 1, 1]),
                     IterationStats(num_generation_tokens=2, inter_token_latencies=[0.05, 0.07],
                                    finished=[finished("length", 10, 3), finished("stop", 20, 1)]))
     assert value(exporter, "tokenmill:num_requests_running") == 0
@@ -100,7 +101,8 @@ def test_http_responses_are_counted_by_route_method_and_status_class():
     from tokenmill.metrics.prometheus import http_response_key
 
     server = ServerMetrics()
-    totals = {http_response_key("/v1/completions", "POST", 200): 3, http_response_key("/v1/completions", "POST", 503): 1}
+    totals = {http_response_key("/v1/completions", "POST", 200): 3,
+              http_response_key("/v1/completions", "POST", 503): 1}
     server.record_responses(totals)
     totals[http_response_key("/v1/completions", "POST", 201)] = 4  # the same class: one series
     server.record_responses(totals)
@@ -119,7 +121,8 @@ def test_tokens_are_counted_per_tenant_with_bounded_series(monkeypatch):
 
     monkeypatch.setattr(prometheus, "MAX_TENANT_SERIES", 3)
     exporter = PrometheusStatLogger("m")
-    requests = [replace(finished("length", 10, 4), tenant=tenant) for tenant in ("alice", "bob", None, "carol", "alice")]
+    requests = [replace(finished("length", 10, 4), tenant=tenant)
+                for tenant in ("alice", "bob", None, "carol", "alice")]
     requests.append(replace(finished("stop", 7, 2), tenant="dave"))
     exporter.record(SchedulerSnapshot(), IterationStats(finished=requests))
     generated = {labels[0][1]: v for (name, labels), v in samples(exporter).items()

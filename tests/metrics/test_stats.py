@@ -6,8 +6,14 @@ import logging
 import pytest
 
 from tokenmill.metrics.loggers import LoggingStatLogger
-from tokenmill.metrics.stats import (FinishedRequestStats, IterationStats, SchedulerSnapshot, SlidingWindow,
-                                     WindowStatLogger, percentile)
+from tokenmill.metrics.stats import (
+    FinishedRequestStats,
+    IterationStats,
+    SchedulerSnapshot,
+    SlidingWindow,
+    WindowStatLogger,
+    percentile,
+)
 
 
 def finished(reason: str = "length", e2e: float = 1.0, queue: float = 0.1) -> FinishedRequestStats:

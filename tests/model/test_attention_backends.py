@@ -2,15 +2,19 @@
 GQA, contexts that end mid-block, scattered block tables, and decodes mixed with prefill chunks."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-import numpy as np
-
-from tokenmill.model.layers.attention import (AttentionInputs, CpuPagedAttentionBackend, TorchAttentionBackend,
-                                              get_attention_backend, torch_backend)
-from tokenmill.model.layers.attention.torch_backend import chunk_after_prefix_attention
 from step_rows import Row, prepare_rows
+from tokenmill.model.layers.attention import (
+    AttentionInputs,
+    CpuPagedAttentionBackend,
+    TorchAttentionBackend,
+    get_attention_backend,
+    torch_backend,
+)
+from tokenmill.model.layers.attention.torch_backend import chunk_after_prefix_attention
 
 BLOCK = 4
 

@@ -1,21 +1,27 @@
 """`--block-matmul bfloat16-int8`: block matmuls of more than 64 rows as `--block-matmul bfloat16` (bfloat16
 tiles: AMX where the CPU has it, else MKL's GEMM), up to 64 rows and the fused decode stack as
-`--block-matmul int8` (activations rounded to int8 per block of 32, integer dot products). The routing bit for bit against the two kernels,
-and the engine's tokens and logprobs, prefill and decode steps, against HF transformers whose linear
-layers round the same way for the same row counts."""
+`--block-matmul int8` (activations rounded to int8 per block of 32, integer dot products). The routing
+bit for bit against the two kernels, and the engine's tokens and logprobs, prefill and decode steps,
+against HF transformers whose linear layers round the same way for the same row counts."""
 from __future__ import annotations
 
 import pytest
 import torch
-
 from test_bf16_tiles import PrefillRoundedLinear
 from test_block_kernels import file_blocks
 from test_gguf_int8 import hf_on_file_weights
 from test_int8_dot import RoundedInputLinear, engine_with_block_matmul, round_hf_linear_inputs
+
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.layers import linear
-from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, Bf16TileInt8RowKernels, BlockQuantLinear, pack_blocks,
-                                          runs_bf16_tiles, runs_int8_dot)
+from tokenmill.model.layers.linear import (
+    BLOCK_KERNEL_MAX_ROWS,
+    Bf16TileInt8RowKernels,
+    BlockQuantLinear,
+    pack_blocks,
+    runs_bf16_tiles,
+    runs_int8_dot,
+)
 
 
 @pytest.fixture(scope="module")

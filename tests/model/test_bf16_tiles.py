@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from model_factory import hf_greedy
 from test_block_kernels import file_blocks
 from test_gguf_int8 import hf_on_file_weights
 from test_int8_dot import engine_with_block_matmul
+
+from model_factory import hf_greedy
 from tokenmill import SamplingParams
 from tokenmill.model.gguf_loader import INT8_BLOCK_TYPES
 from tokenmill.model.layers.cpu_kernels import cpu_flags

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_gguf_int8 import random_gguf_tensor
+
 from tokenmill.model.gguf_loader import INT8_BLOCK_TYPES, gguf_int8_blocks
-from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, BlockQuantLinear, Int8Blocks, pack_blocks,
-                                          unpack_blocks)
+from tokenmill.model.layers.linear import (
+    BLOCK_KERNEL_MAX_ROWS,
+    BlockQuantLinear,
+    Int8Blocks,
+    pack_blocks,
+    unpack_blocks,
+)
 
 FOUR_BIT_TYPES = {"Q4_0", "Q4_1", "Q4_K"}
 ROWS = [1, 5, 9, 16, BLOCK_KERNEL_MAX_ROWS, BLOCK_KERNEL_MAX_ROWS + 1, 200]
@@ -92,7 +97,8 @@ def test_row_path_bits_do_not_depend_on_the_batch_at_any_width(kernels, in_featu
 
     gen = torch.Generator().manual_seed(in_features)
     blocks = Int8Blocks(torch.randint(0, 16, (40, in_features), generator=gen).to(torch.int8),
-                        torch.rand(40, in_features // 32, generator=gen), torch.randn(40, in_features // 32, generator=gen))
+                        torch.rand(40, in_features // 32, generator=gen),
+                        torch.randn(40, in_features // 32, generator=gen))
     packed = pack_blocks(blocks)
     x = torch.randn(9, in_features, generator=gen)
     batch = kernels.block_linear(x, *packed, None, 40)

@@ -13,8 +13,15 @@ from model_factory import hf_greedy, mixed_gguf_type, write_gguf
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import TokenmillError
 from tokenmill.model.gguf_loader import INT8_BLOCK_TYPES, gguf_int8_blocks
-from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, BlockQuantEmbedding, BlockQuantLinear, Int8Blocks,
-                                          dense_linear, pack_blocks, quantize_q8_0)
+from tokenmill.model.layers.linear import (
+    BLOCK_KERNEL_MAX_ROWS,
+    BlockQuantEmbedding,
+    BlockQuantLinear,
+    Int8Blocks,
+    dense_linear,
+    pack_blocks,
+    quantize_q8_0,
+)
 from tokenmill.model.loader import load_model_source
 
 # Offsets of the float16 scale fields in each block type (the rest of a block is arbitrary bits).
@@ -133,7 +140,8 @@ def test_dense_linear_for_matrices_not_kept(rows_hint):
     """A matrix no block type covers runs dense: oneDNN-packed given a row hint (where oneDNN is
     built in), else a plain nn.Linear over the very tensors."""
     gen = torch.Generator().manual_seed(1)
-    weight, bias, x = torch.randn(8, 64, generator=gen), torch.randn(8, generator=gen), torch.randn(3, 64, generator=gen)
+    weight, bias, x = (torch.randn(8, 64, generator=gen), torch.randn(8, generator=gen),
+                       torch.randn(3, 64, generator=gen))
     layer = dense_linear(weight, bias, rows_hint)
     assert isinstance(layer, torch.nn.Linear) == (rows_hint is None or not torch.backends.mkldnn.is_available())
     torch.testing.assert_close(layer(x), x @ weight.T + bias, atol=1e-5, rtol=1e-5)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from model_factory import hf_greedy
 from test_block_kernels import ROWS, file_blocks
 from test_gguf_int8 import PROMPTS, hf_on_file_weights
+
+from model_factory import hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.model.gguf_loader import INT8_BLOCK_TYPES
 from tokenmill.model.layers.linear import BlockQuantLinear, Int8ActivationKernels, pack_blocks, packed_layout

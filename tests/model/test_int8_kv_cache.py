@@ -7,8 +7,15 @@ import pytest
 import torch
 
 from attention_reference import windowed_causal_reference
-from tokenmill.model.layers.kv_int8 import (KV_INT8_GROUP, KV_INT8_SCALE_BYTES, cache_head_dim, dequantize_kv_rows,
-                                            kv_row_width, kv_values, quantize_kv_rows)
+from tokenmill.model.layers.kv_int8 import (
+    KV_INT8_GROUP,
+    KV_INT8_SCALE_BYTES,
+    cache_head_dim,
+    dequantize_kv_rows,
+    kv_row_width,
+    kv_values,
+    quantize_kv_rows,
+)
 from tokenmill.model.layers.kv_write import write_kv
 
 
@@ -146,5 +153,6 @@ def test_kernels_refuse_an_int8_cache_without_room_for_its_scales(kernels):
     with pytest.raises(RuntimeError, match="reads a float32, float16 or bfloat16 cache|needs a build"):
         good = torch.zeros(2, 4, 8, 2, 68, dtype=torch.int8)
         kernels.paged_prefill_attention_bf16(q, good, torch.zeros(1, 1, dtype=torch.int32),
-                                             torch.tensor([[0, 1]], dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                                             torch.tensor([[0, 1]], dtype=torch.int32),
+                                             torch.ones(1, dtype=torch.int32),
                                              0.1, 0, torch.empty_like(q))

@@ -3,14 +3,18 @@ prompts and chunks after cached context, GQA, windows, soft-capping, 16-bit cach
 on every SIMD path; and the CPU backend's split between the kernel and SDPA."""
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from attention_reference import windowed_causal_reference
-import numpy as np
-
-from tokenmill.model.layers.attention import (AttentionInputs, AttentionMetadata, CpuPagedAttentionBackend,
-                                              TorchAttentionBackend, cpu_backend)
+from tokenmill.model.layers.attention import (
+    AttentionInputs,
+    AttentionMetadata,
+    CpuPagedAttentionBackend,
+    TorchAttentionBackend,
+    cpu_backend,
+)
 from tokenmill.model.layers.attention.cpu_backend import cpu_prefill_tables
 
 
@@ -129,7 +133,8 @@ def test_backend_routes_long_chunks_to_sdpa(kernels, monkeypatch):
         prefill_block_ids=[ids.numpy() for ids in common.prefill_block_ids]))
     assert meta.prefill_split.kernel_chunks == [0, 2] and meta.prefill_all.kernel_chunks == [0, 1, 2]
     original = backend._prefill
-    monkeypatch.setattr(backend, "_prefill", lambda q_rows, *a, **k: calls.append(q_rows.shape[0]) or original(q_rows, *a, **k))
+    monkeypatch.setattr(backend, "_prefill",
+                        lambda q_rows, *a, **k: calls.append(q_rows.shape[0]) or original(q_rows, *a, **k))
     out = torch.zeros_like(q)
     backend.prefill_into(out, q, cache, meta, 0.125)
     assert calls == [250]

@@ -9,8 +9,15 @@ from fused_decode import decode_step_both_ways
 from model_factory import GOLDEN_PROMPTS, hf_greedy
 from tokenmill import LLM, SamplingParams
 from tokenmill.errors import TokenmillError
-from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, BlockQuantLinear, Int8Blocks, dequantize_q8_0,
-                                          pack_blocks, quantize_q8_0, unpack_blocks)
+from tokenmill.model.layers.linear import (
+    BLOCK_KERNEL_MAX_ROWS,
+    BlockQuantLinear,
+    Int8Blocks,
+    dequantize_q8_0,
+    pack_blocks,
+    quantize_q8_0,
+    unpack_blocks,
+)
 
 
 def pack_int8_blocks(q, scales, mins=None):

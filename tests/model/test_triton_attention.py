@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from triton_setup import require_triton
 
 require_triton()
 
+from attention_reference import windowed_causal_reference  # noqa: E402
+from step_rows import Row, prepare_rows  # noqa: E402
 from tokenmill.model.layers.attention import TorchAttentionBackend, get_attention_backend  # noqa: E402
 from tokenmill.model.layers.attention.triton_backend import TritonAttentionBackend  # noqa: E402
-from step_rows import Row, prepare_rows  # noqa: E402
-from attention_reference import windowed_causal_reference  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 BLOCK = 16
@@ -73,8 +74,8 @@ def run_batch(backend, specs, num_heads, num_kv_heads, head_dim, dtype, cache_dt
         n = row.num_new_tokens
         # The new tokens' K/V were written to their slots before attending.
         assert torch.equal(keys[row.start_position:], k[flat:flat + n].to(cache_dtype))
-        expected = windowed_causal_reference(q[flat:flat + n].to(torch.promote_types(dtype, cache_dtype)), keys, values, 0.3,
-                             row.start_position, window, softcap)
+        expected = windowed_causal_reference(q[flat:flat + n].to(torch.promote_types(dtype, cache_dtype)), keys, values,
+                             0.3, row.start_position, window, softcap)
         torch.testing.assert_close(out[flat:flat + n].float(), expected, atol=tol, rtol=tol,
                                    msg=lambda m: f"request {index} {row.start_position}+{n}: {m}")
         flat += n

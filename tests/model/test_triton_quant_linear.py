@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from triton_setup import require_triton
 
 require_triton()
 
-from tokenmill.model.layers.linear import BlockQuantLinear, Int8Blocks, pack_blocks  # noqa: E402
 from tokenmill.model.layers import triton_quant_linear  # noqa: E402
+from tokenmill.model.layers.linear import BlockQuantLinear, Int8Blocks, pack_blocks  # noqa: E402
 from tokenmill.model.layers.triton_quant_linear import TritonBlockKernels, block_kernel_problem  # noqa: E402
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -97,6 +98,7 @@ def test_gguf_blocks_of_every_kept_type(triton_kernels):
     """The file's own blocks (gguf_int8_blocks of random GGUF data) for each type kept quantized."""
     pytest.importorskip("gguf")
     from test_gguf_int8 import random_gguf_tensor
+
     from tokenmill.model.gguf_loader import INT8_BLOCK_TYPES, gguf_int8_blocks
 
     gen = torch.Generator().manual_seed(3)
@@ -143,6 +145,7 @@ def test_engine_runs_kept_gguf_blocks_through_triton(kernels, tiny_gguf_path, ti
     the interpreter's wide tiles (the head's 49k features in 48 programs rather than 768)."""
     monkeypatch.setattr(triton_quant_linear, "INTERPRETED_BLOCK_N", 1024)
     from test_gguf_int8 import greedy
+
     from tokenmill import LLM
     from tokenmill.model.layers.linear import BlockQuantEmbedding
     from tokenmill.model.layers.linear_method import LinearMethods

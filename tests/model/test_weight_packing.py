@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from test_gguf_int8 import random_gguf_tensor
+
 from tokenmill.model.gguf_loader import _DEQUANTIZERS, _in_chunks, _raw_blocks, _unpack_q4_k
 from tokenmill.model.layers.linear import _pack_panel_integers, quantize_q8_0
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import torch
+
 from triton_setup import interpret_without_cuda, require_triton
 
 interpret_without_cuda()

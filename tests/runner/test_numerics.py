@@ -118,7 +118,8 @@ def test_cuda_keeps_its_own_dtype_and_cache():
 def test_every_choice_says_why():
     numerics = resolve_numerics(EngineConfig(), Hardware.for_cpu_flags(EPYC_ZEN4), block_weights=True)
     assert numerics.describe() == (
-        "weights: as stored (the file's block-quantized matrices); dtype: float32 (block-quantized weights: the C++ block kernels compute in float32); block matmul: int8 "
+        "weights: as stored (the file's block-quantized matrices); dtype: float32 (block-quantized weights: the C++ "
+        "block kernels compute in float32); block matmul: int8 "
         "(avx512_vnni); kv cache dtype: bfloat16 (16-bit cache under a float32 model, native bfloat16 (avx512_bf16))")
     assert numerics.as_dict()["block_matmul"] == {"value": "int8", "reason": "avx512_vnni"}
     applied = numerics.apply(EngineConfig())

@@ -15,9 +15,8 @@ ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
-from proc_util import descendants, free_port, still_alive  # noqa: E402
-
 import tokenmill  # noqa: E402
+from proc_util import descendants, free_port, still_alive  # noqa: E402
 from tokenmill.serve.ray_app import REPLICA_HEADER, build_app  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

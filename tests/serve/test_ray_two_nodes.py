@@ -28,9 +28,8 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-from proc_util import descendants, free_ports, still_alive, stop_process  # noqa: E402
-
 import tokenmill  # noqa: E402
+from proc_util import descendants, free_ports, still_alive, stop_process  # noqa: E402
 from tokenmill.serve.ray_app import ENGINE_DEPLOYMENT, FRONT_DEPLOYMENT, REPLICA_HEADER, build_app  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 
 import httpx
 import pytest
+
 from proc_util import free_port, stop_process
 from server_process import ServerProcess
 

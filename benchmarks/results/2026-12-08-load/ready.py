@@ -8,7 +8,14 @@ llama.cpp's KV budget (KV_MIB: llama.cpp's -c 16384 at 16-bit K and V; skipped w
 default 2048 MiB), llama.cpp with -c 16384 -np 16. Given a safetensors directory, the peer is vLLM's CPU
 backend as `make bench-peers` starts it, with tokenmill's default KV budget (2 GiB).
 """
-import json, os, re, signal, subprocess, sys, time, urllib.request
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
 
 
 def ready(cmd, port, log_path):

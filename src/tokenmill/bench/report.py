@@ -211,10 +211,11 @@ def render_markdown(comparison: dict[str, Any], plots: Sequence[str]) -> str:
            f"Baseline: **{base}**. Differences under {pct:g}% are marked as ties.", ""]
     for key in comparison["concurrencies"]:
         out += [f"## Concurrency {key}" if key != "run" else "## Results", "",
-                "| metric | " + " | ".join(labels) + " | " + " | ".join(f"{l} vs {base}" for l in labels[1:]) + " |",
+                "| metric | " + " | ".join(labels) + " | "
+                + " | ".join(f"{label} vs {base}" for label in labels[1:]) + " |",
                 "|---" * (2 * len(labels)) + "|"]
         for row in (r for r in comparison["rows"] if r["concurrency"] == key):
-            cells = [_cell(row["metric"], row["values"][l]) for l in labels]
+            cells = [_cell(row["metric"], row["values"][label]) for label in labels]
             diffs = []
             for label in labels[1:]:
                 d = row["diffs"][label]

@@ -13,9 +13,9 @@ import itertools
 import json
 import math
 import time
-from pathlib import Path
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -372,8 +372,9 @@ def summarize_stable_segment(results: Sequence[RequestResult], duration: float, 
                   "wall_s": duration, "requests_sent": len(results), "requests_in_warmup":
                       sum(r.start_time < start for r in results), "requests_in_stable_segment": len(stable)},
         whole_run={"output_throughput": sum(r.output_len for r in results if r.success) / max(duration, 1e-9),
-                   **{f"{k}_ttft_ms": v for k, v in _stats([r.ttft for r in results if r.success and r.ttft is not None],
-                                                           (50.0, 95.0)).items() if k in ("median", "p95")}},
+                   **{f"{k}_ttft_ms": v
+                      for k, v in _stats([r.ttft for r in results if r.success and r.ttft is not None],
+                                         (50.0, 95.0)).items() if k in ("median", "p95")}},
     )
     if result["good_requests"] is not None:
         result["request_goodput"] = sum(_is_good(r, cfg) for r in ended) / cfg.duration_s

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+
 @dataclass(slots=True)
 class WorkloadRequest:
     id: int | str

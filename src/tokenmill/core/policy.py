@@ -18,7 +18,6 @@ from tokenmill.config import SCHEDULING_POLICIES
 from tokenmill.core.request import Request
 
 
-
 class SchedulingPolicy:
     name = "fcfs"
     # Whether a waiting request may preempt running ones that rank below it.

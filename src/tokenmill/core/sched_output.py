@@ -19,8 +19,8 @@ from typing import Optional, Union
 
 import msgspec
 
-from tokenmill.outputs import Logprob
 from tokenmill.lora_request import LoRARequest
+from tokenmill.outputs import Logprob
 from tokenmill.sampling_params import SamplingParams
 
 

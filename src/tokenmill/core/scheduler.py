@@ -465,7 +465,8 @@ class Scheduler:
                 self.num_drafts += 1
                 request.num_spec_accepted_tokens += len(kept)
                 if len(self.accepted_per_position) < len(item.spec_token_ids):
-                    self.accepted_per_position.extend([0] * (len(item.spec_token_ids) - len(self.accepted_per_position)))
+                    self.accepted_per_position.extend([0] * (len(item.spec_token_ids)
+                                                             - len(self.accepted_per_position)))
                 for position in range(len(kept)):
                     self.accepted_per_position[position] += 1
             new_tokens = (*kept, token, *((forced or {}).get(request.request_id) or ()))

@@ -32,13 +32,24 @@ from tokenmill.engine.core_proc import LOAD_QUIETLY_ENV
 from tokenmill.engine.dp_router import DataParallelRouter
 from tokenmill.engine.frontend import Frontend, rejection, scheduler_snapshot
 from tokenmill.engine.input_processor import ProcessedPrompt
-from tokenmill.engine.messages import EngineCoreAbort, EngineCoreFork, EngineCoreOutput, EngineCoreOutputs, \
-    EngineCoreRequest, FrontendModelInfo
+from tokenmill.engine.messages import (
+    EngineCoreAbort,
+    EngineCoreFork,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    FrontendModelInfo,
+)
 from tokenmill.engine.tokenizer_handover import tokenizer_from_files
-from tokenmill.errors import EngineDeadError, EngineFailedError, InvalidRequestError, RequestTimeoutError, \
-    TokenmillError
-from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot, StatLogger
+from tokenmill.errors import (
+    EngineDeadError,
+    EngineFailedError,
+    InvalidRequestError,
+    RequestTimeoutError,
+    TokenmillError,
+)
 from tokenmill.lora_request import LoRARequest
+from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot, StatLogger
 from tokenmill.outputs import RequestOutput
 from tokenmill.runner.host_memory import process_rss_bytes, release_freed_memory
 from tokenmill.sampling_params import SamplingParams

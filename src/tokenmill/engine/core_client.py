@@ -22,9 +22,18 @@ from typing import Callable, Optional
 
 import zmq
 
-from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFailure, EngineCoreFork, EngineCoreOutputs,
-                                       EngineCoreReady, EngineCoreRequest, EngineCoreShutdown, decode_output,
-                                       encode, roundtrip)
+from tokenmill.engine.messages import (
+    EngineCoreAbort,
+    EngineCoreFailure,
+    EngineCoreFork,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    EngineCoreShutdown,
+    decode_output,
+    encode,
+    roundtrip,
+)
 from tokenmill.errors import EngineDeadError, ModelLoadError
 
 logger = logging.getLogger("tokenmill")

@@ -22,8 +22,16 @@ import msgspec
 import zmq
 
 from tokenmill.child_process import lower_priority, may_raise_priority, set_niceness, start_child_process
-from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFailure, EngineCoreFork, EngineCoreOutputs,
-                                       EngineCoreRequest, EngineCoreShutdown, decode_input, encode)
+from tokenmill.engine.messages import (
+    EngineCoreAbort,
+    EngineCoreFailure,
+    EngineCoreFork,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineCoreShutdown,
+    decode_input,
+    encode,
+)
 from tokenmill.runner.host_memory import freeze_startup_heap
 
 logger = logging.getLogger("tokenmill")

@@ -19,17 +19,25 @@ from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
 from tokenmill.core.scheduler import QUEUE_FULL, Scheduler
 from tokenmill.core.scheduler_stats import SchedulerStats
-from tokenmill.engine.input_processor import eos_token_ids
-from tokenmill.engine.messages import (EngineCoreAbort, EngineCoreFork, EngineCoreOutput, EngineCoreOutputs,
-                                       EngineCoreReady, EngineCoreRequest, FrontendModelInfo, roundtrip)
-from tokenmill.engine.tokenizer_handover import tokenizer_files
-from tokenmill.errors import ModelLoadError, TokenmillError
-from tokenmill.model.loader import load_model_source
-from tokenmill.model.layers.lora import target_shapes
-from tokenmill.model.registry import SLIDING_WINDOW_ARCHITECTURES, get_model_class
 from tokenmill.engine.draft_setup import resolve_draft
 from tokenmill.engine.executor import make_executor
+from tokenmill.engine.input_processor import eos_token_ids
 from tokenmill.engine.kv_offload import open_kv_tier
+from tokenmill.engine.messages import (
+    EngineCoreAbort,
+    EngineCoreFork,
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreReady,
+    EngineCoreRequest,
+    FrontendModelInfo,
+    roundtrip,
+)
+from tokenmill.engine.tokenizer_handover import tokenizer_files
+from tokenmill.errors import ModelLoadError, TokenmillError
+from tokenmill.model.layers.lora import target_shapes
+from tokenmill.model.loader import load_model_source
+from tokenmill.model.registry import SLIDING_WINDOW_ARCHITECTURES, get_model_class
 from tokenmill.runner.model_runner import resolve_device
 from tokenmill.runner.numerics import detect_hardware, has_experts, resolve_numerics
 from tokenmill.spec_decode import adaptive
@@ -216,7 +224,8 @@ class EngineCore:
         return EngineCoreReady(max_model_len=self.max_model_len, num_kv_blocks=self.num_kv_blocks,
                                block_size=self.config.block_size, device=str(self.device),
                                linear_layers=self.linear_layers, weights_bytes=self.memory.weights,
-                               buffers_bytes=self.memory.buffers, kv_cache_bytes=self.memory.kv_cache, activations_bytes=self.memory.activations,
+                               buffers_bytes=self.memory.buffers, kv_cache_bytes=self.memory.kv_cache,
+                               activations_bytes=self.memory.activations,
                                rss_bytes=self.memory.rss, numerics=self.numerics.as_dict(), model_info=info,
                                config=self.resolved_options(),
                                kv_offload_root=str(self.kv_tier.root) if self.kv_tier is not None else None,

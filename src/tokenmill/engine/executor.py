@@ -31,8 +31,17 @@ import msgspec
 import zmq
 
 from tokenmill.config import EngineConfig, usable_cpu_count
-from tokenmill.core.sched_output import (ModelRunnerOutput, SchedulerOutput, WorkerFailure, WorkerInitCache,
-                                         WorkerMessage, WorkerReady, WorkerShutdown, WorkerStep, WorkerStepDone)
+from tokenmill.core.sched_output import (
+    ModelRunnerOutput,
+    SchedulerOutput,
+    WorkerFailure,
+    WorkerInitCache,
+    WorkerMessage,
+    WorkerReady,
+    WorkerShutdown,
+    WorkerStep,
+    WorkerStepDone,
+)
 from tokenmill.errors import EngineDeadError, EngineFailedError, ModelLoadError
 from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes
 
@@ -248,8 +257,8 @@ class MultiprocExecutor:
         weights, rotary tables and activations live in the workers and are not measured here (reported as 0)."""
         sizes = [process_rss_bytes(worker.pid) for worker in self.workers] + [process_rss_bytes()]
         rss = None if any(size is None for size in sizes) else sum(sizes)
-        return MemoryReport(weights=0, buffers=0, kv_cache=self._num_blocks * self.bytes_per_block * self.size, activations=0,
-                            rss=rss)
+        return MemoryReport(weights=0, buffers=0, kv_cache=self._num_blocks * self.bytes_per_block * self.size,
+                            activations=0, rss=rss)
 
     def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
         if self.failed is not None:

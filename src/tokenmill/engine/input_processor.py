@@ -48,7 +48,8 @@ class InputProcessor:
             return ProcessedPrompt(check_text(prompt, param), self.encode(prompt))
         if isinstance(prompt, (list, tuple)):
             return ProcessedPrompt(None, self.check_token_ids(prompt, param))
-        raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}", param)
+        raise InvalidRequestError(f"a prompt must be a string or a list of token ids, got {type(prompt).__name__}",
+                                  param)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Optional
 
 from tokenmill.config import EngineConfig
-from tokenmill.core.kv_tier import KVTier, fingerprint_of, files_digest
+from tokenmill.core.kv_tier import KVTier, files_digest, fingerprint_of
 from tokenmill.errors import ModelLoadError
 
 logger = logging.getLogger("tokenmill")

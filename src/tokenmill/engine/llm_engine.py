@@ -15,9 +15,9 @@ from tokenmill.engine.core_client import InprocClient
 from tokenmill.engine.frontend import Frontend, rejection, scheduler_snapshot
 from tokenmill.engine.input_processor import ProcessedPrompt
 from tokenmill.engine.messages import EngineCoreAbort, EngineCoreOutputs
+from tokenmill.lora_request import LoRARequest
 from tokenmill.metrics.stats import IterationStats, StatLogger
 from tokenmill.model.loader import load_model_source
-from tokenmill.lora_request import LoRARequest
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling_params import SamplingParams
 

@@ -104,7 +104,8 @@ def _add_client_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server (any OpenAI-compatible)")
     group.add_argument("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     group.add_argument("--model", default=None, help="model name to request (default: the first of /v1/models)")
-    group.add_argument("--api-key", default=None, help="bearer token (default: $OPENAI_API_KEY, then $TOKENMILL_API_KEY)")
+    group.add_argument("--api-key", default=None,
+                       help="bearer token (default: $OPENAI_API_KEY, then $TOKENMILL_API_KEY)")
     group.add_argument("--prompt-format", default="auto", choices=["auto", "ids", "text"],
                        help="send token ids (auto: when the dataset has them) or text")
     group.add_argument("--request-rate", type=float, default=math.inf,
@@ -115,7 +116,8 @@ def _add_client_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--temperature", type=float, default=0.0)
     group.add_argument("--extra-body", type=_json_object, default={},
                        help='JSON object merged into every request body, e.g. \'{"cache_prompt": false}\'')
-    group.add_argument("--timeout-s", type=float, default=600.0, help="seconds a request may wait for data before it fails")
+    group.add_argument("--timeout-s", type=float, default=600.0,
+                       help="seconds a request may wait for data before it fails")
     group.add_argument("--slo-ttft-ms", type=float, default=None, help="goodput: TTFT limit")
     group.add_argument("--slo-tpot-ms", type=float, default=None, help="goodput: TPOT limit")
     group.add_argument("--slo-e2el-ms", type=float, default=None, help="goodput: end-to-end limit")
@@ -246,7 +248,8 @@ def run_bench_sweep(args: argparse.Namespace) -> int:
 # ---- bench compare -----------------------------------------------------------------------------------
 def _add_compare(subparsers: Any) -> None:
     parser = subparsers.add_parser("compare", help="side-by-side report (markdown + PNG plots) of results")
-    parser.add_argument("results", nargs="+", help="`bench serve` / `bench sweep` JSON files; the first is the baseline")
+    parser.add_argument("results", nargs="+",
+                        help="`bench serve` / `bench sweep` JSON files; the first is the baseline")
     parser.add_argument("--labels", default=None, help="comma-separated names, one per result")
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--tie-threshold", type=float, default=0.10,
@@ -260,7 +263,7 @@ def _add_compare(subparsers: Any) -> None:
 def run_bench_compare(args: argparse.Namespace) -> int:
     from tokenmill.bench.report import write_compare_report
 
-    labels = [l.strip() for l in args.labels.split(",")] if args.labels else None
+    labels = [label.strip() for label in args.labels.split(",")] if args.labels else None
     if not 0 <= args.tie_threshold < 1:
         raise InvalidRequestError("--tie-threshold must be in [0, 1)")
     comparison = write_compare_report(args.results, labels, args.output_dir, args.tie_threshold,
@@ -324,7 +327,8 @@ def _add_plan(subparsers: Any) -> None:
     parser.add_argument("--headroom", type=float, default=0.3, help="fraction of memory kept free (default: 0.3)")
     parser.add_argument("--dtype", default="auto", help="weights: auto, float32, float16, bfloat16, fp8, int8, int4")
     parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="auto (the activation dtype), float32, float16, bfloat16 or int8 (as the engine stores it)")
+                        help="auto (the activation dtype), float32, float16, bfloat16 or int8 "
+                             "(as the engine stores it)")
     parser.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None, help="default: smallest that fits")
     parser.add_argument("--profile", default=None, help="a `bench sweep` JSON measured on this model and device")
@@ -339,9 +343,9 @@ def _add_plan(subparsers: Any) -> None:
 
 
 def run_plan(args: argparse.Namespace) -> int:
+    from tokenmill.bench.report import load_result
     from tokenmill.planning.gpus import custom_device, device_price, find_gpu, load_price_table
     from tokenmill.planning.planner import PlanInputs, format_plan, make_plan, resolve_model
-    from tokenmill.bench.report import load_result
 
     device = find_gpu(args.gpu) if args.gpu else custom_device(args.memory_gib, args.bandwidth_gbps)
     if args.target_ttft_ms is not None and args.profile is None:

@@ -8,8 +8,17 @@ from __future__ import annotations
 
 from typing import Optional
 
-from prometheus_client import (CollectorRegistry, Metric, Counter, GCCollector, Gauge, Histogram, PlatformCollector,
-                               ProcessCollector, generate_latest)
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    Metric,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 
 from tokenmill.metrics.stats import IterationStats, SchedulerSnapshot
 
@@ -138,7 +147,8 @@ class PrometheusStatLogger:
                                 labels + ["reason"], registry=r)
         # Tokens per tenant (the request's user, or its API key's tenant), so a machine's cost can be split by
         # customer; the first MAX_TENANT_SERIES tenants get series of their own, later ones count as "other".
-        self.tenant_prompt_tokens = Counter(p + "tenant_prompt_tokens", "Prompt tokens of finished requests, per tenant",
+        self.tenant_prompt_tokens = Counter(p + "tenant_prompt_tokens",
+                                            "Prompt tokens of finished requests, per tenant",
                                             labels + ["tenant"], registry=r)
         self.tenant_generation_tokens = Counter(p + "tenant_generation_tokens",
                                                 "Generated tokens of finished requests, per tenant",
@@ -189,12 +199,13 @@ class PrometheusStatLogger:
         m = self.model_name
         for metric in (self.running, self.waiting, self.swapped, self.kv_usage, self.cached_blocks, self.pinned_blocks,
                        self.prompt_tokens, self.generation_tokens, self.preemptions, self.prefix_queries,
-                       self.prefix_hits, self.evictions, self.spec_drafts, self.spec_accepted, self.spec_verifies, self.ttft, self.itl,
+                       self.prefix_hits, self.evictions, self.spec_drafts, self.spec_accepted, self.spec_verifies,
+                       self.ttft, self.itl,
                        self.tpot, self.e2e, self.queue,
                        self.prefill, self.decode, self.req_prompt, self.req_generation, self.iteration_tokens):
             metric.labels(m)
-        for metric in (*self.kv_offload_counters.values(), *self.kv_offload_gauges.values()):
-            metric.labels(m)
+        for offload_metric in (*self.kv_offload_counters.values(), *self.kv_offload_gauges.values()):
+            offload_metric.labels(m)
         for reason in FINISHED_REASONS:
             self.success.labels(m, reason)
         for reason in REJECTION_REASONS:
@@ -204,6 +215,8 @@ class PrometheusStatLogger:
         """One series (the previous one cleared): the adapters of waiting and running requests, comma-joined."""
         waiting, running = (",".join(sorted(name for name, count in (counts or {}).items() if count))
                             for counts in (scheduler.lora_waiting, scheduler.lora_running))
+        if self.lora_info is None:  # --enable-lora off: no series
+            return
         self.lora_info.clear()
         self.lora_info.labels(str(self.max_loras), waiting, running).set_to_current_time()
 
@@ -233,11 +246,11 @@ class PrometheusStatLogger:
             added = total - (before[position] if position < len(before) else 0)
             if added > 0 or position >= len(before):
                 self.spec_accepted_per_pos.labels(m, str(position)).inc(max(0, added))
-        now, before = scheduler.kv_offload or {}, last.kv_offload or {}
+        offload_now, offload_before = scheduler.kv_offload or {}, last.kv_offload or {}
         for key, counter in self.kv_offload_counters.items():
-            counter.labels(m).inc(max(0, now.get(key, 0) - before.get(key, 0)))
+            counter.labels(m).inc(max(0, offload_now.get(key, 0) - offload_before.get(key, 0)))
         for key, gauge in self.kv_offload_gauges.items():
-            gauge.labels(m).set(now.get(key, 0))
+            gauge.labels(m).set(offload_now.get(key, 0))
         if self.lora_info is not None:
             self._record_loras(scheduler)
         self._last = scheduler

@@ -14,17 +14,24 @@ import logging
 from typing import Any, Container, Iterable, Optional
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from tokenmill.distributed.parallel_state import TensorParallelGroup
 from tokenmill.errors import ModelLoadError
 from tokenmill.model.layers.attention import AttentionBackend, AttentionMetadata
 from tokenmill.model.layers.basic import RMSNorm, RotaryEmbedding
 from tokenmill.model.layers.decoder import DecoderLayer, DecoderSpec
-from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, Bf16TileInt8RowKernels, Bf16TileKernels,
-                                          BlockQuantEmbedding, BlockQuantLinear, Int8Blocks, LinearFactory,
-                                          replace_linear_layers)
+from tokenmill.model.layers.linear import (
+    BLOCK_KERNEL_MAX_ROWS,
+    Bf16TileInt8RowKernels,
+    Bf16TileKernels,
+    BlockQuantEmbedding,
+    BlockQuantLinear,
+    Int8Blocks,
+    LinearFactory,
+    replace_linear_layers,
+)
 from tokenmill.model.layers.moe import expert_destination
 from tokenmill.model.layers.parallel import VocabParallelEmbedding, gather_logits, shard_spec
 

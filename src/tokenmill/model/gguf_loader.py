@@ -22,11 +22,15 @@ import torch
 
 from tokenmill.errors import ModelLoadError
 from tokenmill.model import tokenizer_cache
-from tokenmill.model.mapped_pages import release_mapped_pages
-from tokenmill.model.gguf_families import (GGUF_FAMILIES, LLAMA_WITH_EXPERTS, GgufFamily, block_tensor_names,
-                                           family_settings)
+from tokenmill.model.gguf_families import (
+    GGUF_FAMILIES,
+    LLAMA_WITH_EXPERTS,
+    GgufFamily,
+    block_tensor_names,
+    family_settings,
+)
 from tokenmill.model.layers.linear import Int8Blocks, quantize_q8_0
-
+from tokenmill.model.mapped_pages import release_mapped_pages
 
 if TYPE_CHECKING:
     import gguf
@@ -157,8 +161,8 @@ def iter_gguf_weights(
     of rows at a time, never held dense, and yielded as `meta` tensors.
 
     `kernels` (tokenmill's C++ module, where it is built) decodes Q4_K and Q6_K matrices in one pass each,
-    to the same values. Each tensor's pages of the mapped file are released once it is read: they stay in the page cache,
-    but not in this process's resident memory beside the weights built from them.
+    to the same values. Each tensor's pages of the mapped file are released once it is read: they stay in the page
+    cache, but not in this process's resident memory beside the weights built from them.
     """
     from gguf import quants
 

@@ -22,9 +22,9 @@ import torch
 from tokenmill.errors import ModelLoadError
 from tokenmill.model import gguf_loader
 from tokenmill.model.chat_templates import ensure_chat_template
-from tokenmill.model.mapped_pages import file_mappings, release_mapped_pages
 from tokenmill.model.default_model import DEFAULT_MODEL_NAME, default_model_path
 from tokenmill.model.layers.linear import Int8Blocks
+from tokenmill.model.mapped_pages import file_mappings, release_mapped_pages
 from tokenmill.model.registry import CHECKPOINT_RENAMES, MODEL_REGISTRY
 
 if TYPE_CHECKING:

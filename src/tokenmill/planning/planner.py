@@ -11,8 +11,9 @@
     replicas        = ⌈target concurrency ÷ per-replica concurrency⌉,  devices = replicas × TP
 
 Under tensor parallelism each rank holds KV heads ÷ TP heads: tokenmill's `--tensor-parallel-size` splits
-the attention and KV heads evenly (it refuses a size that does not divide them), so a plan only uses such sizes. With a measured profile (a `bench sweep`
-JSON of the same model and device), the per-replica concurrency is also capped where P95 TTFT crosses the target.
+the attention and KV heads evenly (it refuses a size that does not divide them), so a plan only uses such sizes.
+With a measured profile (a `bench sweep` JSON of the same model and device), the per-replica concurrency is
+also capped where P95 TTFT crosses the target.
 """
 from __future__ import annotations
 
@@ -304,10 +305,11 @@ def profile_crossing(profile: dict[str, Any], target_ms: float, path: Optional[s
         return out
     out.update(status="interpolated", crossing_concurrency=crossing, ttft_bound_concurrency=math.floor(crossing))
     queue = [(float(p["max_concurrency"]), (p.get("server") or {}).get("queue_depth_p95")) for p in points]
-    if all(q is not None for _, q in queue):
+    depths = [q for _, q in queue if q is not None]
+    if len(depths) == len(queue):
         # The queue depth the server showed at the crossing point: a measured trigger for scaling out.
         xs = [c for c, _ in queue]
-        out["queue_depth_p95_at_crossing"] = _lerp(xs, [float(q) for _, q in queue], crossing)
+        out["queue_depth_p95_at_crossing"] = _lerp(xs, [float(q) for q in depths], crossing)
     return out
 
 
@@ -327,14 +329,16 @@ def plan_cost(plan: dict[str, Any], price_per_device_hour: float, profile: Optio
     out: dict[str, Any] = {"price_per_device_hour": price_per_device_hour, "devices": devices,
                            "per_hour": devices * price_per_device_hour, "per_million_output_tokens": None,
                            "replica_output_tok_s": None}
-    points = sorted((float(p["max_concurrency"]), float(p["output_throughput"])) for p in (profile or {}).get("points", [])
+    points = sorted((float(p["max_concurrency"]), float(p["output_throughput"]))
+                    for p in (profile or {}).get("points", [])
                     if p.get("max_concurrency") and p.get("output_throughput"))
     if points:
         xs, ys = [c for c, _ in points], [t for _, t in points]
         concurrency = min(max(plan["concurrency_per_replica"], xs[0]), xs[-1])  # measured range only
         tok_s = _lerp(xs, ys, concurrency)
         out.update(replica_output_tok_s=tok_s, at_concurrency=concurrency,
-                   per_million_output_tokens=price_per_device_hour * plan["tensor_parallel_size"] / (tok_s * 3600) * 1e6)
+                   per_million_output_tokens=price_per_device_hour * plan["tensor_parallel_size"]
+                   / (tok_s * 3600) * 1e6)
     return out
 
 
@@ -403,9 +407,9 @@ def format_plan(plan: dict[str, Any]) -> str:
         rows.append(("cost", f"{cost['per_hour']:,.2f} an hour ({cost['devices']} device(s) × "
                              f"{cost['price_per_device_hour']:g})"))
         if cost["per_million_output_tokens"] is not None:
-            rows.append(("cost per 1M output tokens", f"{cost['per_million_output_tokens']:,.3f} (a replica measured at "
-                                                     f"{cost['replica_output_tok_s']:,.0f} tok/s, concurrency "
-                                                     f"{cost['at_concurrency']:g})"))
+            rows.append(("cost per 1M output tokens",
+                         f"{cost['per_million_output_tokens']:,.3f} (a replica measured at "
+                         f"{cost['replica_output_tok_s']:,.0f} tok/s, concurrency {cost['at_concurrency']:g})"))
     rows += [("scale-out trigger", plan["scale_out_trigger"]["text"]),
              ("server flags (vLLM names)", plan["serve_flags"])]
     width = max(len(label) for label, _ in rows) + 2

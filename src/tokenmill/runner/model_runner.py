@@ -9,22 +9,28 @@ import torch
 from tokenmill.config import DEFAULT_CPU_KV_CACHE_BYTES, usable_cpu_count
 from tokenmill.core.kv_cache_groups import plan_kv_cache_groups
 from tokenmill.core.sched_output import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput
-from tokenmill.errors import ModelLoadError
-from tokenmill.model.layers.attention import TorchAttentionBackend, get_attention_backend
-from tokenmill.model.layers.decoder import DecoderAttention
-from tokenmill.model.layers.basic import keep_rotary_tables_float, use_cpu_kernels
 from tokenmill.distributed.parallel_state import TensorParallelGroup
+from tokenmill.errors import ModelLoadError
+from tokenmill.model.gguf_loader import Q8_0Rounding
+from tokenmill.model.layers.attention import TorchAttentionBackend, get_attention_backend
+from tokenmill.model.layers.basic import keep_rotary_tables_float, use_cpu_kernels
+from tokenmill.model.layers.decoder import DecoderAttention
 from tokenmill.model.layers.linear import Int8Blocks, skip_weight_init
 from tokenmill.model.layers.linear_method import LinearMethods
-from tokenmill.model.gguf_loader import Q8_0Rounding
 from tokenmill.model.layers.parallel import fused_qkv_rows, shard_int8_blocks, shard_weights
 from tokenmill.model.registry import get_model_class
-from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, release_freed_memory
 from tokenmill.runner.backend_check import attention_mismatch
 from tokenmill.runner.draft_verify import verify_drafts
+from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, release_freed_memory
 from tokenmill.runner.input_batch import InputBatch
-from tokenmill.runner.kv_cache import (KVCacheSpec, allocate_kv_caches, copy_blocks, kv_blocks_in, kv_blocks_out,
-                                       swap_blocks)
+from tokenmill.runner.kv_cache import (
+    KVCacheSpec,
+    allocate_kv_caches,
+    copy_blocks,
+    kv_blocks_in,
+    kv_blocks_out,
+    swap_blocks,
+)
 from tokenmill.runner.lora_slots import LoRASlots
 from tokenmill.runner.model_memory import model_tensor_bytes
 from tokenmill.sample.sampler import Sampler, compute_prompt_logprobs

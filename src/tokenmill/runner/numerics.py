@@ -10,7 +10,8 @@ other three to float32, which matches HF transformers' float32 outputs token for
                                    the int8 dot kernels run, --dtype and            speed at 1B, perplexity
                                    --block-matmul left at auto, no experts          within 0.5% of it
                     as stored      elsewhere (a GGUF's kept blocks stay so)
-    block_matmul    bfloat16-int8  with AMX-BF16 and the int8 dot kernels           tiles for prefill, int8 rows for decode
+    block_matmul    bfloat16-int8  with AMX-BF16 and the int8 dot kernels           tiles for prefill, int8 rows
+                                                                                    for decode
                     int8           with the int8 dot kernels (AVX-512 VNNI, AVX2)   integer dot products, as llama.cpp
                     float32        elsewhere, or when no weights are block-quantized
     dtype           float32        when the weights are block-quantized (kept GGUF  the block kernels compute in float32
@@ -109,7 +110,8 @@ class Numerics:
 
     def describe(self) -> str:
         """The start-up log line: `dtype: float32 (GGUF blocks kept ...); block matmul: int8 (avx512_vnni); ...`."""
-        return "; ".join(f"{name.replace('_', ' ')}: {choice.value} ({choice.reason})" for name, choice in self._items())
+        return "; ".join(f"{name.replace('_', ' ')}: {choice.value} ({choice.reason})"
+                         for name, choice in self._items())
 
     def _items(self):
         return (("weights", self.weights), ("dtype", self.dtype), ("block_matmul", self.block_matmul),

@@ -20,8 +20,15 @@ import msgspec
 import zmq
 
 from tokenmill.child_process import start_child_process
-from tokenmill.core.sched_output import (WorkerFailure, WorkerInitCache, WorkerInput,
-                                         WorkerReady, WorkerShutdown, WorkerStep, WorkerStepDone)
+from tokenmill.core.sched_output import (
+    WorkerFailure,
+    WorkerInitCache,
+    WorkerInput,
+    WorkerReady,
+    WorkerShutdown,
+    WorkerStep,
+    WorkerStepDone,
+)
 from tokenmill.runner.host_memory import freeze_startup_heap
 
 logger = logging.getLogger("tokenmill")

@@ -349,11 +349,14 @@ class Sampler:
         non-speculative sampler would have produced."""
         expected = sum(len(d) + 1 for d in drafts)
         if logits.dim() != 2 or logits.shape[0] != len(states) or len(states) != expected:
-            raise ValueError(f"expected [{expected}, vocab] logits and states, got {tuple(logits.shape)}, {len(states)}")
+            raise ValueError(f"expected [{expected}, vocab] logits and states, "
+                             f"got {tuple(logits.shape)}, {len(states)}")
         probs = self._probabilities(logits, states, grammar_bitmask)
         device = probs.device
         # The target's probability of each draft at its position, and one uniform draw per draft.
-        draft_rows, draft_ids, start = [], [], 0
+        draft_rows: list[int] = []
+        draft_ids: list[int] = []
+        start = 0
         for request_drafts in drafts:
             draft_rows.extend(range(start, start + len(request_drafts)))
             draft_ids.extend(request_drafts)
@@ -457,7 +460,7 @@ class Sampler:
             return SamplerOutput(sampled.tolist(), result)
         index = torch.tensor(rows, device=raw_logits.device)
         logprobs = torch.log_softmax(raw_logits.index_select(0, index).float(), dim=1)
-        counts = [states[i].params.logprobs for i in rows]
+        counts = [int(states[i].params.logprobs or 0) for i in rows]  # rows whose logprobs is set
         table = logprob_table(logprobs, sampled.index_select(0, index), max(counts))
         host = torch.cat([sampled.double(), table.flatten()]).tolist()
         width = table.shape[1]

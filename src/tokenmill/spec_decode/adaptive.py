@@ -19,7 +19,8 @@ MAX_BATCH_DRAFT_MODEL = 4
 PRIOR = 0.6
 MIN_KEEP_CHANCE = 0.3
 SMOOTHING = 0.5  # weight of the latest verify in the moving average
-RECOVERY = 0.05  # per step without drafts, the share of the way back to PRIOR (a refused request retries about every 10 steps)
+# per step without drafts, the share of the way back to PRIOR (a refused request retries about every 10 steps)
+RECOVERY = 0.05
 
 
 def step_draft_limit(max_drafts: int, num_running: int, batch_limit: int | None) -> int:

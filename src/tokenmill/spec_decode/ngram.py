@@ -13,6 +13,7 @@ import numpy as np
 
 from tokenmill.config import SpeculativeConfig
 
+
 class NgramProposer:
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens

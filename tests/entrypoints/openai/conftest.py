@@ -10,6 +10,7 @@ from typing import Callable, Iterator, Optional
 
 import httpx
 import pytest
+
 from server_process import ServerProcess
 
 API_KEY = "tm-test-key"

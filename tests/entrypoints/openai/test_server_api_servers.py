@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+
 from proc_util import child_pids, still_alive
 
 MODEL = "tiny"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from proc_util import child_pids, kill_under_load
 
 

@@ -60,6 +60,7 @@ def test_adapters_by_model_name_listed_loaded_and_unloaded(start_server, tiny_ll
     unloaded = httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "third"}, timeout=30)
     assert unloaded.status_code == 200 and "removed successfully" in unloaded.text
     assert complete(server, "third").status_code == 404
-    assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "third"}, timeout=30).status_code == 404
+    assert httpx.post(server.url + "/v1/unload_lora_adapter", json={"lora_name": "third"},
+                      timeout=30).status_code == 404
     assert [c["id"] for c in httpx.get(server.url + "/v1/models", timeout=10).json()["data"]] == [
         "base", "first", "second"]

@@ -101,7 +101,8 @@ def test_two_models_answer_by_name_and_load_and_unload_at_run_time(start_server,
                        json={"model": str(other_dir), "served_model_name": "delta", "max_num_seqs": 4})
     assert added.status_code == 200, added.text
     assert text_of(complete(server, "delta")) == beta_text
-    for body, param in (({"model": str(tmp_path / "missing")}, "model"), ({"model": "/x", "max_num_sqs": 4}, "max_num_sqs"),
+    for body, param in (({"model": str(tmp_path / "missing")}, "model"),
+                        ({"model": "/x", "max_num_sqs": 4}, "max_num_sqs"),
                         ({"model": str(other_dir), "served_model_name": "a"}, "served_model_name")):
         refused = httpx.post(server.url + "/admin/models/load", json=body, headers=ADMIN, timeout=60)
         assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text

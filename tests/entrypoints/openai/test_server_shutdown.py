@@ -12,6 +12,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from proc_util import child_pids, is_alive
 
 ENV_KEY = "tm-env-key"

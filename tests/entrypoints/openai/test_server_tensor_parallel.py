@@ -10,6 +10,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from proc_util import child_pids, descendants, is_alive, kill_under_load
 
 TP_ARGS = ["--max-model-len", "1024", "--num-kv-blocks", "128", "--tensor-parallel-size", "2"]

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from proc_util import child_pids
 
 

@@ -1,5 +1,13 @@
 """Load-to-ready: seconds from launching a server to its /health answering 200, and the server's peak RSS then."""
-import subprocess, sys, time, urllib.request, json, os, signal
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+
 def ready(cmd, port):
     t = time.perf_counter()
     p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)

@@ -1,7 +1,13 @@
-import torch, statistics, json, sys
+import json
+import statistics
+import sys
+
+import torch
+
+from benchmarks.decode_floor import one_stream_decode, weight_bytes_per_token
 from tokenmill import LLM
 from tokenmill.model.layers import linear
-from benchmarks.decode_floor import one_stream_decode, weight_bytes_per_token
+
 path = sys.argv[1]
 new = linear._fits_float16
 linear._fits_float16 = lambda v: bool(torch.equal(v.half().float(), v))

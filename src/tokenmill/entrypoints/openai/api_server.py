@@ -32,7 +32,8 @@ from starlette.responses import FileResponse, JSONResponse, PlainTextResponse, R
 from starlette.staticfiles import StaticFiles
 
 from tokenmill.entrypoints.engine_args import add_engine_args
-from tokenmill.entrypoints.openai.rate_limit import RateLimiter
+from tokenmill.entrypoints.openai import event_loop
+from tokenmill.entrypoints.openai.api_servers import STOP_GRACE_S, ApiServers, StatsCollector, listening_socket
 from tokenmill.entrypoints.openai.cli_args import (
     ServerConfig,
     add_serve_args,
@@ -42,17 +43,17 @@ from tokenmill.entrypoints.openai.cli_args import (
     server_config_from_args,
 )
 from tokenmill.entrypoints.openai.errors import error_response, install_exception_handlers
-from tokenmill.entrypoints.openai.api_servers import STOP_GRACE_S, ApiServers, StatsCollector, listening_socket
-from tokenmill.entrypoints.openai import event_loop
 from tokenmill.entrypoints.openai.middleware import GatewayMiddleware, ServerLifecycle, bearer_token
+from tokenmill.entrypoints.openai.model_pool import ModelPool
+from tokenmill.entrypoints.openai.model_specs import SpecReader, model_specs, with_lora_modules
 from tokenmill.entrypoints.openai.protocol import (
+    AdminUnloadModelRequest,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
     DetokenizeRequest,
     DetokenizeResponse,
-    AdminUnloadModelRequest,
     ErrorResponse,
     LoadLoRAAdapterRequest,
     ModelCard,
@@ -62,10 +63,14 @@ from tokenmill.entrypoints.openai.protocol import (
     UnloadLoRAAdapterRequest,
     VersionResponse,
 )
-from tokenmill.entrypoints.openai.model_pool import ModelPool
-from tokenmill.entrypoints.openai.model_specs import SpecReader, model_specs, with_lora_modules
-from tokenmill.errors import (AdminAuthError, InvalidRequestError, ModelLoadError, ServiceUnavailableError,
-                              TokenmillError)
+from tokenmill.entrypoints.openai.rate_limit import RateLimiter
+from tokenmill.errors import (
+    AdminAuthError,
+    InvalidRequestError,
+    ModelLoadError,
+    ServiceUnavailableError,
+    TokenmillError,
+)
 from tokenmill.metrics.prometheus import ServerMetrics, http_response_key, render_together
 from tokenmill.runner.host_memory import freeze_startup_heap
 
@@ -134,8 +139,8 @@ def build_app(engine: "AsyncLLM | ModelPool", server: Optional[ServerConfig] = N
         key = http_response_key(path if path in handlers else "other", method, status)
         pool.num_responses[key] = pool.num_responses.get(key, 0) + 1
 
-    app.add_middleware(GatewayMiddleware, lifecycle=lifecycle, limiter=limiter, max_body_bytes=server.max_request_body_bytes,
-                       on_rejected=rejected, on_response=responded)
+    app.add_middleware(GatewayMiddleware, lifecycle=lifecycle, limiter=limiter,
+                       max_body_bytes=server.max_request_body_bytes, on_rejected=rejected, on_response=responded)
     return app
 
 
@@ -513,7 +518,8 @@ async def _serve(server: ServerConfig, specs: list, reader: SpecReader, log_leve
             sockets = [sock, relay]
             collector = StatsCollector(directory, engine)
             collector.start(asyncio.get_running_loop())
-            servers = ApiServers(server, specs[0].config, engine, sock, collector.address, relay_path, log_level, limiter)
+            servers = ApiServers(server, specs[0].config, engine, sock, collector.address, relay_path, log_level,
+                                 limiter)
             engine.ready_for_api_servers = None
             logger.info("%d API servers on port %s (pids %s and this one)", count, server.port,
                         ", ".join(str(pid) for pid in servers.pids))

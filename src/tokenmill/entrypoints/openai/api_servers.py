@@ -47,7 +47,8 @@ class ForwardedStats(msgspec.Struct):
     frontend: int
     iteration: IterationStats
     num_rejected: dict[str, int]  # cumulative, per reason
-    num_responses: dict[str, int] = msgspec.field(default_factory=dict)  # cumulative HTTP answers, per 'handler method Nxx'
+    # cumulative HTTP answers, per 'handler method Nxx'
+    num_responses: dict[str, int] = msgspec.field(default_factory=dict)
 
 
 def listening_socket(host: str, port: int) -> socket.socket:
@@ -88,7 +89,8 @@ class StatsForwarder:
         self._context.term()
 
 
-def _add_new(totals: dict[str, int], seen: dict[int, dict[str, int]], frontend: int, cumulative: dict[str, int]) -> None:
+def _add_new(totals: dict[str, int], seen: dict[int, dict[str, int]], frontend: int,
+             cumulative: dict[str, int]) -> None:
     """Adds to `totals` what a server's cumulative counts gained since its last message."""
     before = seen.get(frontend, {})
     for key, total in cumulative.items():

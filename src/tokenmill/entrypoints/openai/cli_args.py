@@ -15,9 +15,9 @@ from typing import Any, Optional
 
 from tokenmill.config import option, parse_memory_size, validate_options
 from tokenmill.entrypoints.engine_args import add_option_args, options_from_args
-from tokenmill.errors import InvalidRequestError
 from tokenmill.entrypoints.openai.rate_limit import KeyPolicy, RateLimiter, load_api_keys_file
 from tokenmill.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
+from tokenmill.errors import InvalidRequestError
 
 API_KEY_ENV = "TOKENMILL_API_KEY"
 ADMIN_KEY_ENV = "TOKENMILL_ADMIN_KEY"

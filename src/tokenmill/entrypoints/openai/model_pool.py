@@ -28,8 +28,13 @@ from tokenmill.entrypoints.openai.serving_chat import OpenAIServingChat
 from tokenmill.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
 from tokenmill.entrypoints.openai.serving_tokenize import OpenAIServingTokenization
-from tokenmill.errors import (InvalidRequestError, ModelNotFoundError, ModelUnavailableError,
-                              ServiceUnavailableError, TokenmillError)
+from tokenmill.errors import (
+    InvalidRequestError,
+    ModelNotFoundError,
+    ModelUnavailableError,
+    ServiceUnavailableError,
+    TokenmillError,
+)
 from tokenmill.metrics.loggers import LoggingStatLogger
 from tokenmill.metrics.prometheus import PrometheusStatLogger
 from tokenmill.metrics.stats import WindowStatLogger

@@ -57,7 +57,8 @@ class _RaisingParser(argparse.ArgumentParser):
 
 
 def _option_argv(options: dict[str, Any]) -> list[str]:
-    """Engine options as the flags that set them: {"kv_cache_memory_bytes": "1GiB"} -> [--kv-cache-memory-bytes, 1GiB]."""
+    """Engine options as the flags that set them:
+    {"kv_cache_memory_bytes": "1GiB"} -> [--kv-cache-memory-bytes, 1GiB]."""
     argv: list[str] = []
     for key, value in options.items():
         flag = "--" + str(key).replace("_", "-")

@@ -28,8 +28,8 @@ from tokenmill.sampling_params import RequestOutputKind
 
 if TYPE_CHECKING:
     from tokenmill.engine.async_llm import AsyncLLM
-    from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
     from tokenmill.engine.input_processor import ProcessedPrompt
+    from tokenmill.entrypoints.openai.serving_models import OpenAIServingModels
     from tokenmill.sampling_params import SamplingParams
 
 request_logger = logging.getLogger("tokenmill.requests")

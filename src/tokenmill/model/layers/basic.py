@@ -9,8 +9,8 @@ import logging
 from typing import Any, Optional
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 logger = logging.getLogger("tokenmill")
 

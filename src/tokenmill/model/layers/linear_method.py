@@ -18,10 +18,23 @@ from typing import Optional
 import torch
 
 from tokenmill.errors import ModelLoadError
-from tokenmill.model.layers.linear import (BLOCK_KERNEL_MAX_ROWS, INT8_DOT_PATHS, QUANT_BLOCK, Bf16TileInt8RowKernels,
-                                          Bf16TileKernels, BlockQuantLinear, Int8ActivationKernels, Int8Blocks,
-                                          PackedBlocks, PackedLinear, dense_linear, onednn_packing_supported, quantize_q8_0,
-                                          runs_bf16_tiles, runs_int8_dot)
+from tokenmill.model.layers.linear import (
+    BLOCK_KERNEL_MAX_ROWS,
+    INT8_DOT_PATHS,
+    QUANT_BLOCK,
+    Bf16TileInt8RowKernels,
+    Bf16TileKernels,
+    BlockQuantLinear,
+    Int8ActivationKernels,
+    Int8Blocks,
+    PackedBlocks,
+    PackedLinear,
+    dense_linear,
+    onednn_packing_supported,
+    quantize_q8_0,
+    runs_bf16_tiles,
+    runs_int8_dot,
+)
 
 logger = logging.getLogger("tokenmill")
 

@@ -12,10 +12,10 @@ of qkv_proj; gate, up of gate_up_proj) adds (x·Aᵀ)·Bᵀ into that part's col
 B, whatever the number of adapters in the step, in place of a pass per adapter; rows of the base model add
 exact zeros. A step of many rows (prompt chunks) would waste too much on the other slots' products, so there
 each slot's rows are gathered and take matmuls of their own, and rows of the base model take none. Where the
-projections run float32 on the CPU, tokenmill's C++ `lora_add` replaces both: each row by its own adapter only. The base projection runs as before (dense, packed or kept
-quantized blocks): the adapter's delta is added on top. Under tensor parallelism a column-parallel
-projection holds its rows of B, a row-parallel one its columns of A (its partial delta is summed with
-the base's partial output by the same all-reduce).
+projections run float32 on the CPU, tokenmill's C++ `lora_add` replaces both: each row by its own adapter
+only. The base projection runs as before (dense, packed or kept quantized blocks): the adapter's delta is
+added on top. Under tensor parallelism a column-parallel projection holds its rows of B, a row-parallel
+one its columns of A (its partial delta is summed with the base's partial output by the same all-reduce).
 """
 from __future__ import annotations
 
@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from tokenmill.lora_request import check_adapter
 
@@ -50,7 +50,7 @@ class PeftAdapter:
 
     def parts_of(self, layer: int, projection: str, sizes: list[int]) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
         """{part: (A, B)} of one projection whose parts have these output sizes."""
-        parts = {part: pair for (l, p, part), pair in self.weights.items() if l == layer and p == projection}
+        parts = {part: pair for (at, p, part), pair in self.weights.items() if at == layer and p == projection}
         if (layer, projection) in self.fused:
             a, b = self.fused[(layer, projection)]
             if b.shape[0] != sum(sizes):

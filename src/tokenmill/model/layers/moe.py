@@ -25,8 +25,8 @@ import re
 from typing import Callable, Optional
 
 import torch
-from torch import nn
 import torch.nn.functional as F
+from torch import nn
 
 from tokenmill.model.layers.basic import make_gated_activation
 

@@ -103,7 +103,8 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
         if self.bf16_prefill:
             attention = f"prefill attention on {products}"
         else:
-            attention = f"prefill attention in float32 (C++ kernel below {CPU_PREFILL_KERNEL_MAX_TOKENS} tokens, SDPA above)"
+            attention = (f"prefill attention in float32 (C++ kernel below {CPU_PREFILL_KERNEL_MAX_TOKENS} tokens, "
+                         "SDPA above)")
         if self.bf16_decode and self.bf16_prefill and products == decode_products:
             attention = f"prefill and decode attention on {products}"
         elif self.bf16_decode:
@@ -121,7 +122,9 @@ class CpuPagedAttentionBackend(TorchAttentionBackend):
             **common, decode_block_tables=torch.from_numpy(inputs.decode_block_table),
             decode_context_lens=torch.from_numpy(inputs.decode_context_lens),
             decode_ranges=torch.stack((rows, rows + 1), dim=1),
-            prefill_all=every, prefill_split=cpu_prefill_tables(ranges, lens, ids, CPU_PREFILL_KERNEL_MAX_TOKENS) if long_chunks else every)
+            prefill_all=every,
+            prefill_split=(cpu_prefill_tables(ranges, lens, ids, CPU_PREFILL_KERNEL_MAX_TOKENS) if long_chunks
+                           else every))
 
     def _prefill_tables(self, meta: CpuAttentionMetadata, head_dim: int,
                         softcap: float | None) -> tuple[CpuPrefillTables, bool]:

@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.model.layers.attention.base import AttentionInputs, AttentionMetadata
-from tokenmill.model.layers.kv_write import write_kv
 from tokenmill.model.layers.kv_int8 import kv_values
+from tokenmill.model.layers.kv_write import write_kv
 
 # A decode bucket may pad its members up to this factor of their real total context.
 MAX_PADDING_FACTOR = 1.25
