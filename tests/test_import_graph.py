@@ -209,7 +209,7 @@ MAY_IMPORT: dict[str, set[str]] = {
                          "tokenmill.structured"},
     "tokenmill.beam_search": {"tokenmill.engine", "tokenmill.errors", "tokenmill.outputs", "tokenmill.sampling_params"},
     "tokenmill.bench": {"tokenmill.errors", "tokenmill.model"},
-    "tokenmill.planning": {"tokenmill.errors", "tokenmill.model"},
+    "tokenmill.planning": {"tokenmill.core", "tokenmill.errors", "tokenmill.model"},
     "tokenmill.entrypoints": {"tokenmill.beam_search", "tokenmill.bench", "tokenmill.config", "tokenmill.engine",
                               "tokenmill.errors", "tokenmill.lora_request", "tokenmill.metrics", "tokenmill.outputs",
                               "tokenmill.planning",
@@ -217,10 +217,11 @@ MAY_IMPORT: dict[str, set[str]] = {
     "tokenmill.serve": {"tokenmill.engine", "tokenmill.entrypoints", "tokenmill.model", "tokenmill.config"},
 }
 # Edges into a package above the importer, allowed only to these modules: the scheduler's output types (the
-# message the runner receives) and the KV cache group plan; the one message type beam search reads; the
+# message the runner receives) and the KV cache group plan (the planner counts blocks by it too); the one message type beam search reads; the
 # process-memory helper the API processes call once at start-up.
 ONLY_MODULES = {
     ("tokenmill.runner", "tokenmill.core"): {"tokenmill.core.sched_output", "tokenmill.core.kv_cache_groups"},
+    ("tokenmill.planning", "tokenmill.core"): {"tokenmill.core.kv_cache_groups"},
     ("tokenmill.beam_search", "tokenmill.engine"): {"tokenmill.engine.messages"},
     ("tokenmill.entrypoints", "tokenmill.runner"): {"tokenmill.runner.host_memory"},
 }

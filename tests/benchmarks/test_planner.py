@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -87,7 +88,8 @@ def test_tensor_parallel_when_weights_do_not_fit_one_device():
     # Each of the 4 ranks holds 2 of the 8 KV heads: a token costs a quarter of 320 KiB per rank.
     assert plan["kv_tokens_per_replica"] == int(kv_per_device // (320 * KIB / 4))
     assert plan["devices_needed"] == math.ceil(64 / plan["max_concurrency_per_replica"]) * 4
-    assert make_plan(PlanInputs(model, find_gpu("h200"), max_model_len=8192, dtype="fp8"))["tensor_parallel_size"] == 1
+    # Q8_0 blocks: 8.5 bits a weight, 75 GB, within an H200's 70%.
+    assert make_plan(PlanInputs(model, find_gpu("h200"), max_model_len=8192, dtype="q8_0"))["tensor_parallel_size"] == 1
     with pytest.raises(InvalidRequestError, match="does not fit"):
         make_plan(PlanInputs(model, custom_device(1), max_model_len=8192))
 
@@ -215,3 +217,49 @@ def test_an_operators_price_table_prices_the_plan(tmp_path, capsys):
     table.write_text(json.dumps({"TPU-v9": 1.0}))
     with pytest.raises(InvalidRequestError, match="unknown device"):
         load_price_table(str(table))
+
+
+def test_planner_refuses_weight_formats_the_engine_does_not_serve():
+    with pytest.raises(InvalidRequestError, match="not a format tokenmill serves.*float32, float16, bfloat16, int8"):
+        make_plan(PlanInputs(PRESETS["llama-3-8b"], custom_device(100), max_model_len=1024, dtype="fp8"))
+
+
+def test_sliding_window_layers_hold_their_window_only():
+    """Gemma 3 270M at 32k tokens: 3 global layers hold 2,048 blocks each, 15 local ones the 32 blocks their
+    512-token window reaches (33 where the window starts inside a block; core/kv_cache_groups.py)."""
+    model = PRESETS["gemma3-270m"]
+    per_layer_block = 2 * 16 * model.num_kv_heads * model.head_dim * 2  # bfloat16
+    assert model.kv_bytes_per_sequence(32768, 16, 2) == (3 * 2048 + 15 * 32) * per_layer_block
+    assert model.kv_bytes_per_sequence(32760, 16, 2) == (3 * 2048 + 15 * 33) * per_layer_block
+    assert model.kv_bytes_per_sequence(32768, 16, 2) < model.kv_bytes_per_token(2) * 32768 / 5
+
+
+def _engine_and_plan(model_path, spec, budget: int, max_model_len: int) -> tuple[float, float]:
+    """(the engine's start-up max concurrency, the planner's) for one KV budget."""
+    from tokenmill import LLM
+
+    llm = LLM(model=str(model_path), kv_cache_memory_bytes=budget, max_model_len=max_model_len)
+    core = llm.llm_engine.core.core
+    engine = core.max_concurrency
+    kv_dtype = str(core.config.kv_cache_dtype)
+    device = custom_device(budget / 2**30)  # the whole device is the KV budget: no weights, no headroom
+    plan = make_plan(PlanInputs(replace(spec, num_params=0), device, max_model_len=max_model_len, headroom=0.0,
+                                kv_cache_dtype=kv_dtype))
+    return engine, budget / plan["kv_bytes_per_sequence"]
+
+
+@pytest.mark.parametrize("which", ["smollm2", "gemma3", "llama-3.2-1b"])
+def test_the_plan_agrees_with_the_engines_capacity_report(which, request, tmp_path):
+    """Within 5%, at the same KV budget and context: the planner's sequences per budget and the engine's
+    `max concurrency` (what its start-up log reports), sliding windows included (Gemma 3)."""
+    if which == "smollm2":
+        path = request.getfixturevalue("smollm2_path")
+    elif which == "gemma3":
+        path = request.getfixturevalue("gemma3_270m_gguf")
+    else:  # the 1B shape at 2 layers and a small vocabulary: the same per-layer KV as the full model
+        from benchmarks import make_checkpoint as mc
+
+        path = mc.make_checkpoint(tmp_path, "llama-3.2-1b", "safetensors", layers=2, vocab_size=2048,
+                                  shard_bytes=64 * 1024**2)
+    engine, planned = _engine_and_plan(path, resolve_model(str(path)), 64 * 2**20, 2048)
+    assert engine > 1 and planned == pytest.approx(engine, rel=0.05)

@@ -65,3 +65,11 @@ def plan_kv_cache_groups(layer_windows: Sequence[Optional[int]]) -> KVCacheLayou
               for window, layers in kinds.items() for i in range(0, len(layers), size)]
     groups.sort(key=lambda group: group.layers[0])
     return KVCacheLayout(tuple(groups))
+
+
+def blocks_per_sequence(group_windows: Sequence[Optional[int]], length: int, block_size: int) -> int:
+    """The blocks one request of `length` tokens holds across the groups while it decodes its last token: a
+    full-attention group every block of its context, a sliding-window group those from the block its window
+    reaches back to on (the ones behind it went back to the pool)."""
+    full = -(-length // block_size)
+    return sum(full if window is None else full - max(0, length - window) // block_size for window in group_windows)

@@ -14,6 +14,7 @@ import msgspec
 import torch
 
 from tokenmill.config import EngineConfig
+from tokenmill.core.kv_cache_groups import blocks_per_sequence
 from tokenmill.core.kv_cache_manager import KVCacheManager
 from tokenmill.core.request import Request, RequestStatus
 from tokenmill.core.sched_output import ModelRunnerOutput, SchedulerOutput
@@ -201,10 +202,13 @@ class EngineCore:
         # Answers decided outside a step (refusals), sent with the next step's outputs.
         self._pending: list[EngineCoreOutput] = []
         tokens = num_blocks * config.block_size
+        # Sliding-window groups hold only their window's blocks of a request (core/kv_cache_groups.py).
+        self.max_concurrency = num_blocks / blocks_per_sequence(self.executor.kv_windows, self.max_model_len,
+                                                                config.block_size)
         logger.info(
             "KV cache (%s): %d blocks of %d tokens (%d tokens, %.1f MiB), max concurrency %.2fx at max_model_len=%d",
             config.kv_cache_dtype, num_blocks, config.block_size, tokens, num_blocks * self.bytes_per_block / 2**20,
-            tokens / self.max_model_len, self.max_model_len)
+            self.max_concurrency, self.max_model_len)
         self.memory = self.executor.warm_up(config.max_num_batched_tokens)
         logger.info("memory: %s", self.memory.describe())
 

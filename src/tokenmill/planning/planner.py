@@ -7,7 +7,9 @@
     KV/device       = usable/device − weights / TP
     TP              = the smallest power of two dividing the attention and KV heads whose shard of the weights
                       leaves room for one full sequence
-    max concurrency = KV tokens per replica ÷ tokens per sequence (rounded up to whole KV blocks)
+    KV/sequence     = whole KV blocks of the context per layer; a sliding-window layer (Gemma 3's local ones)
+                      holds only the blocks its window reaches, as the engine frees the ones behind it
+    max concurrency = KV bytes per replica ÷ KV bytes per sequence
     replicas        = ⌈target concurrency ÷ per-replica concurrency⌉,  devices = replicas × TP
 
 Under tensor parallelism each rank holds KV heads ÷ TP heads: tokenmill's `--tensor-parallel-size` splits
@@ -24,17 +26,22 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from tokenmill.core.kv_cache_groups import blocks_per_sequence
 from tokenmill.errors import InvalidRequestError
 from tokenmill.planning.gpus import DeviceSpec
 
-DTYPE_BYTES: dict[str, float] = {"float32": 4, "float16": 2, "bfloat16": 2, "fp8": 1, "int8": 1, "int4": 0.5}
+# Bytes per value of what the engine holds: weights in float32/float16/bfloat16, or in blocks of 32 with a
+# float16 scale each as the engine keeps them (int8: Q8_0, --quantization q8_0 or a Q8_0 GGUF, 8.5 bits; int4:
+# a Q4_0 GGUF, 4.5 bits); KV caches in the float dtypes (int8 below). The engine serves no fp8 weights or cache.
+DTYPE_BYTES: dict[str, float] = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1 + 2 / 32, "int4": 0.5 + 2 / 32}
 # The KV cache dtypes the engine stores (--kv-cache-dtype); an int8 row carries a float16 scale per 32 values
 # (model/layers/kv_int8.py's KV_INT8_GROUP and KV_INT8_SCALE_BYTES, kept torch-free here).
 KV_DTYPES = ("auto", "float32", "float16", "bfloat16", "int8")
+KV_VALUE_BYTES: dict[str, float] = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 KV_INT8_GROUP = 32
 KV_INT8_SCALE_BYTES = 2
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "fp16": "float16", "half": "float16", "bf16": "bfloat16",
-                  "q8_0": "int8"}
+                  "q8_0": "int8", "q4_0": "int4"}
 MAX_TENSOR_PARALLEL = 64
 SCALE_OUT_WINDOW = "5 min"
 
@@ -49,10 +56,22 @@ class ModelSpec:
     num_params: int
     max_position_embeddings: Optional[int] = None
     default_dtype: str = "bfloat16"
+    # Each layer's sliding window (None: full attention); empty: every layer attends to the whole context.
+    layer_windows: tuple[Optional[int], ...] = ()
 
     def kv_bytes_per_token(self, dtype_bytes: float, row_extra_bytes: int = 0) -> int:
-        """row_extra_bytes: bytes stored beside each (token, head) row's values (an int8 cache's scales)."""
+        """Every layer's K and V of one token. row_extra_bytes: bytes stored beside each (token, head) row's
+        values (an int8 cache's scales)."""
         return int(2 * self.num_layers * self.num_kv_heads * (self.head_dim * dtype_bytes + row_extra_bytes))
+
+    def kv_bytes_per_sequence(self, length: int, block_size: int, dtype_bytes: float, row_extra_bytes: int = 0
+                              ) -> int:
+        """What one request of `length` tokens holds in the engine's paged cache: whole blocks, and in a
+        sliding-window layer only the blocks its window still reaches (core/kv_cache_groups.py)."""
+        windows = self.layer_windows or (None,) * self.num_layers
+        per_layer_token = self.kv_bytes_per_token(dtype_bytes, row_extra_bytes) / self.num_layers
+        blocks = blocks_per_sequence(windows, length, block_size)  # layer-blocks: one group per layer here
+        return int(blocks * block_size * per_layer_token)
 
     def int8_kv_scale_bytes(self) -> int:
         return KV_INT8_SCALE_BYTES * -(-self.head_dim // KV_INT8_GROUP)
@@ -69,15 +88,17 @@ PRESETS: dict[str, ModelSpec] = {spec.name: spec for spec in (
     ModelSpec("qwen2.5-72b", 80, 64, 8, 128, 72_706_203_648, 32768),
     ModelSpec("mistral-7b", 32, 32, 8, 128, 7_241_732_096, 32768),
     ModelSpec("smollm2-135m", 30, 9, 3, 64, 134_515_008, 8192),
-    # tokenmill gives every layer KV for the whole context, Gemma 3's sliding-window layers too.
-    ModelSpec("gemma3-270m", 18, 4, 1, 256, 268_098_176, 32768),
+    # Five sliding-window layers (512 tokens) to one global, whose KV the engine keeps for the window only.
+    ModelSpec("gemma3-270m", 18, 4, 1, 256, 268_098_176, 32768,
+              layer_windows=tuple(None if (layer + 1) % 6 == 0 else 512 for layer in range(18))),
 )}
 
 
 def normalize_dtype(dtype: str) -> str:
     dtype = _DTYPE_ALIASES.get(dtype.lower(), dtype.lower())
     if dtype != "auto" and dtype not in DTYPE_BYTES:
-        raise InvalidRequestError(f"unknown dtype {dtype!r}; choose auto or one of {', '.join(DTYPE_BYTES)}")
+        raise InvalidRequestError(f"{dtype!r} is not a format tokenmill serves; choose auto or one of "
+                                  f"{', '.join(DTYPE_BYTES)} (int8: Q8_0 blocks, int4: Q4_0 blocks)")
     return dtype
 
 
@@ -109,7 +130,22 @@ def _from_hf_dir(path: Path) -> ModelSpec:
     params = _safetensors_params(path) or estimate_params(config)
     dtype = str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
     return ModelSpec(path.name, num_params=params, max_position_embeddings=config.get("max_position_embeddings"),
-                     default_dtype=dtype if dtype in DTYPE_BYTES else "bfloat16", **spec)
+                     default_dtype=dtype if dtype in DTYPE_BYTES else "bfloat16",
+                     layer_windows=_hf_layer_windows(path, config), **spec)
+
+
+def _hf_layer_windows(path: Path, config: dict[str, Any]) -> tuple[Optional[int], ...]:
+    """Sliding windows as the engine reads them (transformers' config, which fills in Gemma 3's layer
+    pattern); () for a config with no `sliding_window` or one transformers does not know."""
+    if not config.get("sliding_window"):
+        return ()
+    try:
+        from transformers import AutoConfig
+
+        loaded = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except Exception:  # noqa: BLE001 - an architecture this transformers does not know: no windows
+        return ()
+    return _layer_windows(loaded.get_text_config())
 
 
 def _safetensors_params(path: Path) -> Optional[int]:
@@ -150,10 +186,18 @@ def _from_gguf(path: Path) -> ModelSpec:
         raise InvalidRequestError(f"cannot read {path}: {exc}") from None
     heads = int(config.num_attention_heads)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    # tokenmill dequantizes GGUF weights at load, so the served size is params × --dtype, not the file size.
     return ModelSpec(path.stem, int(config.num_hidden_layers), heads,
                      int(getattr(config, "num_key_value_heads", None) or heads), int(head_dim),
-                     sum(int(t.n_elements) for t in reader.tensors), config.max_position_embeddings)
+                     sum(int(t.n_elements) for t in reader.tensors), config.max_position_embeddings,
+                     layer_windows=_layer_windows(config))
+
+
+def _layer_windows(config: Any) -> tuple[Optional[int], ...]:
+    """The engine's own reading of a transformers config's sliding windows; () when no layer has one."""
+    from tokenmill.model.layers.decoder import layer_windows
+
+    windows = layer_windows(config)
+    return windows if any(window is not None for window in windows) else ()
 
 
 # ---- the plan ----------------------------------------------------------------------------------------
@@ -183,7 +227,7 @@ def _check(inputs: PlanInputs) -> tuple[str, str, int]:
         raise InvalidRequestError("--block-size must be at least 1")
     dtype = normalize_dtype(inputs.dtype)
     dtype = inputs.model.default_dtype if dtype == "auto" else dtype
-    kv_dtype = normalize_dtype(inputs.kv_cache_dtype)
+    kv_dtype = _DTYPE_ALIASES.get(inputs.kv_cache_dtype.lower(), inputs.kv_cache_dtype.lower())
     if kv_dtype == "auto":  # the KV cache is kept in the activation dtype, never in a weight-only format
         kv_dtype = dtype if dtype in ("float32", "float16", "bfloat16") else "bfloat16"
     if kv_dtype not in KV_DTYPES:
@@ -210,14 +254,15 @@ def splits_heads(model: ModelSpec, tp: int) -> bool:
 
 
 def choose_tensor_parallel(model: ModelSpec, device: DeviceSpec, headroom: float, weight_bytes: float,
-                           kv_token_bytes: int, seq_tokens: int) -> int:
+                           kv_token_bytes: int, seq_bytes: int) -> int:
     tp = 1
     while tp <= MAX_TENSOR_PARALLEL:
         if splits_heads(model, tp):
-            if replica_capacity(model, device, tp, headroom, weight_bytes, kv_token_bytes)[2] >= seq_tokens:
+            kv_per_device = replica_capacity(model, device, tp, headroom, weight_bytes, kv_token_bytes)[1]
+            if kv_per_device >= seq_bytes / tp:
                 return tp
         tp *= 2
-    raise InvalidRequestError(f"{model.name} does not fit one {seq_tokens}-token sequence on up to "
+    raise InvalidRequestError(f"{model.name} does not fit one full-length sequence on up to "
                               f"{MAX_TENSOR_PARALLEL} × {device.name} at headroom {inputs_pct(headroom)}")
 
 
@@ -230,15 +275,17 @@ def make_plan(inputs: PlanInputs) -> dict[str, Any]:
     model, device = inputs.model, inputs.device
     dtype, kv_dtype, length = _check(inputs)
     weight_bytes = model.num_params * DTYPE_BYTES[dtype]
-    kv_token = model.kv_bytes_per_token(DTYPE_BYTES[kv_dtype], model.int8_kv_scale_bytes() if kv_dtype == "int8" else 0)
-    seq_tokens = math.ceil(length / inputs.block_size) * inputs.block_size
+    scale_bytes = model.int8_kv_scale_bytes() if kv_dtype == "int8" else 0
+    kv_token = model.kv_bytes_per_token(KV_VALUE_BYTES[kv_dtype], scale_bytes)
+    seq_bytes = model.kv_bytes_per_sequence(length, inputs.block_size, KV_VALUE_BYTES[kv_dtype], scale_bytes)
     tp = inputs.tensor_parallel_size or choose_tensor_parallel(model, device, inputs.headroom, weight_bytes,
-                                                               kv_token, seq_tokens)
+                                                               kv_token, seq_bytes)
     if not splits_heads(model, tp):
         raise InvalidRequestError(f"--tensor-parallel-size {tp} does not divide {model.name}'s "
                                   f"{model.num_attention_heads} attention and {model.num_kv_heads} KV heads")
     usable, kv_per_device, kv_tokens = replica_capacity(model, device, tp, inputs.headroom, weight_bytes, kv_token)
-    max_concurrency = kv_tokens // seq_tokens
+    # Each rank holds its share of the KV heads: a sequence costs it seq_bytes / tp.
+    max_concurrency = int(kv_per_device // (seq_bytes / tp)) if kv_per_device > 0 else 0
     if max_concurrency < 1:
         raise InvalidRequestError(f"at tensor-parallel size {tp}, {device.name} has no room for one "
                                   f"{length}-token sequence of {model.name}")
@@ -246,7 +293,7 @@ def make_plan(inputs: PlanInputs) -> dict[str, Any]:
         "model": asdict(model), "device": asdict(device), "dtype": dtype, "kv_cache_dtype": kv_dtype,
         "max_model_len": length, "block_size": inputs.block_size, "headroom": inputs.headroom,
         "weights_bytes": weight_bytes, "kv_bytes_per_token": kv_token,
-        "kv_bytes_per_sequence": kv_token * seq_tokens, "usable_bytes_per_device": usable,
+        "kv_bytes_per_sequence": seq_bytes, "usable_bytes_per_device": usable,
         "tensor_parallel_size": tp, "kv_bytes_per_device": kv_per_device, "kv_tokens_per_replica": kv_tokens,
         "max_concurrency_per_replica": max_concurrency,
         "decode_tok_s_ceiling_batch1": None if device.bandwidth_gbps is None
@@ -374,7 +421,7 @@ def format_plan(plan: dict[str, Any]) -> str:
     scales = KV_INT8_SCALE_BYTES * -(-model["head_dim"] // KV_INT8_GROUP)
     row = f"({model['head_dim']} + {scales} scales)" if plan["kv_cache_dtype"] == "int8" else str(model["head_dim"])
     kv_formula = (f"{model['num_layers']} layers × {model['num_kv_heads']} KV heads × {row} dim "
-                  f"× 2 × {DTYPE_BYTES[plan['kv_cache_dtype']]:g} B")
+                  f"× 2 × {KV_VALUE_BYTES[plan['kv_cache_dtype']]:g} B")
     rows = [
         ("model", f"{model['name']} ({_count(model['num_params'])} parameters)"),
         ("device", f"{device['name']} ({device['memory_gib']:g} GiB{bw})"),
