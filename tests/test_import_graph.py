@@ -217,8 +217,8 @@ MAY_IMPORT: dict[str, set[str]] = {
     "tokenmill.serve": {"tokenmill.engine", "tokenmill.entrypoints", "tokenmill.model", "tokenmill.config"},
 }
 # Edges into a package above the importer, allowed only to these modules: the scheduler's output types (the
-# message the runner receives) and the KV cache group plan (the planner counts blocks by it too); the one message type beam search reads; the
-# process-memory helper the API processes call once at start-up.
+# message the runner receives) and the KV cache group plan (the planner counts blocks by it too); the one
+# message type beam search reads; the process-memory helper the API processes call once at start-up.
 ONLY_MODULES = {
     ("tokenmill.runner", "tokenmill.core"): {"tokenmill.core.sched_output", "tokenmill.core.kv_cache_groups"},
     ("tokenmill.planning", "tokenmill.core"): {"tokenmill.core.kv_cache_groups"},
