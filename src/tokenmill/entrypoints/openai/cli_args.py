@@ -16,6 +16,7 @@ from typing import Any, Optional
 from tokenmill.config import option, parse_memory_size, validate_options
 from tokenmill.entrypoints.engine_args import add_option_args, options_from_args
 from tokenmill.entrypoints.openai.rate_limit import KeyPolicy, RateLimiter, load_api_keys_file
+from tokenmill.entrypoints.openai.reasoning import REASONING_PARSERS
 from tokenmill.entrypoints.openai.tool_calls import TOOL_CALL_PARSERS
 from tokenmill.errors import InvalidRequestError
 
@@ -82,6 +83,10 @@ class ServerConfig:
     tool_call_parser: Optional[str] = option(
         None, "the model's tool-call format: hermes (<tool_call>{json}</tool_call>: Qwen2.5/3, Hermes)",
         choices=tuple(TOOL_CALL_PARSERS))
+    reasoning_parser: Optional[str] = option(
+        None, "split a thinking model's replies into reasoning_content (<think>...</think>) and content: "
+        "deepseek_r1 (reasoning until </think>, the template opens it) or qwen3 (reasoning when the reply "
+        "opens <think>)", choices=tuple(REASONING_PARSERS))
 
     lora_modules: Optional[tuple[str, ...]] = option(
         None, "with --enable-lora: adapters served from the start, each as name=path or vLLM's JSON "

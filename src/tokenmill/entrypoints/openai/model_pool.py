@@ -304,7 +304,8 @@ class ModelPool:
         return ServedModel(
             spec, engine, models,
             OpenAIServingCompletion(engine, spec.name, models),
-            OpenAIServingChat(engine, spec.name, tool_call_parser=self.server.auto_tool_call_parser, models=models),
+            OpenAIServingChat(engine, spec.name, tool_call_parser=self.server.auto_tool_call_parser, models=models,
+                              reasoning_parser=self.server.reasoning_parser),
             OpenAIServingTokenization(engine, spec.name, models),
             prometheus, window, load_seconds)
 

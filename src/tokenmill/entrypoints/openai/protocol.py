@@ -75,11 +75,24 @@ class PromptTokensDetails(OpenAIModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (memory or the offload tier)
 
 
+class CompletionTokensDetails(OpenAIModel):
+    reasoning_tokens: int = 0
+
+
 class UsageInfo(OpenAIModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: Optional[PromptTokensDetails] = None
+    completion_tokens_details: Optional[CompletionTokensDetails] = None  # with a reasoning parser
+
+    @model_serializer(mode="wrap")
+    def _without_absent_details(self, handler: Any) -> Any:
+        # Left out unless a reasoning parser counted something: replies stay as they were without one.
+        data = handler(self)
+        if isinstance(data, dict) and data.get("completion_tokens_details") is None:
+            data.pop("completion_tokens_details", None)
+        return data
 
 
 def _now() -> int:
@@ -476,6 +489,17 @@ class ChatResponseMessage(OpenAIModel):
     role: str
     content: Optional[str] = None
     tool_calls: Optional[list[ToolCall]] = None
+    # With --reasoning-parser: the reply's reasoning, under both names vLLM has used for it.
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
+
+    @model_serializer(mode="wrap")
+    def _without_absent_reasoning(self, handler: Any) -> Any:
+        data = handler(self)
+        if isinstance(data, dict) and data.get("reasoning_content") is None:
+            data.pop("reasoning_content", None)
+            data.pop("reasoning", None)
+        return data
 
 
 class ChatCompletionResponseChoice(OpenAIModel):
@@ -499,6 +523,8 @@ class DeltaMessage(OpenAIModel):
     role: Optional[str] = None
     content: Optional[str] = None
     tool_calls: Optional[list[DeltaToolCall]] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None
 
 
 class ChatCompletionStreamChoice(StreamChoice):

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 from starlette.requests import Request
@@ -20,12 +20,15 @@ from tokenmill.entrypoints.openai.protocol import (
     ChatLogProbsContent,
     ChatResponseMessage,
     ChatTemplateFields,
+    CompletionTokensDetails,
     DeltaFunctionCall,
     DeltaMessage,
     DeltaToolCall,
     FunctionCall,
     ToolCall,
+    UsageInfo,
 )
+from tokenmill.entrypoints.openai.reasoning import ReasoningParser, make_reasoning_parser, reasoning_token_count
 from tokenmill.entrypoints.openai.serving_base import (
     CLIENT_CLOSED_REQUEST,
     MIN_LOGPROB,
@@ -84,14 +87,26 @@ class _ChoiceState:
     started: bool = False
     finished: bool = False
     tool_call_id: Optional[str] = None  # a forced (named) call, once its first delta went out
+    reasoning: Optional[ReasoningParser] = None  # with --reasoning-parser: splits the stream
+    reasoning_text: Optional[str] = None  # the reasoning streamed so far (None: none yet)
+    token_ids: list[int] = field(default_factory=list)  # the reply's tokens, for the reasoning token count
 
 
 class OpenAIServingChat(ServingBase):
     def __init__(self, engine: Any, model_name: str, tool_call_parser: Optional[str] = None,
-                 models: Any = None) -> None:
+                 models: Any = None, reasoning_parser: Optional[str] = None) -> None:
         super().__init__(engine, model_name, models)
         # Set with --enable-auto-tool-choice --tool-call-parser NAME: "auto" replies are parsed for calls.
         self.tool_call_parser = tool_call_parser
+        # Set with --reasoning-parser NAME: replies are split into reasoning and content.
+        self.reasoning_parser = reasoning_parser
+
+    def _reasoning(self, params: Any) -> Optional[ReasoningParser]:
+        """A parser for one reply, where the reply may reason: not when a grammar shapes it from its first
+        token (a named or required tool call, a response_format), which leaves no room for a think block."""
+        if self.reasoning_parser is None or params.structured_outputs is not None:
+            return None
+        return make_reasoning_parser(self.reasoning_parser)
 
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
         lora = self.check_request(body.model)
@@ -115,27 +130,40 @@ class OpenAIServingChat(ServingBase):
         group.start()
         role = "assistant" if body.add_generation_prompt else body.messages[-1].role
         echo = self._echo_text(body, role)
+        reasons = self._reasoning(params) is not None
         if body.stream:
-            return await self._stream(body, group, response_id, role, echo, plan)
+            return await self._stream(body, group, response_id, role, echo, plan, params if reasons else None)
         if not await self.collect(group):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         outputs = group.final_outputs()
         choices = []
+        reasoning_tokens = 0
         for comp in (outputs[0].outputs if outputs else []):
             logprobs = self._logprobs(comp, 0, body.num_top_logprobs) if body.logprobs else None
-            message = ChatResponseMessage(role=role, content=echo + comp.text)
+            parser = self._reasoning(params)
+            split = parser.split(comp.text) if parser is not None else None
+            text = split.content if split is not None else comp.text
+            reasoning = split.reasoning if split is not None else None
+            if split is not None:
+                reasoning_tokens += reasoning_token_count(self.engine.tokenizer, list(comp.token_ids), reasoning)
+            message = ChatResponseMessage(role=role, content=echo + text, reasoning_content=reasoning,
+                                          reasoning=reasoning)
             finish_reason = comp.finish_reason
-            extracted = extract_tool_calls(plan, comp.text)
+            extracted = extract_tool_calls(plan, text)
             if extracted is not None:
                 message = ChatResponseMessage(role=role, content=extracted.content,
-                                              tool_calls=[_tool_call(call) for call in extracted.calls])
+                                              tool_calls=[_tool_call(call) for call in extracted.calls],
+                                              reasoning_content=reasoning, reasoning=reasoning)
                 finish_reason = _tool_finish_reason(plan, finish_reason)
             choices.append(ChatCompletionResponseChoice(
                 index=comp.index, message=message, logprobs=logprobs, finish_reason=finish_reason,
                 stop_reason=comp.stop_reason))
         choices.sort(key=lambda c: c.index)
+        usage = usage_of(outputs)
+        if reasons:
+            usage.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
         response = ChatCompletionResponse(id=response_id, model=self.response_model(lora), choices=choices,
-                                          usage=usage_of(outputs))
+                                          usage=usage)
         # OpenAI leaves tool_calls out of replies that made none.
         exclude = None if any(c.message.tool_calls for c in choices) else \
             {"choices": {"__all__": {"message": {"tool_calls"}}}}
@@ -151,18 +179,27 @@ class OpenAIServingChat(ServingBase):
         return content if isinstance(content, str) else ""
 
     async def _stream(self, body: ChatCompletionRequest, group: GenerationGroup, response_id: str, role: str,
-                      echo: str, plan: ToolPlan) -> Response:
+                      echo: str, plan: ToolPlan, reasoning_params: Any = None) -> Response:
         states: dict[int, _ChoiceState] = {}
         model = self.response_model(group.lora)
 
+        def usage() -> UsageInfo:
+            info = usage_of(group.final_outputs())
+            if reasoning_params is not None:
+                info.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(
+                    reasoning_token_count(self.engine.tokenizer, state.token_ids, state.reasoning_text)
+                    for state in states.values()))
+            return info
+
         def chunk(choice: ChatCompletionStreamChoice) -> str:
-            usage = usage_of(group.final_outputs()) if body.continuous_usage else None
-            return sse(ChatCompletionStreamResponse(id=response_id, model=model, choices=[choice], usage=usage))
+            return sse(ChatCompletionStreamResponse(id=response_id, model=model, choices=[choice],
+                                                   usage=usage() if body.continuous_usage else None))
 
         def render(batch: dict[int, RequestOutput]) -> Iterator[str]:
             out = batch.get(0)
             for comp in (out.outputs if out is not None else []):
-                state = states.setdefault(comp.index, _ChoiceState())
+                state = states.setdefault(comp.index, _ChoiceState(
+                    reasoning=self._reasoning(reasoning_params) if reasoning_params is not None else None))
                 if state.finished:
                     continue
                 prefix = ""
@@ -176,8 +213,7 @@ class OpenAIServingChat(ServingBase):
 
         def tail() -> Iterator[str]:
             if body.include_usage:
-                yield sse(ChatCompletionStreamResponse(id=response_id, model=model, choices=[],
-                                                       usage=usage_of(group.final_outputs())))
+                yield sse(ChatCompletionStreamResponse(id=response_id, model=model, choices=[], usage=usage()))
 
         return await self.stream(group, render, tail)
 
@@ -185,6 +221,12 @@ class OpenAIServingChat(ServingBase):
                prefix: str, plan: ToolPlan) -> Optional[ChatCompletionStreamChoice]:
         # comp is a delta: its text, token ids and logprobs are the new ones only.
         new, finish = comp.text, comp.finish_reason
+        reasoning = ""
+        if state.reasoning is not None:  # the reasoning part leaves the text: tool calls are parsed from the rest
+            state.token_ids.extend(comp.token_ids)
+            reasoning, new = state.reasoning.feed(new, final=finish is not None)
+            if reasoning or state.reasoning.in_reasoning:
+                state.reasoning_text = (state.reasoning_text or "") + reasoning
         content: Optional[str] = prefix + new
         tool_calls: Optional[list[DeltaToolCall]] = None
         end = state.text_len + len(new)
@@ -216,13 +258,14 @@ class OpenAIServingChat(ServingBase):
                 end = streamable_text_len(plan, text)
             content = prefix + text[state.text_len:end]
         num_new = len(comp.token_ids)
-        if not (content or tool_calls or finish or (body.logprobs and num_new > 0)):
+        if not (content or reasoning or tool_calls or finish or (body.logprobs and num_new > 0)):
             return None
         logprobs = self._logprobs(comp, 0, body.num_top_logprobs) if body.logprobs else None
         state.text_len = max(state.text_len, end)
         state.num_tokens += num_new
         state.finished = finish is not None
-        delta = DeltaMessage(content=content if content or tool_calls is None else None, tool_calls=tool_calls)
+        delta = DeltaMessage(content=content if content or (tool_calls is None and not reasoning) else None,
+                             tool_calls=tool_calls, reasoning_content=reasoning or None, reasoning=reasoning or None)
         return ChatCompletionStreamChoice(index=comp.index, delta=delta, logprobs=logprobs,
                                           finish_reason=finish, stop_reason=comp.stop_reason if finish else None)
 

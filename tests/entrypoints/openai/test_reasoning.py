@@ -1,0 +1,129 @@
+"""Reasoning parsers (`--reasoning-parser`): replies split into reasoning and content, whole and streamed
+(tags arriving split across deltas, never split across the two fields), and end to end on a tiny model whose
+tokenizer has the tags, through the official openai client."""
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+from model_factory import build_tiny_llama
+from tokenmill.entrypoints.openai.reasoning import make_reasoning_parser, reasoning_token_count
+
+REPLIES = ["<think>a plan</think>the answer", "a plan</think>the answer", "<think>a plan, unfinished",
+           "no thinking at all", "  <think>\nstep</think>\n\nanswer</think>", "<think></think>only answer", ""]
+
+
+@pytest.mark.parametrize("reply", REPLIES)
+def test_whole_replies(reply):
+    r1, qwen = make_reasoning_parser("deepseek_r1").split(reply), make_reasoning_parser("qwen3").split(reply)
+    if reply.lstrip().startswith("<think>"):
+        assert r1 == qwen  # an opened think block reads the same either way
+    expected = {
+        "<think>a plan</think>the answer": ("a plan", "the answer", "a plan", "the answer"),
+        "a plan</think>the answer": ("a plan", "the answer", None, "a plan</think>the answer"),
+        "<think>a plan, unfinished": ("a plan, unfinished", "", "a plan, unfinished", ""),
+        "no thinking at all": ("no thinking at all", "", None, "no thinking at all"),
+        "  <think>\nstep</think>\n\nanswer</think>": ("\nstep", "\n\nanswer</think>", "\nstep", "\n\nanswer</think>"),
+        "<think></think>only answer": ("", "only answer", "", "only answer"),
+        "": ("", "", None, ""),
+    }[reply]
+    assert (r1.reasoning, r1.content, qwen.reasoning, qwen.content) == expected
+
+
+def _stream(name: str, pieces: list[str]) -> tuple[str, str, list[tuple[str, str]]]:
+    parser = make_reasoning_parser(name)
+    deltas = [parser.feed(piece, final=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+    return "".join(r for r, _ in deltas), "".join(c for _, c in deltas), deltas
+
+
+@pytest.mark.parametrize("name", ["deepseek_r1", "qwen3"])
+@pytest.mark.parametrize("reply", [r for r in REPLIES if r])
+def test_streamed_replies_match_whole_ones_at_every_split(name, reply):
+    """Two deltas cut at every position (tags split across them), and one character at a time."""
+    whole = make_reasoning_parser(name).split(reply)
+    cuts = [[reply[:i], reply[i:]] for i in range(len(reply) + 1)] + [list(reply)]
+    for pieces in cuts:
+        reasoning, content, deltas = _stream(name, pieces)
+        assert (reasoning, content) == (whole.reasoning or "", whole.content), pieces
+        for r, c in deltas:  # a tag never leaks into either field, whole or in part, mid-stream
+            assert "<think>" not in r and "</think>" not in r
+
+
+class _Tokens:
+    """A tokenizer whose </think> is one token (id 7), as in Qwen3's and DeepSeek-R1's vocabularies."""
+
+    def encode(self, text, add_special_tokens=False):
+        return [7] if text == "</think>" else [ord(ch) for ch in text]
+
+
+def test_reasoning_tokens_count_up_to_the_end_tag():
+    assert reasoning_token_count(_Tokens(), [1, 2, 3, 7, 4], "abc") == 4
+    assert reasoning_token_count(_Tokens(), [1, 2, 3], "abc") == 3  # never closed: all reasoning
+    assert reasoning_token_count(_Tokens(), [1, 2], None) == 0
+
+
+# ---- end to end ------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def thinking_server(tmp_path_factory, smollm2_tokenizer, server_log_dir):
+    """A tiny random model whose tokenizer has <think> and </think> as tokens, served with deepseek_r1."""
+    from transformers import AutoTokenizer
+
+    from server_process import ServerProcess
+
+    directory = tmp_path_factory.mktemp("thinking")
+    smollm2_tokenizer.save_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    build_tiny_llama(directory, tokenizer, seed=3)
+    server = ServerProcess(["--model", str(directory), "--max-model-len", "256", "--num-kv-blocks", "64",
+                            "--reasoning-parser", "deepseek_r1"], server_log_dir)
+    try:
+        yield server.wait_ready(), tokenizer
+    finally:
+        server.stop()
+
+
+def test_replies_split_end_to_end_streamed_and_whole(thinking_server):
+    """The model may only write <think>, </think> or " plan" (logit_bias +100 on each): whichever its logits
+    prefer. The chat reply's reasoning and content are deepseek_r1's split of the raw completion of the same
+    prompt, whole and streamed, and usage counts the reasoning tokens up to </think>."""
+    server, tokenizer = thinking_server
+    start_id, end_id = (tokenizer.convert_tokens_to_ids(tag) for tag in ("<think>", "</think>"))
+    (word_id,) = tokenizer.encode(" plan", add_special_tokens=False)
+    bias = {str(start_id): 100, str(end_id): 100, str(word_id): 100}
+    messages = [{"role": "user", "content": "Think, then answer."}]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    prompt = httpx.post(f"{server.url}/tokenize", json={"model": model, "messages": messages}).json()["tokens"]
+    raw = httpx.post(f"{server.url}/v1/completions", json={
+        "model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "logit_bias": bias,
+        "return_tokens_as_token_ids": True, "logprobs": 0}).json()["choices"][0]
+    raw_ids = [int(token.removeprefix("token_id:")) for token in raw["logprobs"]["tokens"]]
+    assert set(raw_ids) <= {start_id, end_id, word_id} and end_id in raw_ids  # the test means something
+    expected = make_reasoning_parser("deepseek_r1").split(raw["text"])
+
+    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                           logit_bias=bias)
+    message = reply.choices[0].message
+    assert (message.reasoning_content, message.content) == (expected.reasoning, expected.content)
+    assert message.model_extra["reasoning"] == expected.reasoning
+    assert reply.usage.completion_tokens_details.reasoning_tokens == raw_ids.index(end_id) + 1
+
+    reasoning, content, usage = "", "", None
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                                logit_bias=bias, stream=True, stream_options={"include_usage": True}):
+        if chunk.usage is not None:
+            usage = chunk.usage
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == (expected.reasoning, expected.content)
+    assert usage.completion_tokens_details.reasoning_tokens == raw_ids.index(end_id) + 1
+
+
+def test_completions_carry_no_reasoning_fields(thinking_server):
+    server, _ = thinking_server
+    model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
+    body = httpx.post(f"{server.url}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}).json()
+    assert "completion_tokens_details" not in body["usage"]
