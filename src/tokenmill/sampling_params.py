@@ -30,6 +30,9 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     # The request field that carried it, for error messages (response_format, structured_outputs, guided_json ...).
     param: str = "structured_outputs"
+    # Set by the server for a reasoning model (--reasoning-parser): the constraint starts after this token
+    # (its `</think>`), so the reasoning is free and the answer follows the grammar, as in vLLM.
+    start_after_token_id: Optional[int] = None
 
     def __post_init__(self) -> None:
         set_fields = self._constraints()

@@ -43,7 +43,7 @@ from tokenmill.runner.model_runner import resolve_device
 from tokenmill.runner.numerics import detect_hardware, has_experts, resolve_numerics
 from tokenmill.spec_decode import adaptive
 from tokenmill.spec_decode.ngram import NgramProposer, can_speculate
-from tokenmill.structured.backend import allocate_token_bitmask
+from tokenmill.structured.backend import AfterToken, allocate_token_bitmask
 from tokenmill.structured.llguidance_backend import LLGuidanceBackend
 
 logger = logging.getLogger("tokenmill")
@@ -283,7 +283,9 @@ class EngineCore:
     def _compile(self, params):
         if params.structured_outputs is None:
             return None
-        return self.structured_backend.compile(params.structured_outputs)
+        grammar = self.structured_backend.compile(params.structured_outputs)
+        start = params.structured_outputs.start_after_token_id
+        return grammar if start is None else AfterToken(grammar, start)
 
     @staticmethod
     def _request(request_id: str, message: EngineCoreRequest, params, grammar) -> Request:

@@ -7,7 +7,7 @@ sequence whose grammar has terminated. llguidance is the default backend (llguid
 """
 from __future__ import annotations
 
-from typing import Protocol, Sequence
+from typing import Optional, Protocol, Sequence
 
 import torch
 
@@ -67,3 +67,54 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     words = bitmask.to(logits.device, non_blocking=True)
     allowed = (words.unsqueeze(-1) >> shifts).bitwise_and_(1).view(rows, -1)[:, :vocab]
     logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+class AfterToken:
+    """A grammar that starts once `token_id` is sampled (a reasoning model's `</think>`): until then every
+    token is allowed and none reaches the grammar; from the token after it on, the grammar constrains."""
+
+    def __init__(self, grammar: StructuredOutputGrammar, token_id: int) -> None:
+        self.grammar = grammar
+        self.token_id = token_id
+        self.started = False
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.started:
+            self.grammar.fill_bitmask(bitmask, row)
+        else:
+            bitmask[row] = -1
+
+    def accept_token(self, token_id: int) -> bool:
+        if self.started:
+            return self.grammar.accept_token(token_id)
+        self.started = token_id == self.token_id
+        return True
+
+    def _start_in(self, token_ids: Sequence[int]) -> Optional[int]:
+        """How many of these tokens come before the grammar starts (None: it does not start in them)."""
+        if self.started:
+            return 0
+        return token_ids.index(self.token_id) + 1 if self.token_id in token_ids else None
+
+    def valid_prefix(self, token_ids: Sequence[int], stop_before_forced: bool = False) -> int:
+        free = self._start_in(token_ids)
+        if free is None:
+            return len(token_ids)
+        if free and stop_before_forced:
+            return free  # where the grammar starts it may force text: no draft past it
+        return free + self.grammar.valid_prefix(token_ids[free:], stop_before_forced)
+
+    def fill_bitmasks_along(self, bitmask: torch.Tensor, first_row: int, token_ids: Sequence[int]) -> None:
+        free = self._start_in(token_ids)
+        rows = len(token_ids) + 1
+        if free is None:
+            bitmask[first_row:first_row + rows] = -1
+            return
+        bitmask[first_row:first_row + free] = -1
+        self.grammar.fill_bitmasks_along(bitmask, first_row + free, token_ids[free:])
+
+    def forced_tokens(self) -> list[int]:
+        return self.grammar.forced_tokens() if self.started else []
+
+    def is_terminated(self) -> bool:
+        return self.started and self.grammar.is_terminated()

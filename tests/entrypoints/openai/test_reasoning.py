@@ -127,3 +127,81 @@ def test_completions_carry_no_reasoning_fields(thinking_server):
     model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
     body = httpx.post(f"{server.url}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}).json()
     assert "completion_tokens_details" not in body["usage"]
+
+
+def test_a_grammar_starts_after_the_reasoning(thinking_server):
+    """With a reasoning parser, structured outputs shape the answer after </think>, not the reasoning (vLLM's
+    behaviour): the reasoning is the unconstrained reply's, the content matches the regex, whole and
+    streamed."""
+    server, tokenizer = thinking_server
+    start_id, end_id = (tokenizer.convert_tokens_to_ids(tag) for tag in ("<think>", "</think>"))
+    (word_id,) = tokenizer.encode(" plan", add_special_tokens=False)
+    bias = {str(start_id): 100, str(end_id): 100, str(word_id): 100}
+    messages = [{"role": "user", "content": "Think, then answer."}]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    model = client.models.list().data[0].id
+    free = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                          logit_bias=bias).choices[0].message
+    assert free.content  # the tags' bias ends the reasoning within the budget (else this test shows nothing)
+    extra = {"structured_outputs": {"regex": "(yes|no)"}}
+    shaped = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                            logit_bias=bias, extra_body=extra)
+    message = shaped.choices[0].message
+    assert message.reasoning_content == free.reasoning_content and message.content in ("yes", "no")
+    assert shaped.choices[0].finish_reason == "stop"
+    reasoning, content = "", ""
+    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
+                                                logit_bias=bias, extra_body=extra, stream=True):
+        for choice in chunk.choices:
+            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+            content += choice.delta.content or ""
+    assert (reasoning, content) == (message.reasoning_content, message.content)
+
+
+def test_a_prompt_that_closed_the_think_block_gets_an_answer_only():
+    from tokenmill.entrypoints.openai.reasoning import prompt_closed_reasoning
+
+    tags = (5, 6)
+    assert prompt_closed_reasoning([1, 5, 2, 6, 3], tags)  # <think> ... </think> in the prompt
+    assert not prompt_closed_reasoning([1, 6, 2, 5], tags)  # the prompt opened a new think block
+    assert not prompt_closed_reasoning([1, 2], tags) and not prompt_closed_reasoning([1, 6], None)
+
+
+def test_after_token_grammar_lets_everything_through_until_its_token():
+    import torch
+
+    from tokenmill.structured.backend import AfterToken, allocate_token_bitmask
+
+    class OnlyTwo:  # a grammar that allows token 2 only, then ends
+        done = False
+
+        def fill_bitmask(self, bitmask, row):
+            bitmask[row] = 0
+            bitmask[row, 0] = 1 << 2
+
+        def accept_token(self, token):
+            self.done = token == 2
+            return self.done
+
+        def valid_prefix(self, tokens, stop_before_forced=False):
+            return 1 if tokens and tokens[0] == 2 else 0
+
+        def fill_bitmasks_along(self, bitmask, first_row, tokens):
+            for row in range(first_row, first_row + len(tokens) + 1):
+                self.fill_bitmask(bitmask, row)
+
+        def forced_tokens(self):
+            return [2]
+
+        def is_terminated(self):
+            return self.done
+
+    gate = AfterToken(OnlyTwo(), token_id=9)
+    mask = allocate_token_bitmask(5, 64)
+    gate.fill_bitmask(mask, 0)
+    assert torch.all(mask[0] == -1) and gate.forced_tokens() == [] and not gate.is_terminated()
+    assert gate.valid_prefix([4, 4, 9, 2, 2]) == 4 and gate.valid_prefix([4, 4]) == 2
+    gate.fill_bitmasks_along(mask, 0, [4, 9, 2, 3])
+    assert torch.all(mask[:2] == -1) and mask[2, 0] == 1 << 2
+    assert gate.accept_token(4) and gate.accept_token(9) and gate.forced_tokens() == [2]
+    assert gate.accept_token(2) and gate.is_terminated()

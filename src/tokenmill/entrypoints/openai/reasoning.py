@@ -122,3 +122,20 @@ def reasoning_token_count(tokenizer, token_ids: list[int], reasoning: Optional[s
 def _single_token_id(tokenizer, text: str) -> Optional[int]:
     ids = tokenizer.encode(text, add_special_tokens=False)
     return ids[0] if len(ids) == 1 else None
+
+
+def think_tag_ids(tokenizer) -> Optional[tuple[int, int]]:
+    """The ids of `<think>` and `</think>` where the tokenizer has each as one token, else None."""
+    start, end = _single_token_id(tokenizer, THINK_START), _single_token_id(tokenizer, THINK_END)
+    return None if start is None or end is None else (start, end)
+
+
+def prompt_closed_reasoning(prompt_token_ids: list[int], tags: Optional[tuple[int, int]]) -> bool:
+    """Whether the prompt itself ends the reasoning: a `</think>` after its last `<think>` (Qwen3's template
+    with enable_thinking false writes an empty think block), so the reply is all answer."""
+    if tags is None:
+        return False
+    start, end = tags
+    last_end = max((i for i, token in enumerate(prompt_token_ids) if token == end), default=-1)
+    last_start = max((i for i, token in enumerate(prompt_token_ids) if token == start), default=-1)
+    return last_end > last_start

@@ -28,7 +28,13 @@ from tokenmill.entrypoints.openai.protocol import (
     ToolCall,
     UsageInfo,
 )
-from tokenmill.entrypoints.openai.reasoning import ReasoningParser, make_reasoning_parser, reasoning_token_count
+from tokenmill.entrypoints.openai.reasoning import (
+    ReasoningParser,
+    make_reasoning_parser,
+    prompt_closed_reasoning,
+    reasoning_token_count,
+    think_tag_ids,
+)
 from tokenmill.entrypoints.openai.serving_base import (
     CLIENT_CLOSED_REQUEST,
     MIN_LOGPROB,
@@ -102,11 +108,26 @@ class OpenAIServingChat(ServingBase):
         self.reasoning_parser = reasoning_parser
 
     def _reasoning(self, params: Any) -> Optional[ReasoningParser]:
-        """A parser for one reply, where the reply may reason: not when a grammar shapes it from its first
-        token (a named or required tool call, a response_format), which leaves no room for a think block."""
-        if self.reasoning_parser is None or params.structured_outputs is not None:
-            return None
-        return make_reasoning_parser(self.reasoning_parser)
+        """A parser for one reply of a request `_with_reasoning` kept reasoning for."""
+        return None if self.reasoning_parser is None else make_reasoning_parser(self.reasoning_parser)
+
+    def _with_reasoning(self, params: Any, prompt: ProcessedPrompt) -> tuple[Any, bool]:
+        """(the request's sampling params, whether its replies are parsed for reasoning). A grammar (a
+        response_format, a named or required tool call) starts after `</think>`, as in vLLM, where the
+        tokenizer has the tag as one token; where it does not, the grammar shapes the reply from its first
+        token and the reply is not parsed. A prompt that closed the think block itself (Qwen3 with
+        enable_thinking false) is answered without reasoning."""
+        if self.reasoning_parser is None:
+            return params, False
+        tags = think_tag_ids(self.engine.tokenizer)
+        if prompt_closed_reasoning(prompt.prompt_token_ids, tags):
+            return params, False
+        if params.structured_outputs is None:
+            return params, True
+        if tags is None:
+            return params, False
+        gated = dataclasses.replace(params.structured_outputs, start_after_token_id=tags[1])
+        return dataclasses.replace(params, structured_outputs=gated), True
 
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
         lora = self.check_request(body.model)
@@ -122,6 +143,7 @@ class OpenAIServingChat(ServingBase):
                                           f"it cannot be combined with {params.structured_outputs.param}",
                                           "tool_choice")
             params = dataclasses.replace(params, structured_outputs=plan.constraint)
+        params, reasons = self._with_reasoning(params, prompt)
         request_id = base_request_id(raw)
         response_id = f"chatcmpl-{request_id}"
         jobs = [GenerationJob(engine_request_id(response_id, 0), prompt, params)]
@@ -130,7 +152,6 @@ class OpenAIServingChat(ServingBase):
         group.start()
         role = "assistant" if body.add_generation_prompt else body.messages[-1].role
         echo = self._echo_text(body, role)
-        reasons = self._reasoning(params) is not None
         if body.stream:
             return await self._stream(body, group, response_id, role, echo, plan, params if reasons else None)
         if not await self.collect(group):
@@ -140,7 +161,7 @@ class OpenAIServingChat(ServingBase):
         reasoning_tokens = 0
         for comp in (outputs[0].outputs if outputs else []):
             logprobs = self._logprobs(comp, 0, body.num_top_logprobs) if body.logprobs else None
-            parser = self._reasoning(params)
+            parser = self._reasoning(params) if reasons else None
             split = parser.split(comp.text) if parser is not None else None
             text = split.content if split is not None else comp.text
             reasoning = split.reasoning if split is not None else None
