@@ -30,9 +30,6 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
     # The request field that carried it, for error messages (response_format, structured_outputs, guided_json ...).
     param: str = "structured_outputs"
-    # Set by the server for a reasoning model (--reasoning-parser): the constraint starts after this token
-    # (its `</think>`), so the reasoning is free and the answer follows the grammar, as in vLLM.
-    start_after_token_id: Optional[int] = None
 
     def __post_init__(self) -> None:
         set_fields = self._constraints()
@@ -92,6 +89,11 @@ class SamplingParams:
     # tokenmill's extension: keep this prompt's prefix in the prefix cache (memory, and the offload tier's
     # copy) for this many seconds after the request ends, within --kv-cache-pin-fraction of the cache.
     cache_ttl_s: Optional[float] = None
+    # Reasoning models (vLLM's thinking_token_budget): at most this many tokens before `</think>`, which is
+    # forced once they are spent. reasoning_end_token_id (set by the server with --reasoning-parser): that
+    # token; structured outputs start after it, so the reasoning is free and the answer follows the grammar.
+    thinking_token_budget: Optional[int] = None
+    reasoning_end_token_id: Optional[int] = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -142,6 +144,9 @@ class SamplingParams:
             bad("stop_token_ids must be non-negative token ids", "stop_token_ids")
         if self.logit_bias is not None and any(not -100.0 <= v <= 100.0 for v in self.logit_bias.values()):
             bad("logit_bias values must be in [-100, 100]", "logit_bias")
+        if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
+            bad(f"thinking_token_budget must be non-negative, got {self.thinking_token_budget}",
+                "thinking_token_budget")
         if self.cache_ttl_s is not None and not 0.0 < self.cache_ttl_s <= MAX_CACHE_TTL_S:
             bad(f"cache_ttl_s must be in (0, {MAX_CACHE_TTL_S:.0f}] seconds, got {self.cache_ttl_s}", "cache_ttl_s")
 

@@ -281,11 +281,12 @@ class EngineCore:
         self.scheduler.add_request(parent)
 
     def _compile(self, params):
-        if params.structured_outputs is None:
-            return None
-        grammar = self.structured_backend.compile(params.structured_outputs)
-        start = params.structured_outputs.start_after_token_id
-        return grammar if start is None else AfterToken(grammar, start)
+        grammar = None if params.structured_outputs is None else \
+            self.structured_backend.compile(params.structured_outputs)
+        end = params.reasoning_end_token_id
+        if end is None or (grammar is None and params.thinking_token_budget is None):
+            return grammar
+        return AfterToken(grammar, end, params.thinking_token_budget)
 
     @staticmethod
     def _request(request_id: str, message: EngineCoreRequest, params, grammar) -> Request:

@@ -70,51 +70,91 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
 
 
 class AfterToken:
-    """A grammar that starts once `token_id` is sampled (a reasoning model's `</think>`): until then every
-    token is allowed and none reaches the grammar; from the token after it on, the grammar constrains."""
+    """A reasoning model's reply: free until `token_id` (its `</think>`) is sampled, with at most `budget`
+    tokens before it (then only that token is allowed); from the token after it on, `grammar` constrains
+    (None: nothing does)."""
 
-    def __init__(self, grammar: StructuredOutputGrammar, token_id: int) -> None:
+    def __init__(self, grammar: Optional[StructuredOutputGrammar], token_id: int, budget: Optional[int] = None
+                 ) -> None:
         self.grammar = grammar
         self.token_id = token_id
+        self.budget = budget
+        self.spent = 0  # tokens sampled before token_id
         self.started = False
 
+    def _fill_free(self, bitmask: torch.Tensor, row: int, spent: int) -> None:
+        if self.budget is not None and spent >= self.budget:
+            bitmask[row] = 0
+            bitmask[row, self.token_id // 32] = _bit(self.token_id)
+        else:
+            bitmask[row] = -1
+
     def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.started:
+        if not self.started:
+            self._fill_free(bitmask, row, self.spent)
+        elif self.grammar is not None:
             self.grammar.fill_bitmask(bitmask, row)
         else:
             bitmask[row] = -1
 
     def accept_token(self, token_id: int) -> bool:
         if self.started:
-            return self.grammar.accept_token(token_id)
-        self.started = token_id == self.token_id
-        return True
+            return True if self.grammar is None else self.grammar.accept_token(token_id)
+        if token_id == self.token_id:
+            self.started = True
+            return True
+        self.spent += 1
+        return self.budget is None or self.spent <= self.budget
 
-    def _start_in(self, token_ids: Sequence[int]) -> Optional[int]:
-        """How many of these tokens come before the grammar starts (None: it does not start in them)."""
+    def _free_run(self, token_ids: Sequence[int]) -> tuple[int, bool]:
+        """(how many of these tokens are taken before the grammar starts, whether it starts after them)."""
         if self.started:
-            return 0
-        return token_ids.index(self.token_id) + 1 if self.token_id in token_ids else None
+            return 0, True
+        spent = self.spent
+        for i, token in enumerate(token_ids):
+            if token == self.token_id:
+                return i + 1, True
+            if self.budget is not None and spent >= self.budget:
+                return i, False  # over budget: only token_id was allowed here
+            spent += 1
+        return len(token_ids), False
 
     def valid_prefix(self, token_ids: Sequence[int], stop_before_forced: bool = False) -> int:
-        free = self._start_in(token_ids)
-        if free is None:
+        free, starts = self._free_run(token_ids)
+        if not starts:
+            return free
+        if self.grammar is None:  # after token_id nothing constrains
             return len(token_ids)
-        if free and stop_before_forced:
-            return free  # where the grammar starts it may force text: no draft past it
+        if free and stop_before_forced:  # where the grammar starts it may force text: no draft past it
+            return free
         return free + self.grammar.valid_prefix(token_ids[free:], stop_before_forced)
 
     def fill_bitmasks_along(self, bitmask: torch.Tensor, first_row: int, token_ids: Sequence[int]) -> None:
-        free = self._start_in(token_ids)
-        rows = len(token_ids) + 1
-        if free is None:
-            bitmask[first_row:first_row + rows] = -1
-            return
-        bitmask[first_row:first_row + free] = -1
-        self.grammar.fill_bitmasks_along(bitmask, first_row + free, token_ids[free:])
+        spent, row = self.spent, first_row
+        if not self.started:
+            for token in token_ids:
+                self._fill_free(bitmask, row, spent)
+                row += 1
+                if token == self.token_id:
+                    break
+                spent += 1
+            else:
+                self._fill_free(bitmask, row, spent)
+                return
+        rest = token_ids[row - first_row:]
+        if self.grammar is not None:
+            self.grammar.fill_bitmasks_along(bitmask, row, rest)
+        else:
+            bitmask[row:row + len(rest) + 1] = -1
 
     def forced_tokens(self) -> list[int]:
-        return self.grammar.forced_tokens() if self.started else []
+        return self.grammar.forced_tokens() if self.started and self.grammar is not None else []
 
     def is_terminated(self) -> bool:
-        return self.started and self.grammar.is_terminated()
+        return self.started and self.grammar is not None and self.grammar.is_terminated()
+
+
+def _bit(token_id: int) -> int:
+    """Token id's bit in its int32 bitmask word, as a signed 32-bit value."""
+    bit = 1 << (token_id % 32)
+    return bit - (1 << 32) if bit >= 1 << 31 else bit

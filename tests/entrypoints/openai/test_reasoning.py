@@ -93,12 +93,13 @@ def test_replies_split_end_to_end_streamed_and_whole(thinking_server):
     (word_id,) = tokenizer.encode(" plan", add_special_tokens=False)
     bias = {str(start_id): 100, str(end_id): 100, str(word_id): 100}
     messages = [{"role": "user", "content": "Think, then answer."}]
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=120)
     model = client.models.list().data[0].id
-    prompt = httpx.post(f"{server.url}/tokenize", json={"model": model, "messages": messages}).json()["tokens"]
+    prompt = httpx.post(f"{server.url}/tokenize", json={"model": model, "messages": messages},
+                        timeout=60).json()["tokens"]
     raw = httpx.post(f"{server.url}/v1/completions", json={
         "model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "logit_bias": bias,
-        "return_tokens_as_token_ids": True, "logprobs": 0}).json()["choices"][0]
+        "return_tokens_as_token_ids": True, "logprobs": 0}, timeout=60).json()["choices"][0]
     raw_ids = [int(token.removeprefix("token_id:")) for token in raw["logprobs"]["tokens"]]
     assert set(raw_ids) <= {start_id, end_id, word_id} and end_id in raw_ids  # the test means something
     expected = make_reasoning_parser("deepseek_r1").split(raw["text"])
@@ -124,8 +125,9 @@ def test_replies_split_end_to_end_streamed_and_whole(thinking_server):
 
 def test_completions_carry_no_reasoning_fields(thinking_server):
     server, _ = thinking_server
-    model = httpx.get(f"{server.url}/v1/models").json()["data"][0]["id"]
-    body = httpx.post(f"{server.url}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2}).json()
+    model = httpx.get(f"{server.url}/v1/models", timeout=60).json()["data"][0]["id"]
+    body = httpx.post(f"{server.url}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2},
+                      timeout=60).json()
     assert "completion_tokens_details" not in body["usage"]
 
 
@@ -138,7 +140,7 @@ def test_a_grammar_starts_after_the_reasoning(thinking_server):
     (word_id,) = tokenizer.encode(" plan", add_special_tokens=False)
     bias = {str(start_id): 100, str(end_id): 100, str(word_id): 100}
     messages = [{"role": "user", "content": "Think, then answer."}]
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=120)
     model = client.models.list().data[0].id
     free = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
                                           logit_bias=bias).choices[0].message
@@ -205,3 +207,27 @@ def test_after_token_grammar_lets_everything_through_until_its_token():
     assert torch.all(mask[:2] == -1) and mask[2, 0] == 1 << 2
     assert gate.accept_token(4) and gate.accept_token(9) and gate.forced_tokens() == [2]
     assert gate.accept_token(2) and gate.is_terminated()
+
+
+def test_a_thinking_budget_forces_the_end_of_the_reasoning(thinking_server):
+    """thinking_token_budget N (vLLM's field): </think> comes at token N + 1 at the latest, whole and
+    streamed, and the answer follows. Without the budget this reply reasons past it (checked first)."""
+    server, tokenizer = thinking_server
+    start_id, end_id = (tokenizer.convert_tokens_to_ids(tag) for tag in ("<think>", "</think>"))
+    (word_id,) = tokenizer.encode(" plan", add_special_tokens=False)
+    bias = {str(start_id): 100, str(word_id): 100}  # </think> not favoured: the reasoning runs long
+    messages = [{"role": "user", "content": "Think, then answer."}]
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=120)
+    model = client.models.list().data[0].id
+    free = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                          logit_bias=bias)
+    assert free.usage.completion_tokens_details.reasoning_tokens == 12 and not free.choices[0].message.content
+    capped = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
+                                            logit_bias=bias, extra_body={"thinking_token_budget": 5})
+    assert capped.usage.completion_tokens_details.reasoning_tokens == 6  # five, then the forced </think>
+    assert capped.choices[0].message.reasoning_content == free.choices[0].message.reasoning_content[
+        :len(capped.choices[0].message.reasoning_content)]
+    assert capped.choices[0].message.content  # the answer got the rest of the tokens
+    with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
+        client.chat.completions.create(model=model, messages=messages, max_tokens=4,
+                                       extra_body={"thinking_token_budget": -1})

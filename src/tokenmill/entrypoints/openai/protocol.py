@@ -431,6 +431,8 @@ class ChatCompletionRequest(SamplingFields, ChatTemplateFields):
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
     echo: bool = False
+    # vLLM's: with --reasoning-parser, at most this many tokens of reasoning before </think> is forced.
+    thinking_token_budget: Optional[int] = Field(None, ge=0)
 
     @field_validator("top_logprobs")
     @classmethod

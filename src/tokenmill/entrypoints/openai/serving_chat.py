@@ -113,21 +113,27 @@ class OpenAIServingChat(ServingBase):
 
     def _with_reasoning(self, params: Any, prompt: ProcessedPrompt) -> tuple[Any, bool]:
         """(the request's sampling params, whether its replies are parsed for reasoning). A grammar (a
-        response_format, a named or required tool call) starts after `</think>`, as in vLLM, where the
-        tokenizer has the tag as one token; where it does not, the grammar shapes the reply from its first
-        token and the reply is not parsed. A prompt that closed the think block itself (Qwen3 with
-        enable_thinking false) is answered without reasoning."""
+        response_format, a named or required tool call) starts after `</think>`, and a thinking_token_budget
+        forces `</think>` once spent, as in vLLM, where the tokenizer has the tag as one token; where it does
+        not, a grammar shapes the reply from its first token and the reply is not parsed. A prompt that
+        closed the think block itself (Qwen3 with enable_thinking false) is answered without reasoning."""
+        budget = params.thinking_token_budget
         if self.reasoning_parser is None:
+            if budget is not None:
+                raise InvalidRequestError("thinking_token_budget needs a server started with --reasoning-parser",
+                                          "thinking_token_budget")
             return params, False
         tags = think_tag_ids(self.engine.tokenizer)
+        if budget is not None and tags is None:
+            raise InvalidRequestError("thinking_token_budget needs a tokenizer with </think> as one token",
+                                      "thinking_token_budget")
         if prompt_closed_reasoning(prompt.prompt_token_ids, tags):
-            return params, False
-        if params.structured_outputs is None:
+            return dataclasses.replace(params, thinking_token_budget=None), False
+        if params.structured_outputs is None and budget is None:
             return params, True
         if tags is None:
             return params, False
-        gated = dataclasses.replace(params.structured_outputs, start_after_token_id=tags[1])
-        return dataclasses.replace(params, structured_outputs=gated), True
+        return dataclasses.replace(params, reasoning_end_token_id=tags[1]), True
 
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
         lora = self.check_request(body.model)
@@ -143,6 +149,8 @@ class OpenAIServingChat(ServingBase):
                                           f"it cannot be combined with {params.structured_outputs.param}",
                                           "tool_choice")
             params = dataclasses.replace(params, structured_outputs=plan.constraint)
+        if body.thinking_token_budget is not None:
+            params = dataclasses.replace(params, thinking_token_budget=body.thinking_token_budget)
         params, reasons = self._with_reasoning(params, prompt)
         request_id = base_request_id(raw)
         response_id = f"chatcmpl-{request_id}"
