@@ -59,6 +59,7 @@ def run_checks(cfg: CheckConfig, report: Callable[[str], None] = print) -> bool:
 
     with httpx.Client(base_url=cfg.url.rstrip("/"), headers=cfg.headers, timeout=cfg.timeout_s) as client:
         record(_check_get(client, "/health", lambda r: "ok"))
+        report(_engine_line(client))
         record(_check_get(client, "/metrics", lambda r: f"{len(r.text.splitlines())} lines"
                           if "# TYPE" in r.text else None))
         model, max_model_len = _model(client, cfg, record)
@@ -73,6 +74,22 @@ def run_checks(cfg: CheckConfig, report: Callable[[str], None] = print) -> bool:
                 record(_check_stream(client, cfg, f"{size} prompt ({words} words), streamed", streamed))
             record(_check_structured(client, model))
     return all(result.ok for result in cfg.results)
+
+
+def _engine_line(client: Any) -> str:
+    """What the server runs on, from tokenmill's /stats (not a check: other servers do not answer it): the
+    device and why, then each numerics choice (weights, dtype, block matmul, KV cache dtype) and its reason."""
+    import httpx
+
+    try:
+        response = client.get("/stats")
+        numerics = response.json().get("numerics") if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        numerics = None
+    if not isinstance(numerics, dict) or not numerics:
+        return "INFO engine: /stats does not report its numerics"
+    return "INFO engine: " + "; ".join(f"{name.replace('_', ' ')} {choice.get('value')} ({choice.get('reason')})"
+                                       for name, choice in numerics.items() if isinstance(choice, dict))
 
 
 def _failure(response: Any) -> str:

@@ -39,7 +39,7 @@ from tokenmill.errors import ModelLoadError, TokenmillError
 from tokenmill.model.layers.lora import target_shapes
 from tokenmill.model.loader import load_model_source
 from tokenmill.model.registry import SLIDING_WINDOW_ARCHITECTURES, get_model_class
-from tokenmill.runner.model_runner import resolve_device
+from tokenmill.runner.devices import choose_device
 from tokenmill.runner.numerics import detect_hardware, has_experts, resolve_numerics
 from tokenmill.spec_decode import adaptive
 from tokenmill.spec_decode.ngram import NgramProposer, can_speculate
@@ -117,9 +117,12 @@ class EngineCore:
         """source: the loaded model source (loaded here when None). message_roundtrip: encode and decode
         every core <-> runner message, as a process boundary would (tests)."""
         self.message_roundtrip = message_roundtrip
+        # The device first: one torch cannot use is refused before anything loads.
+        device, self.device_reason = choose_device(config.device)
+        if device.type == "cpu" and "NVIDIA driver" in self.device_reason:
+            logger.warning("device: cpu (%s)", self.device_reason)
         source = source if source is not None else load_model_source(config.model, config.tokenizer)
         hf_config = source.hf_config
-        device = resolve_device(config.device)
         self.device = device
         self.vocab_size = hf_config.vocab_size
         self.tokenizer = source.tokenizer
@@ -230,7 +233,9 @@ class EngineCore:
                                linear_layers=self.linear_layers, weights_bytes=self.memory.weights,
                                buffers_bytes=self.memory.buffers, kv_cache_bytes=self.memory.kv_cache,
                                activations_bytes=self.memory.activations,
-                               rss_bytes=self.memory.rss, numerics=self.numerics.as_dict(), model_info=info,
+                               rss_bytes=self.memory.rss, model_info=info,
+                               numerics={"device": {"value": str(self.device), "reason": self.device_reason},
+                                         **self.numerics.as_dict()},
                                config=self.resolved_options(),
                                kv_offload_root=str(self.kv_tier.root) if self.kv_tier is not None else None,
                                kv_offload_file_bytes=self.kv_tier.file_bytes if self.kv_tier is not None else 0)

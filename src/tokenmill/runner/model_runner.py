@@ -20,6 +20,7 @@ from tokenmill.model.layers.linear_method import LinearMethods
 from tokenmill.model.layers.parallel import fused_qkv_rows, shard_int8_blocks, shard_weights
 from tokenmill.model.registry import get_model_class
 from tokenmill.runner.backend_check import attention_mismatch
+from tokenmill.runner.devices import choose_device
 from tokenmill.runner.draft_verify import verify_drafts
 from tokenmill.runner.host_memory import MemoryReport, process_rss_bytes, release_freed_memory
 from tokenmill.runner.input_batch import InputBatch
@@ -42,9 +43,9 @@ KV_CACHE_DTYPES = {**DTYPES, "int8": torch.int8}
 
 
 def resolve_device(name: Optional[str]) -> torch.device:
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+    """The device `--device name` runs on (None: CUDA where torch can use it, else the CPU); an explicit CUDA
+    device torch cannot use is refused with the cause (runner/devices.py)."""
+    return choose_device(name)[0]
 
 
 # Tokens in the CPU warm-up step: above BLOCK_KERNEL_MAX_ROWS, so the prefill-sized matmul paths run too.

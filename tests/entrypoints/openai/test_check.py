@@ -19,6 +19,10 @@ def test_a_healthy_server_passes_every_check(smollm2_server, capsys):
     code = main(["check", smollm2_server.url, "--api-key", smollm2_server.api_keys[0], "--slo-ttft-ms", "60000"])
     lines = capsys.readouterr().out.strip().splitlines()
     assert code == 0, lines
+    # What the engine runs on: the device and why, then the numerics it chose (not a check).
+    info = [line for line in lines if line.startswith("INFO ")]
+    assert len(info) == 1 and info[0].startswith("INFO engine: device cpu (") and "block matmul" in info[0]
+    lines = [line for line in lines if not line.startswith("INFO ")]
     assert len(lines) == 11 and all(line.startswith("PASS ") for line in lines[:-1]), lines
     assert lines[-1] == "OK: 10 of 10 checks passed"
     names = [line.split(":")[0] for line in lines[:-1]]
