@@ -36,6 +36,17 @@ def build_tiny_llama(directory: Path, tokenizer, *, seed: int = 0, **overrides) 
     return directory
 
 
+def build_thinking_llama(directory: Path, base_tokenizer, *, seed: int = 3):
+    """A tiny random Llama whose tokenizer has `<think>` and `</think>` as tokens of their own (as reasoning
+    models' tokenizers do); returns (directory, tokenizer)."""
+    from transformers import AutoTokenizer
+
+    base_tokenizer.save_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    return build_tiny_llama(directory, tokenizer, seed=seed), tokenizer
+
+
 # Prompts of mixed lengths for greedy parity tests against HF transformers.
 GOLDEN_PROMPTS = [
     "The capital of France is",

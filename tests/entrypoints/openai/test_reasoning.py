@@ -7,7 +7,7 @@ import httpx
 import openai
 import pytest
 
-from model_factory import build_tiny_llama
+from model_factory import build_thinking_llama
 from tokenmill.entrypoints.openai.reasoning import make_reasoning_parser, reasoning_token_count
 
 REPLIES = ["<think>a plan</think>the answer", "a plan</think>the answer", "<think>a plan, unfinished",
@@ -67,15 +67,9 @@ def test_reasoning_tokens_count_up_to_the_end_tag():
 @pytest.fixture(scope="module")
 def thinking_server(tmp_path_factory, smollm2_tokenizer, server_log_dir):
     """A tiny random model whose tokenizer has <think> and </think> as tokens, served with deepseek_r1."""
-    from transformers import AutoTokenizer
-
     from server_process import ServerProcess
 
-    directory = tmp_path_factory.mktemp("thinking")
-    smollm2_tokenizer.save_pretrained(directory)
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    tokenizer.add_tokens(["<think>", "</think>"])
-    build_tiny_llama(directory, tokenizer, seed=3)
+    directory, tokenizer = build_thinking_llama(tmp_path_factory.mktemp("thinking"), smollm2_tokenizer)
     server = ServerProcess(["--model", str(directory), "--max-model-len", "256", "--num-kv-blocks", "64",
                             "--reasoning-parser", "deepseek_r1"], server_log_dir)
     try:
