@@ -48,7 +48,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-from typing import Any, AsyncIterator, Optional, Union
+from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -82,7 +82,7 @@ def boolean(value: Any) -> bool:
 
 
 # The application's own arguments (the rest are tokenmill serve flags) and their readers.
-APP_ARGS = {
+APP_ARGS: dict[str, Callable[[Any], Any]] = {
     "replicas": int, "min_replicas": int, "max_replicas": int, "target_ongoing_requests": float,
     "max_ongoing_requests": int, "replica_cpus": float, "replica_gpus": float, "max_imbalance": int,
     "long_prompt_threshold": int, "long_prompt_replicas": int, "long_prompt_borrowing": boolean,
@@ -138,7 +138,8 @@ def split_args(args: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
             try:
                 app[name] = APP_ARGS[name](value)
             except ValueError:
-                raise ValueError(f"{key} must be {APP_ARGS[name].__name__}, got {value!r}") from None
+                kind = getattr(APP_ARGS[name], "__name__", "a valid value")
+                raise ValueError(f"{key} must be {kind}, got {value!r}") from None
         else:
             rest[name] = value
     return app, server_argv(rest)
@@ -165,6 +166,7 @@ class EngineReplica:
     async def info(self) -> dict[str, Any]:
         """What the front needs to hash prompts the way this replica's prefix cache does."""
         ready = self.engine.ready
+        assert ready is not None, "the engine answers once its cores are ready"
         return {"block_size": ready.block_size, "num_kv_blocks": ready.num_kv_blocks,
                 "replica": self.replica_id, "served_model_name": self.engine.served_model_name}
 
@@ -271,7 +273,8 @@ def build_app(args: dict[str, Any]) -> Any:
         name=ENGINE_DEPLOYMENT, max_ongoing_requests=max_ongoing,
         ray_actor_options={"num_cpus": replica_cpus, "num_gpus": replica_gpus},
         request_router_config=RequestRouterConfig(
-            request_router_class=PrefixAwareRequestRouter,
+            # Ray's annotation says dict; its code (2.52) takes the router class as documented.
+            request_router_class=PrefixAwareRequestRouter,  # type: ignore[arg-type]
             request_router_kwargs={"max_imbalance": app.get("max_imbalance", 4), "long_prompt_threshold": threshold,
                                    "long_prompt_replicas": app.get("long_prompt_replicas", 1),
                                    "long_prompt_borrowing": borrowing}),
