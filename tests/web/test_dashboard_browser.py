@@ -169,6 +169,7 @@ def test_playground_chat_and_live_dashboard(live_server, browser):
     browser.wait_for("return document.getElementById('health-text').textContent === 'serving'", 15,
                      "the dashboard never loaded /stats")
     assert browser.text("#model-name") == "tiny-web"
+    assert browser.text("#engine-device") == "cpu"  # the device the engine runs on, its reason in the title
     assert browser.text("#stat-finished") == "0"
     browser.screenshot(ARTIFACTS / "01-dashboard-idle.png")
 

@@ -56,6 +56,11 @@
   function render(stats) {
     lastStats = stats;
     $("model-name").textContent = stats.model || "";
+    // The device and why (a warning colour when an NVIDIA driver is loaded that torch cannot use).
+    const device = (stats.numerics || {}).device;
+    $("engine-device").textContent = device ? device.value : "";
+    $("engine-device").title = device ? device.reason : "";
+    $("engine-device").classList.toggle("warn", !!device && device.reason.includes("NVIDIA driver"));
     renderModelPicker(stats);
     $("window-hint").textContent = "percentiles over the last " + Math.round(stats.window_s) + " s";
     $("stat-output-tps").textContent = fmtRate(stats.output_tokens_per_s);
