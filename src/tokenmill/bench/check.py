@@ -66,7 +66,8 @@ def run_checks(cfg: CheckConfig, report: Callable[[str], None] = print) -> bool:
         if model is not None:
             long_words = min(LONG_WORDS, max(MEDIUM_WORDS * 2, (max_model_len or 4096) // 2 - 64))
             for size, words in (("short", SHORT_WORDS), ("medium", MEDIUM_WORDS), ("long", long_words)):
-                body = {"model": model, "prompt": prompt_of(words), "max_tokens": MAX_TOKENS, "temperature": 0}
+                body: dict[str, Any] = {"model": model, "prompt": prompt_of(words), "max_tokens": MAX_TOKENS,
+                                        "temperature": 0}
                 record(_check_completion(client, f"{size} prompt ({words} words)", body))
                 # Another first word: the streamed prompt shares no cached prefix with the one before it, so its
                 # time to first token includes the prefill.
@@ -182,7 +183,7 @@ def _check_stream(client: Any, cfg: CheckConfig, name: str, body: dict) -> Check
                     last = time.perf_counter()
                     first = first or last
                     chunks += 1
-        if not done or first is None:
+        if not done or first is None or last is None:
             return CheckResult(name, False, "the stream ended without text and [DONE]" if not done else "no text")
         ttft_ms = (first - start) * 1000
         tpot_ms = (last - first) * 1000 / (chunks - 1) if chunks > 1 else None

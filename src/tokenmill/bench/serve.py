@@ -292,16 +292,19 @@ async def _send_for_duration(client: Any, cfg: ServeConfig, model: str, requests
     """Sends the requests, cycled, until warmup + duration has passed: at a fixed concurrency (each slot sends
     its next request as its last one ends) or at a fixed rate (gamma gaps, capped by --max-concurrency if
     given); then waits for those still running."""
+    assert cfg.duration_s is not None, "a time-boxed run has a duration"
     end = t0 + cfg.warmup_s + cfg.duration_s
     source = itertools.cycle(requests)
     if math.isinf(cfg.request_rate):
+        # A fixed concurrency (ServeConfig refuses --duration with neither a rate nor a concurrency).
+        slots = cfg.max_concurrency or 1
         async def slot() -> list[RequestResult]:
             done = []
             while time.perf_counter() < end:
                 done.append(await send_request(client, cfg, model, next(source), t0=t0))
             return done
 
-        return [r for results in await asyncio.gather(*(slot() for _ in range(cfg.max_concurrency))) for r in results]
+        return [r for results in await asyncio.gather(*(slot() for _ in range(slots))) for r in results]
     semaphore = asyncio.Semaphore(cfg.max_concurrency) if cfg.max_concurrency else None
 
     async def one(request: BenchRequest) -> RequestResult:
@@ -357,18 +360,20 @@ def summarize_stable_segment(results: Sequence[RequestResult], duration: float, 
     """A time-boxed run's figures over its stable segment [warmup, warmup + duration): latency percentiles of
     the requests that started in it, throughput from the tokens generated in it and the requests that ended in
     it; the warm-up and the drain reported apart, with the whole run's throughput beside for comparison."""
-    start, end = cfg.warmup_s, cfg.warmup_s + cfg.duration_s
+    stable_s = cfg.duration_s
+    assert stable_s is not None, "only a time-boxed run has a stable segment"
+    start, end = cfg.warmup_s, cfg.warmup_s + stable_s
     stable = [r for r in results if start <= r.start_time < end]
-    result = summarize(stable, cfg.duration_s, cfg)
+    result = summarize(stable, stable_s, cfg)
     output_tokens = sum(_tokens_inside(r, start, end) for r in results)
     ended = [r for r in results if r.success and start <= r.start_time + r.latency < end]
     input_tokens = sum(r.prompt_len for r in stable if r.success)
     result.update(
-        output_throughput=output_tokens / cfg.duration_s,
-        total_token_throughput=(output_tokens + input_tokens) / cfg.duration_s,
-        request_throughput=len(ended) / cfg.duration_s,
-        duration=cfg.duration_s,
-        segments={"warmup_s": cfg.warmup_s, "stable_s": cfg.duration_s, "drain_s": max(0.0, duration - end),
+        output_throughput=output_tokens / stable_s,
+        total_token_throughput=(output_tokens + input_tokens) / stable_s,
+        request_throughput=len(ended) / stable_s,
+        duration=stable_s,
+        segments={"warmup_s": cfg.warmup_s, "stable_s": stable_s, "drain_s": max(0.0, duration - end),
                   "wall_s": duration, "requests_sent": len(results), "requests_in_warmup":
                       sum(r.start_time < start for r in results), "requests_in_stable_segment": len(stable)},
         whole_run={"output_throughput": sum(r.output_len for r in results if r.success) / max(duration, 1e-9),
@@ -377,7 +382,7 @@ def summarize_stable_segment(results: Sequence[RequestResult], duration: float, 
                                          (50.0, 95.0)).items() if k in ("median", "p95")}},
     )
     if result["good_requests"] is not None:
-        result["request_goodput"] = sum(_is_good(r, cfg) for r in ended) / cfg.duration_s
+        result["request_goodput"] = sum(_is_good(r, cfg) for r in ended) / stable_s
     result["verdict"] = slo_verdict(result, cfg)
     return result
 
@@ -401,8 +406,8 @@ def _stats(values_s: Sequence[float], percentiles: Sequence[float]) -> dict[str,
     if not values_s:
         return {key: None for key in keys}
     ms = np.asarray(values_s, dtype=float) * 1000.0
-    out = {"mean": float(ms.mean()), "median": float(np.median(ms)), "std": float(ms.std()),
-           "max": float(ms.max())}
+    out: dict[str, Optional[float]] = {"mean": float(ms.mean()), "median": float(np.median(ms)),
+                                       "std": float(ms.std()), "max": float(ms.max())}
     out.update({f"p{_pct_name(q)}": float(np.percentile(ms, q)) for q in percentiles})
     return out
 
