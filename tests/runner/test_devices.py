@@ -47,8 +47,9 @@ def test_no_driver_no_device(monkeypatch, tmp_path):
         devices.choose_device("cuda")
 
 
-def test_the_choice_is_reported_with_the_numerics(tiny_llama_dir):
+def test_the_choice_and_its_reason_reach_the_frontend(tiny_llama_dir):
     from tokenmill import LLM
 
     llm = LLM(model=str(tiny_llama_dir), device="cpu", num_kv_blocks=16, max_model_len=64)
-    assert llm.llm_engine.core.ready.numerics["device"] == {"value": "cpu", "reason": "--device"}
+    ready = llm.llm_engine.core.ready
+    assert (ready.device, ready.device_reason) == ("cpu", "--device")

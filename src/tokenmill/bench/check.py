@@ -84,13 +84,16 @@ def _engine_line(client: Any) -> str:
 
     try:
         response = client.get("/stats")
-        numerics = response.json().get("numerics") if response.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, AttributeError):
-        numerics = None
+        stats = response.json() if response.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        stats = None
+    numerics = stats.get("numerics") if isinstance(stats, dict) else None
     if not isinstance(numerics, dict) or not numerics:
         return "INFO engine: /stats does not report its numerics"
+    device = stats.get("device") if isinstance(stats, dict) else None
+    choices = {**({"device": device} if isinstance(device, dict) else {}), **numerics}
     return "INFO engine: " + "; ".join(f"{name.replace('_', ' ')} {choice.get('value')} ({choice.get('reason')})"
-                                       for name, choice in numerics.items() if isinstance(choice, dict))
+                                       for name, choice in choices.items() if isinstance(choice, dict))
 
 
 def _failure(response: Any) -> str:

@@ -384,6 +384,7 @@ class AsyncLLM:
         if self.router is not None:
             body["data_parallel"] = self.replica_stats()
         body["memory"] = self.memory_stats()
+        body["device"] = {"value": self.ready.device, "reason": self.ready.device_reason}
         body["numerics"] = self.ready.numerics
         body["config"] = self.ready.config
         return body

@@ -233,9 +233,8 @@ class EngineCore:
                                linear_layers=self.linear_layers, weights_bytes=self.memory.weights,
                                buffers_bytes=self.memory.buffers, kv_cache_bytes=self.memory.kv_cache,
                                activations_bytes=self.memory.activations,
-                               rss_bytes=self.memory.rss, model_info=info,
-                               numerics={"device": {"value": str(self.device), "reason": self.device_reason},
-                                         **self.numerics.as_dict()},
+                               rss_bytes=self.memory.rss, numerics=self.numerics.as_dict(), model_info=info,
+                               device_reason=self.device_reason,
                                config=self.resolved_options(),
                                kv_offload_root=str(self.kv_tier.root) if self.kv_tier is not None else None,
                                kv_offload_file_bytes=self.kv_tier.file_bytes if self.kv_tier is not None else 0)

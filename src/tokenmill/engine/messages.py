@@ -115,6 +115,7 @@ class EngineCoreReady(msgspec.Struct, tag=True, omit_defaults=True):
     num_kv_blocks: int
     block_size: int
     device: str
+    device_reason: str = ""  # why that device (runner/devices.py): "--device", or the default's reason
     # How the weights run (for logs and benchmark reports).
     linear_layers: str = ""
     # The numerics chosen at start-up (runner.numerics.Numerics.as_dict): option -> {"value", "reason"}.

@@ -1,7 +1,7 @@
 """Which device the engine runs on, and why: an explicit `--device cuda` that torch cannot use is refused
 before anything loads, with the cause (a CPU-only torch build, no device visible, a driver torch cannot
 use); the default falls back to the CPU, with a warning when the machine has an NVIDIA driver torch cannot
-use (the reason is logged and reported on /stats with the numerics)."""
+use (the reason is logged, and reported on /stats as `device`)."""
 from __future__ import annotations
 
 import os

@@ -57,7 +57,7 @@
     lastStats = stats;
     $("model-name").textContent = stats.model || "";
     // The device and why (a warning colour when an NVIDIA driver is loaded that torch cannot use).
-    const device = (stats.numerics || {}).device;
+    const device = stats.device;
     $("engine-device").textContent = device ? device.value : "";
     $("engine-device").title = device ? device.reason : "";
     $("engine-device").classList.toggle("warn", !!device && device.reason.includes("NVIDIA driver"));
