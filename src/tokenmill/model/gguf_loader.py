@@ -188,17 +188,16 @@ def iter_gguf_weights(
         elif family.unpermute_qk and ".attn_k." in tensor.name:
             unpermute = config.num_key_value_heads
         blocks = gguf_int8_blocks(tensor, kernels)
-        if blocks is not None and unpermute is not None:
-            blocks = blocks.map_rows(lambda rows: unpermute_rotary_rows(rows, unpermute))
         if blocks is None and keep and not dense_kept and rounding is not None and hf_name in rounding.names \
                 and len(shape) == 2 and shape[1] % 32 == 0:
             blocks = _rounded_to_q8_0(tensor, shape, kernels)
+            rounding.rounded.add(hf_name)
+        if blocks is not None:
+            _release_pages(tensor)  # the blocks hold their own copy
             if unpermute is not None:
                 blocks = blocks.map_rows(lambda rows: unpermute_rotary_rows(rows, unpermute))
-            rounding.rounded.add(hf_name)
         if blocks is not None and keep:
             int8_blocks[hf_name] = blocks
-            _release_pages(tensor)
             if not dense_kept:
                 yield hf_name, torch.empty(shape, dtype=dtype, device="meta")
                 continue
@@ -213,7 +212,7 @@ def iter_gguf_weights(
             if unpermute is not None:
                 weight = unpermute_rotary_rows(weight, unpermute)
             del array
-        _release_pages(tensor)
+            _release_pages(tensor)
         weight = weight.to(dtype)
         if family.norm_offset and tensor.name.endswith("norm.weight"):
             weight = weight - family.norm_offset
@@ -286,13 +285,14 @@ def _rounded_to_q8_0(tensor: Any, shape: tuple[int, ...], kernels: ModuleType | 
         return Int8Blocks(q.view(out_features, in_features), scales.view(out_features, in_features // 32))
     rows_data = np.asarray(tensor.data).reshape(out_features, -1)  # one row of values or blocks each
     dequantize = _DEQUANTIZERS.get(tensor.tensor_type.name)
+    block_bytes = _raw_blocks(tensor).shape[1] if dequantize is not None else 0
     q = torch.empty(out_features, in_features, dtype=torch.int8)
     scales = torch.empty(out_features, in_features // 32)
     step = max(1, _CHUNK_VALUES // in_features)
     for start in range(0, out_features, step):
         part = rows_data[start:start + step]
         if dequantize is not None:
-            values = _in_chunks(dequantize, part.view(np.uint8).reshape(-1, _raw_blocks(tensor).shape[1]), 256)
+            values = _in_chunks(dequantize, part.view(np.uint8).reshape(-1, block_bytes), 256)
         else:
             values = quants.dequantize(part, tensor.tensor_type)
         q[start:start + step], scales[start:start + step] = quantize_q8_0(

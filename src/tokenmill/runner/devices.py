@@ -23,8 +23,9 @@ def _nvidia_driver() -> Optional[str]:
         return None
 
 
-def cuda_problem() -> Optional[str]:
-    """Why torch cannot run on a CUDA device here, or None when it can."""
+def cuda_problem(driver: Optional[str] = None) -> Optional[str]:
+    """Why torch cannot run on a CUDA device here, or None when it can (`driver`: the loaded NVIDIA driver's
+    version line, read here when not given)."""
     if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
         return (f"this torch build ({torch.__version__}) has no CUDA support (a CPU-only wheel); install a CUDA "
                 "build of torch to use the GPU")
@@ -33,7 +34,7 @@ def cuda_problem() -> Optional[str]:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None and visible.strip() in ("", "-1"):
         return f"CUDA_VISIBLE_DEVICES={visible!r} hides every device"
-    driver = _nvidia_driver()
+    driver = driver or _nvidia_driver()
     if driver is None:
         return "torch sees no CUDA device and no NVIDIA driver is loaded (no /proc/driver/nvidia)"
     return (f"torch (built for CUDA {torch.version.cuda}) cannot use the loaded NVIDIA driver ({driver}): the "
@@ -53,7 +54,8 @@ def choose_device(name: Optional[str]) -> tuple[torch.device, str]:
         return device, "--device"
     if torch.cuda.is_available():
         return torch.device("cuda"), "default: a CUDA device torch can use"
-    problem = cuda_problem() if _nvidia_driver() is not None else None
+    driver = _nvidia_driver()
+    problem = cuda_problem(driver) if driver is not None else None
     if problem is not None:
         return torch.device("cpu"), f"default, on the CPU although an NVIDIA driver is loaded: {problem}"
     return torch.device("cpu"), "default: no CUDA device"

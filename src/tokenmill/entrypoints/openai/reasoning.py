@@ -14,7 +14,7 @@ parser until the next delta shows whether it is one.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 THINK_START, THINK_END = "<think>", "</think>"
@@ -34,8 +34,6 @@ class ReasoningParser:
     reasons_first: bool  # deepseek_r1: the reply is reasoning until </think>, opened or not
     _buffer: str = ""  # text held back: it may be the start of a tag
     _state: str = "start"  # start -> reasoning -> content
-    _seen: int = 0  # characters of the reply consumed so far
-    reasoning_chars: int = field(default=0)  # characters of reasoning emitted (the tags excluded)
 
     def split(self, text: str) -> ReasoningSplit:
         body = text
@@ -82,9 +80,7 @@ class ReasoningParser:
                 break
             content.append(text)
             break
-        out_reasoning, out_content = "".join(reasoning), "".join(content)
-        self.reasoning_chars += len(out_reasoning)
-        return out_reasoning, out_content
+        return "".join(reasoning), "".join(content)
 
     @property
     def in_reasoning(self) -> bool:

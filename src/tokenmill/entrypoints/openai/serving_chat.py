@@ -107,9 +107,9 @@ class OpenAIServingChat(ServingBase):
         # Set with --reasoning-parser NAME: replies are split into reasoning and content.
         self.reasoning_parser = reasoning_parser
 
-    def _reasoning(self, params: Any) -> Optional[ReasoningParser]:
-        """A parser for one reply of a request `_with_reasoning` kept reasoning for."""
-        return None if self.reasoning_parser is None else make_reasoning_parser(self.reasoning_parser)
+    def _reasoning(self, reasons: bool) -> Optional[ReasoningParser]:
+        """A parser for one reply, of a request `_with_reasoning` kept reasoning for (`reasons`)."""
+        return make_reasoning_parser(self.reasoning_parser) if reasons and self.reasoning_parser else None
 
     def _with_reasoning(self, params: Any, prompt: ProcessedPrompt) -> tuple[Any, bool]:
         """(the request's sampling params, whether its replies are parsed for reasoning). A grammar (a
@@ -161,7 +161,7 @@ class OpenAIServingChat(ServingBase):
         role = "assistant" if body.add_generation_prompt else body.messages[-1].role
         echo = self._echo_text(body, role)
         if body.stream:
-            return await self._stream(body, group, response_id, role, echo, plan, params if reasons else None)
+            return await self._stream(body, group, response_id, role, echo, plan, reasons)
         if not await self.collect(group):
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         outputs = group.final_outputs()
@@ -169,7 +169,7 @@ class OpenAIServingChat(ServingBase):
         reasoning_tokens = 0
         for comp in (outputs[0].outputs if outputs else []):
             logprobs = self._logprobs(comp, 0, body.num_top_logprobs) if body.logprobs else None
-            parser = self._reasoning(params) if reasons else None
+            parser = self._reasoning(reasons)
             split = parser.split(comp.text) if parser is not None else None
             text = split.content if split is not None else comp.text
             reasoning = split.reasoning if split is not None else None
@@ -208,13 +208,13 @@ class OpenAIServingChat(ServingBase):
         return content if isinstance(content, str) else ""
 
     async def _stream(self, body: ChatCompletionRequest, group: GenerationGroup, response_id: str, role: str,
-                      echo: str, plan: ToolPlan, reasoning_params: Any = None) -> Response:
+                      echo: str, plan: ToolPlan, reasons: bool = False) -> Response:
         states: dict[int, _ChoiceState] = {}
         model = self.response_model(group.lora)
 
         def usage() -> UsageInfo:
             info = usage_of(group.final_outputs())
-            if reasoning_params is not None:
+            if reasons:
                 info.completion_tokens_details = CompletionTokensDetails(reasoning_tokens=sum(
                     reasoning_token_count(self.engine.tokenizer, state.token_ids, state.reasoning_text)
                     for state in states.values()))
@@ -228,7 +228,7 @@ class OpenAIServingChat(ServingBase):
             out = batch.get(0)
             for comp in (out.outputs if out is not None else []):
                 state = states.setdefault(comp.index, _ChoiceState(
-                    reasoning=self._reasoning(reasoning_params) if reasoning_params is not None else None))
+                    reasoning=self._reasoning(reasons)))
                 if state.finished:
                     continue
                 prefix = ""
