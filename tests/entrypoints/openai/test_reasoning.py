@@ -3,6 +3,8 @@
 tokenizer has the tags, through the official openai client."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import httpx
 import openai
 import pytest
@@ -78,79 +80,90 @@ def thinking_server(tmp_path_factory, smollm2_tokenizer, server_log_dir):
         server.stop()
 
 
-def test_replies_split_end_to_end_streamed_and_whole(thinking_server):
+MESSAGES = [{"role": "user", "content": "Think, then answer."}]
+
+
+@dataclass
+class Thinking:
+    """The thinking server's client and the ids of the only tokens the tests let its model write."""
+
+    url: str
+    client: openai.OpenAI
+    model: str
+    start_id: int
+    end_id: int
+    word_id: int
+
+    def bias(self, end: bool = True) -> dict[str, int]:
+        """+100 on <think>, " plan" and (unless `end` is False) </think>: whichever the logits prefer."""
+        return {str(self.start_id): 100, str(self.word_id): 100, **({str(self.end_id): 100} if end else {})}
+
+    def chat(self, **kwargs):
+        return self.client.chat.completions.create(model=self.model, messages=MESSAGES, temperature=0, **kwargs)
+
+    def streamed(self, **kwargs) -> tuple[str, str, object]:
+        """(reasoning, content, the last usage) of a streamed chat reply."""
+        reasoning, content, usage = "", "", None
+        for chunk in self.chat(stream=True, **kwargs):
+            usage = chunk.usage if chunk.usage is not None else usage
+            for choice in chunk.choices:
+                reasoning += getattr(choice.delta, "reasoning_content", None) or ""
+                content += choice.delta.content or ""
+        return reasoning, content, usage
+
+
+@pytest.fixture(scope="module")
+def thinking(thinking_server) -> Thinking:
+    server, tokenizer = thinking_server
+    start_id, end_id = (tokenizer.convert_tokens_to_ids(tag) for tag in ("<think>", "</think>"))
+    (word_id,) = tokenizer.encode(" plan", add_special_tokens=False)
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=120)
+    return Thinking(server.url, client, client.models.list().data[0].id, start_id, end_id, word_id)
+
+
+def test_replies_split_end_to_end_streamed_and_whole(thinking):
     """The model may only write <think>, </think> or " plan" (logit_bias +100 on each): whichever its logits
     prefer. The chat reply's reasoning and content are deepseek_r1's split of the raw completion of the same
     prompt, whole and streamed, and usage counts the reasoning tokens up to </think>."""
-    server, tokenizer = thinking_server
-    start_id, end_id = (tokenizer.convert_tokens_to_ids(tag) for tag in ("<think>", "</think>"))
-    (word_id,) = tokenizer.encode(" plan", add_special_tokens=False)
-    bias = {str(start_id): 100, str(end_id): 100, str(word_id): 100}
-    messages = [{"role": "user", "content": "Think, then answer."}]
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=120)
-    model = client.models.list().data[0].id
-    prompt = httpx.post(f"{server.url}/tokenize", json={"model": model, "messages": messages},
+    t = thinking
+    prompt = httpx.post(f"{t.url}/tokenize", json={"model": t.model, "messages": MESSAGES},
                         timeout=60).json()["tokens"]
-    raw = httpx.post(f"{server.url}/v1/completions", json={
-        "model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "logit_bias": bias,
+    raw = httpx.post(f"{t.url}/v1/completions", json={
+        "model": t.model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "logit_bias": t.bias(),
         "return_tokens_as_token_ids": True, "logprobs": 0}, timeout=60).json()["choices"][0]
     raw_ids = [int(token.removeprefix("token_id:")) for token in raw["logprobs"]["tokens"]]
-    assert set(raw_ids) <= {start_id, end_id, word_id} and end_id in raw_ids  # the test means something
+    assert set(raw_ids) <= {t.start_id, t.end_id, t.word_id} and t.end_id in raw_ids  # the test means something
     expected = make_reasoning_parser("deepseek_r1").split(raw["text"])
 
-    reply = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
-                                           logit_bias=bias)
+    reply = t.chat(max_tokens=24, logit_bias=t.bias())
     message = reply.choices[0].message
     assert (message.reasoning_content, message.content) == (expected.reasoning, expected.content)
     assert message.model_extra["reasoning"] == expected.reasoning
-    assert reply.usage.completion_tokens_details.reasoning_tokens == raw_ids.index(end_id) + 1
+    assert reply.usage.completion_tokens_details.reasoning_tokens == raw_ids.index(t.end_id) + 1
 
-    reasoning, content, usage = "", "", None
-    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
-                                                logit_bias=bias, stream=True, stream_options={"include_usage": True}):
-        if chunk.usage is not None:
-            usage = chunk.usage
-        for choice in chunk.choices:
-            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
-            content += choice.delta.content or ""
+    reasoning, content, usage = t.streamed(max_tokens=24, logit_bias=t.bias(), stream_options={"include_usage": True})
     assert (reasoning, content) == (expected.reasoning, expected.content)
-    assert usage.completion_tokens_details.reasoning_tokens == raw_ids.index(end_id) + 1
+    assert usage.completion_tokens_details.reasoning_tokens == raw_ids.index(t.end_id) + 1
 
 
-def test_completions_carry_no_reasoning_fields(thinking_server):
-    server, _ = thinking_server
-    model = httpx.get(f"{server.url}/v1/models", timeout=60).json()["data"][0]["id"]
-    body = httpx.post(f"{server.url}/v1/completions", json={"model": model, "prompt": "hi", "max_tokens": 2},
-                      timeout=60).json()
+def test_completions_carry_no_reasoning_fields(thinking):
+    body = httpx.post(f"{thinking.url}/v1/completions", json={"model": thinking.model, "prompt": "hi",
+                                                              "max_tokens": 2}, timeout=60).json()
     assert "completion_tokens_details" not in body["usage"]
 
 
-def test_a_grammar_starts_after_the_reasoning(thinking_server):
+def test_a_grammar_starts_after_the_reasoning(thinking):
     """With a reasoning parser, structured outputs shape the answer after </think>, not the reasoning (vLLM's
     behaviour): the reasoning is the unconstrained reply's, the content matches the regex, whole and
     streamed."""
-    server, tokenizer = thinking_server
-    start_id, end_id = (tokenizer.convert_tokens_to_ids(tag) for tag in ("<think>", "</think>"))
-    (word_id,) = tokenizer.encode(" plan", add_special_tokens=False)
-    bias = {str(start_id): 100, str(end_id): 100, str(word_id): 100}
-    messages = [{"role": "user", "content": "Think, then answer."}]
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=120)
-    model = client.models.list().data[0].id
-    free = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
-                                          logit_bias=bias).choices[0].message
+    free = thinking.chat(max_tokens=24, logit_bias=thinking.bias()).choices[0].message
     assert free.content  # the tags' bias ends the reasoning within the budget (else this test shows nothing)
     extra = {"structured_outputs": {"regex": "(yes|no)"}}
-    shaped = client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
-                                            logit_bias=bias, extra_body=extra)
+    shaped = thinking.chat(max_tokens=24, logit_bias=thinking.bias(), extra_body=extra)
     message = shaped.choices[0].message
     assert message.reasoning_content == free.reasoning_content and message.content in ("yes", "no")
     assert shaped.choices[0].finish_reason == "stop"
-    reasoning, content = "", ""
-    for chunk in client.chat.completions.create(model=model, messages=messages, max_tokens=24, temperature=0,
-                                                logit_bias=bias, extra_body=extra, stream=True):
-        for choice in chunk.choices:
-            reasoning += getattr(choice.delta, "reasoning_content", None) or ""
-            content += choice.delta.content or ""
+    reasoning, content, _ = thinking.streamed(max_tokens=24, logit_bias=thinking.bias(), extra_body=extra)
     assert (reasoning, content) == (message.reasoning_content, message.content)
 
 
@@ -203,25 +216,16 @@ def test_after_token_grammar_lets_everything_through_until_its_token():
     assert gate.accept_token(2) and gate.is_terminated()
 
 
-def test_a_thinking_budget_forces_the_end_of_the_reasoning(thinking_server):
+def test_a_thinking_budget_forces_the_end_of_the_reasoning(thinking):
     """thinking_token_budget N (vLLM's field): </think> comes at token N + 1 at the latest, whole and
     streamed, and the answer follows. Without the budget this reply reasons past it (checked first)."""
-    server, tokenizer = thinking_server
-    start_id, end_id = (tokenizer.convert_tokens_to_ids(tag) for tag in ("<think>", "</think>"))
-    (word_id,) = tokenizer.encode(" plan", add_special_tokens=False)
-    bias = {str(start_id): 100, str(word_id): 100}  # </think> not favoured: the reasoning runs long
-    messages = [{"role": "user", "content": "Think, then answer."}]
-    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", timeout=120)
-    model = client.models.list().data[0].id
-    free = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
-                                          logit_bias=bias)
+    bias = thinking.bias(end=False)  # </think> not favoured: the reasoning runs long
+    free = thinking.chat(max_tokens=12, logit_bias=bias)
     assert free.usage.completion_tokens_details.reasoning_tokens == 12 and not free.choices[0].message.content
-    capped = client.chat.completions.create(model=model, messages=messages, max_tokens=12, temperature=0,
-                                            logit_bias=bias, extra_body={"thinking_token_budget": 5})
+    capped = thinking.chat(max_tokens=12, logit_bias=bias, extra_body={"thinking_token_budget": 5})
     assert capped.usage.completion_tokens_details.reasoning_tokens == 6  # five, then the forced </think>
     assert capped.choices[0].message.reasoning_content == free.choices[0].message.reasoning_content[
         :len(capped.choices[0].message.reasoning_content)]
     assert capped.choices[0].message.content  # the answer got the rest of the tokens
     with pytest.raises(openai.BadRequestError, match="thinking_token_budget"):
-        client.chat.completions.create(model=model, messages=messages, max_tokens=4,
-                                       extra_body={"thinking_token_budget": -1})
+        thinking.chat(max_tokens=4, extra_body={"thinking_token_budget": -1})
